@@ -1,0 +1,84 @@
+"""Accuracy of a candidate: a short, real fine-tune with its own compiled step.
+
+Accuracy does not depend on the board, so results are cached by model, dataset, candidate, step
+budget and seed — never by target — and reused across targets and runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .compile import CompiledStep
+from .errors import CandidateFailed
+from .data import Dataset
+from .model import Model
+from .session import TrainingSession
+from .space import Candidate
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    before: float
+    after: float
+    loss_before: float
+    loss_after: float
+    steps: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def batches(n: int, batch_size: int, steps: int, seed: int | None):
+    """Index batches for `steps` steps: reshuffled each epoch, or in file order when seed is None.
+
+    In file order, step k uses samples [k*B, (k+1)*B) (wrapping around), the contract of
+    `planner run --no-shuffle`.
+    """
+    rng = np.random.default_rng(seed) if seed is not None else None
+    order = np.arange(n)
+    pos = n  # forces a (re)shuffle before the first batch
+    for k in range(steps):
+        if rng is None:
+            yield np.arange(k * batch_size, (k + 1) * batch_size) % n
+            continue
+        if pos + batch_size > n:
+            order, pos = rng.permutation(n), 0
+        yield order[pos : pos + batch_size]
+        pos += batch_size
+
+
+def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | None) -> list[float]:
+    """Train `steps` steps on the train split; returns the loss of each step."""
+    return [session.step(data.x_train[i], data.y_train[i]) for i in batches(len(data.y_train), session.sig.batch_size, steps, seed)]
+
+
+def measure_accuracy(
+    model: Model, data: Dataset, candidate: Candidate, compiled: CompiledStep, steps: int, seed: int, cache_dir: Path
+) -> AccuracyResult:
+    """Val accuracy before and after `steps` fine-tuning steps (cached across targets)."""
+    key = hashlib.sha256(
+        json.dumps([model.sha256, data.sha256, candidate.to_json(), steps, seed], sort_keys=True).encode()
+    ).hexdigest()[:32]
+    path = cache_dir / "accuracy" / f"{key}.json"
+    if path.is_file():
+        return AccuracyResult(**json.loads(path.read_text()))
+    t0 = time.perf_counter()
+    session = TrainingSession(compiled.library, compiled.signature, model.initializers)
+    loss_before, before = session.evaluate(data.x_val, data.y_val)
+    losses = finetune(session, data, steps, seed)
+    if not np.isfinite(losses[-1]):
+        raise CandidateFailed(f"training diverged (loss {losses[-1]}) at lr {candidate.lr:g}")
+    loss_after, after = session.evaluate(data.x_val, data.y_val)
+    result = AccuracyResult(before, after, loss_before, loss_after, steps, time.perf_counter() - t0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result.to_json()))
+    tmp.replace(path)
+    return result

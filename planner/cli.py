@@ -1,0 +1,173 @@
+"""The `planner` command: a thin shell over planner.api.
+
+Results go to stdout (a table, or JSON with --json); progress and errors go to stderr. Every error
+a user can cause is one line and an exit code: 2 bad input, 1 no feasible plan, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    help="Plan on-device training: which layers to update, in what precision, with what batch size — "
+    "measured with TVM on the target, searched with Optuna.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+
+def _fail(exc: Exception, code: int) -> typer.Exit:
+    err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _guard(fn):
+    """Run a command body, turning planner's errors into one line + exit code."""
+    from .errors import PlannerError
+
+    try:
+        return fn()
+    except PlannerError as exc:
+        raise _fail(exc, exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: finished trials are kept; rerun the same command to resume")
+        raise typer.Exit(130) from None
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+@app.command()
+def plan(
+    model: Annotated[Path | None, typer.Option(help="ONNX classifier [default: the bundled digits example]")] = None,
+    data: Annotated[Path | None, typer.Option(help=".npz with x_train/y_train/x_val/y_val (or x/y) [default: the example's]")] = None,
+    target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = "host",
+    space: Annotated[str | None, typer.Option(help="search space: a name in search_spaces/ or a YAML path [default: per-layer]")] = None,
+    out: Annotated[Path, typer.Option(help="plan directory (plan.json, train_step.so, weights.npz, report.md, study.db)")] = Path("plan"),
+    trials: Annotated[int, typer.Option(help="finished trials the study should hold; a rerun only adds the missing ones")] = 24,
+    timeout: Annotated[float | None, typer.Option(help="stop starting new trials after this many seconds")] = None,
+    seed: Annotated[int, typer.Option(help="sampler and fine-tuning seed")] = 0,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage URL [default: sqlite:///OUT/study.db]")] = None,
+    study: Annotated[str | None, typer.Option(help="study name in the storage [default: planner]")] = None,
+    select: Annotated[Literal["memory", "latency", "accuracy"], typer.Option(help="pick the least memory / least latency among trials within --accuracy-tolerance of the best, or the most accurate")] = "memory",
+    accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
+    accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = 200,
+    json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
+) -> None:
+    """Search for the best training plan and write it to --out.
+
+    With no arguments, plans the bundled example (a digits CNN adapting to a new sensor) on this
+    machine. Each trial compiles the candidate's training step with TVM, times it, plans its
+    memory and fine-tunes it for real.
+    """
+    from . import api
+
+    def progress(rec, done: int, total: int) -> None:
+        if rec.complete:
+            flag = "ok  " if rec.feasible else "over"
+            cand = rec.candidate
+            trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
+            err.print(
+                f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
+                f"{rec.latency.median:7.2f} ms  {_kib(rec.memory.total):>12}  batch {cand.batch_size:<3} {trainable}",
+                markup=False, highlight=False, soft_wrap=True,
+            )
+        else:
+            err.print(f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}", markup=False, highlight=False, soft_wrap=True)
+
+    result = _guard(
+        lambda: api.plan(
+            model, data, target, space, out, trials, timeout, seed, storage, study, select,
+            accuracy_tolerance, accuracy_steps, on_trial=progress,
+        )
+    )
+    if json_out:
+        print(json.dumps(result.plan.model_dump(), indent=2))
+        return
+    p = result.plan
+    m = p.metrics
+    err.print(
+        f"plan written to {result.out}/: trial {p.selection['trial']}, trains "
+        f"{', '.join(t['layer'] + ':' + t['mode'] for t in p.choice.trainable)}; batch {p.choice.batch_size}; "
+        f"val acc {m['accuracy']['before']:.3f} → {m['accuracy']['after']:.3f}; "
+        f"step {m['step_latency_ms']['median']:.2f} ms; peak {_kib(m['peak_memory_bytes']['total'])}",
+        markup=False, highlight=False, soft_wrap=True,
+    )
+
+
+@app.command()
+def inspect(
+    model: Annotated[Path, typer.Argument(help="ONNX model")],
+    json_out: Annotated[bool, typer.Option("--json", help="print the layer table as JSON")] = False,
+) -> None:
+    """Show the model's layers: parameters, bytes, output shape and whether planner can train them."""
+    from . import api
+
+    m = _guard(lambda: api.inspect_model(model))
+    rows = [
+        {
+            "layer": layer.name,
+            "op": layer.op,
+            "params": {n: list(s) for n, s in layer.param_shapes.items()},
+            "param_bytes": layer.param_bytes,
+            "output_shape": list(layer.output_shape),
+            "trainable": layer.trainable,
+            "reason": layer.problem,
+        }
+        for layer in m.layers
+    ]
+    if json_out:
+        print(json.dumps({"model": str(m.path), "sha256": m.sha256, "input": m.input_name, "layers": rows}, indent=2))
+        return
+    table = Table(title=f"{m.path.name}: input {m.input_name} [batch, {', '.join(map(str, m.input_shape))}], {m.n_classes} classes")
+    for col in ("layer", "op", "parameters", "bytes", "output", "trainable"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for r in rows:
+        params = "\n".join(f"{n} {tuple(s)}" for n, s in r["params"].items())
+        table.add_row(
+            r["layer"], r["op"], params, f"{r['param_bytes']:,}", str(tuple(r["output_shape"])),
+            "yes" if r["trainable"] else f"no: {r['reason']}",
+        )
+    out.print(table)
+
+
+@app.command()
+def run(
+    plan_dir: Annotated[Path, typer.Argument(help="a plan directory written by `planner plan`")] = Path("plan"),
+    data: Annotated[Path | None, typer.Option(help="dataset [default: the plan's]")] = None,
+    steps: Annotated[int, typer.Option(help="training steps")] = 100,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="where weights.npz and model.onnx go [default: PLAN_DIR/finetuned]")] = None,
+    no_shuffle: Annotated[bool, typer.Option("--no-shuffle", help="step k uses train samples [k*B, (k+1)*B) in file order")] = False,
+    seed: Annotated[int, typer.Option(help="shuffling seed")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="print before/after loss and accuracy as JSON")] = False,
+) -> None:
+    """Execute a plan: fine-tune with its compiled step, write the weights and a fine-tuned model.onnx."""
+    from . import api
+
+    r = _guard(lambda: api.run_plan(plan_dir, data, steps, out_dir, not no_shuffle, seed))
+    if json_out:
+        print(json.dumps(r.to_json(), indent=2))
+        return
+    out.print(
+        f"{r.steps} steps: val loss {r.before['loss']:.4f} → {r.after['loss']:.4f}, "
+        f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f}; wrote {r.out}/",
+        highlight=False,
+    )
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:  # raised outside a command body (e.g. during imports)
+        sys.exit(130)

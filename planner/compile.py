@@ -1,0 +1,143 @@
+"""Training module -> shared library for the target, cached on disk by content.
+
+The cache key is everything that decides the bytes of the library: the model's sha256, the
+candidate, the TVM target and the versions of planner and TVM. A candidate is never compiled twice,
+in one run or across runs; entries are written to a temporary folder and renamed into place, so a
+killed compile leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+from . import __version__
+from .errors import CandidateFailed
+from .graph import STEP_FUNC, StepSignature, build_training_module
+from .memory import MemoryBreakdown, step_peak
+from .model import Model
+from .space import Candidate
+
+LIB_NAME = "train_step.so"
+META_NAME = "train_step.json"
+
+
+def default_cache_dir() -> Path:
+    """`$PLANNER_CACHE_DIR`, else `~/.cache/planner`."""
+    env = os.environ.get("PLANNER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "planner"
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """A compiled candidate on disk: the library, how to call it and its planned memory."""
+
+    directory: Path
+    signature: StepSignature
+    memory: MemoryBreakdown
+    compile_seconds: float
+    cached: bool
+
+    @property
+    def library(self) -> Path:
+        return self.directory / LIB_NAME
+
+
+def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target) -> str:
+    blob = json.dumps(
+        {
+            "model": model.sha256,
+            "candidate": candidate.to_json(),
+            "target": str(target),
+            "versions": {"planner": __version__, "tvm": tvm.__version__},
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """TVM's CPU pipeline up to memory planning, where the step's allocations become explicit."""
+    passes = (
+        cpu.library_dispatch_passes(target)
+        + cpu.legalize_passes(target)
+        + cpu.dataflow_lower_passes(target)
+        + [relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()]
+    )
+    with target:
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def _finish(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
+    passes = [
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+    ]
+    with target:
+        mod = tvm.transform.Sequential(passes)(mod)
+    return relax.build(mod, target, relax_pipeline=None)
+
+
+def compile_candidate(
+    model: Model, candidate: Candidate, target: tvm.target.Target, cache_dir: Path | None = None
+) -> CompiledStep:
+    """The candidate's compiled step, from the cache when it is there."""
+    cache_dir = cache_dir or default_cache_dir()
+    entry = cache_dir / "steps" / cache_key(model, candidate, target)
+    if (entry / META_NAME).is_file() and (entry / LIB_NAME).is_file():
+        return _load(entry, cached=True)
+
+    t0 = time.perf_counter()
+    mod, sig = build_training_module(model, candidate)
+    try:
+        lowered = _lower(mod, target)
+        memory = step_peak(lowered[STEP_FUNC], sig)
+        executable = _finish(lowered, target)
+    except Exception as exc:
+        raise CandidateFailed(f"TVM compile failed: {str(exc).strip().splitlines()[-1]}") from None
+    seconds = time.perf_counter() - t0
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+    try:
+        executable.export_library(str(tmp / LIB_NAME))
+        meta = {
+            "signature": sig.to_json(),
+            "memory": memory.to_json(),
+            "compile_seconds": seconds,
+            "candidate": candidate.to_json(),
+            "target": str(target),
+        }
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2))
+        try:
+            tmp.rename(entry)
+        except OSError:  # another process finished the same candidate first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    result = _load(entry, cached=False)
+    return result
+
+
+def _load(entry: Path, cached: bool) -> CompiledStep:
+    meta = json.loads((entry / META_NAME).read_text())
+    return CompiledStep(
+        directory=entry,
+        signature=StepSignature.from_json(meta["signature"]),
+        memory=MemoryBreakdown(**meta["memory"]),
+        compile_seconds=float(meta["compile_seconds"]),
+        cached=cached,
+    )

@@ -1,0 +1,83 @@
+"""Datasets: `.npz` files with train/val splits, checked against the model before any compile."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BadInput
+from .model import Model
+
+VAL_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class Dataset:
+    source: Path
+    sha256: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    n_classes: int
+
+    def to_json(self) -> dict:
+        return {
+            "source": str(self.source),
+            "n_train": int(len(self.y_train)),
+            "n_val": int(len(self.y_val)),
+            "n_classes": self.n_classes,
+        }
+
+
+def load_dataset(path: str | Path, model: Model) -> Dataset:
+    """Load `x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"dataset file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"{path} is not a readable .npz dataset: {exc}") from None
+    if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
+        splits = [arrays[k] for k in ("x_train", "y_train", "x_val", "y_val")]
+    elif {"x", "y"} <= arrays.keys():
+        x, y = arrays["x"], arrays["y"]
+        cut = len(x) - max(1, int(round(len(x) * VAL_FRACTION)))
+        splits = [x[:cut], y[:cut], x[cut:], y[cut:]]
+    else:
+        raise BadInput(f"{path}: expected arrays x_train, y_train, x_val, y_val (or x, y); found {', '.join(arrays) or 'none'}")
+    x_train, y_train, x_val, y_val = splits
+    for name, x, y in (("train", x_train, y_train), ("val", x_val, y_val)):
+        if tuple(x.shape[1:]) != model.input_shape:
+            raise BadInput(
+                f"{path}: {name} samples have shape {tuple(x.shape[1:])}, the model's input "
+                f"'{model.input_name}' needs {model.input_shape}"
+            )
+        if not np.issubdtype(x.dtype, np.number):
+            raise BadInput(f"{path}: {name} samples are {x.dtype}, not numbers")
+        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
+            raise BadInput(f"{path}: {name} labels must be one integer per sample")
+        if len(y) and (y.min() < 0 or y.max() >= model.n_classes):
+            raise BadInput(
+                f"{path}: {name} labels must lie in [0, {model.n_classes - 1}] for a model with "
+                f"{model.n_classes} outputs; found {int(y.min())}..{int(y.max())}"
+            )
+        if not np.isfinite(x).all():
+            raise BadInput(f"{path}: {name} samples contain NaN or Inf")
+    if len(y_train) == 0 or len(y_val) == 0:
+        raise BadInput(f"{path}: train and val splits must both be non-empty")
+    return Dataset(
+        source=path.resolve(),
+        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        x_train=x_train.astype(np.float32),
+        y_train=y_train.astype(np.int64),
+        x_val=x_val.astype(np.float32),
+        y_val=y_val.astype(np.int64),
+        n_classes=model.n_classes,
+    )

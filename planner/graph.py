@@ -1,0 +1,171 @@
+"""Candidate -> Relax training module.
+
+The module holds two functions, both with the batch fixed to the candidate's batch size:
+
+- `train_step(x, *frozen, *trainable, *optim_states, labels) -> (loss, *new_trainable, *new_states)`:
+  forward, mean cross-entropy, backward and the optimizer update as ONE function, so the whole step
+  is timed, planned for memory and shipped to a board as a unit;
+- `backbone(x, *frozen, *trainable) -> logits`: inference, for evaluation.
+
+Frozen parameters are passed as *inputs* of the backbone (`relax.training` only differentiates
+`param_num` trailing parameters), so they get no gradient and no optimizer state, and every
+gradient they would have needed is dead code. BatchNorm is decomposed in inference form before
+differentiation: frozen and trainable BN layers both use running statistics (scale and bias train).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import from_onnx
+from tvm.relax.training import SetupTrainer
+from tvm.relax.training.loss import CrossEntropyLoss
+from tvm.relax.training.optimizer import SGD, Optimizer
+
+from .errors import CandidateFailed
+from .model import Model
+from .space import Candidate
+
+STEP_FUNC = "train_step"
+PREDICT_FUNC = "backbone"
+LABEL_DTYPE = "int64"
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
+
+    input_name: str
+    input_shape: tuple[int, ...]  # with the batch dimension
+    frozen: tuple[str, ...]
+    trainable: tuple[str, ...]
+    optim_states: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype); all start at zero
+    n_classes: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shape[0]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["optim_states"] = [{"shape": list(s), "dtype": t} for s, t in self.optim_states]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepSignature:
+        return cls(
+            input_name=d["input_name"],
+            input_shape=tuple(d["input_shape"]),
+            frozen=tuple(d["frozen"]),
+            trainable=tuple(d["trainable"]),
+            optim_states=tuple((tuple(s["shape"]), s["dtype"]) for s in d["optim_states"]),
+            n_classes=int(d["n_classes"]),
+        )
+
+
+_IMPORTED: dict[str, relax.Function] = {}
+
+
+def _imported(model: Model) -> relax.Function:
+    """The model as one Relax function `(x, *initializers)`; imported once per model."""
+    if model.sha256 in _IMPORTED:
+        return _IMPORTED[model.sha256]
+    mod = from_onnx(model.proto, keep_params_in_input=True)
+    mod, _ = relax.frontend.detach_params(mod)
+    func = mod["main"]
+    expected = 1 + len(model.initializers)
+    if len(func.params) != expected:  # the frontend keeps initializers in graph order
+        raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
+    func = func.without_attr("params").without_attr("num_input")
+    _IMPORTED[model.sha256] = func
+    return func
+
+
+def make_optimizer(candidate: Candidate) -> Optimizer:
+    if candidate.optimizer == "sgd":
+        return SGD(candidate.lr)  # plain SGD: no momentum, no weight decay
+    raise CandidateFailed(f"optimizer {candidate.optimizer!r} is not supported yet")
+
+
+def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
+    """The candidate's training module (unlegalized) and the signature of its step."""
+    trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)}
+    names = list(model.initializers)
+    trainable = [n for n in names if n in trainable_set]
+    frozen = [n for n in names if n not in trainable_set]
+    if not trainable:
+        raise CandidateFailed("candidate trains no parameter")
+
+    func = _imported(model)
+    x, *pvars = func.params
+    by_name = dict(zip(names, pvars))
+    params = [x] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
+    func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
+    batch_dim = x.ty.shape[0]
+    B = candidate.batch_size
+    if isinstance(batch_dim, tvm.tirx.Var):
+        func = func.bind_symbolic_vars({batch_dim: B})
+    elif int(batch_dim) != B:
+        raise CandidateFailed(f"model has a fixed batch size {int(batch_dim)}; cannot use batch {B}")
+    func = func.with_attr("global_symbol", PREDICT_FUNC)
+    backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
+    backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
+
+    optimizer = make_optimizer(candidate)
+    labels = relax.TensorType((B,), LABEL_DTYPE)
+    try:
+        trainer = SetupTrainer(
+            CrossEntropyLoss(reduction="mean"), optimizer, [backbone[PREDICT_FUNC].ret_ty, labels], legalize=False
+        )(backbone)
+    except Exception as exc:  # TVM reports missing gradients etc. as generic errors
+        raise CandidateFailed(f"gradient construction failed: {str(exc).strip().splitlines()[-1]}") from None
+
+    step, state_types = _fused_step(trainer, n_trainable=len(trainable))
+    out = tvm.IRModule({PREDICT_FUNC: trainer[PREDICT_FUNC], STEP_FUNC: step})
+    sig = StepSignature(
+        input_name=model.input_name,
+        input_shape=(B, *model.input_shape),
+        frozen=tuple(frozen),
+        trainable=tuple(trainable),
+        optim_states=tuple((tuple(int(d) for d in t.shape), str(t.dtype)) for t in state_types),
+        n_classes=model.n_classes,
+    )
+    return out, sig
+
+
+def _fused_step(trainer: tvm.IRModule, n_trainable: int) -> tuple[relax.Function, list[relax.TensorType]]:
+    """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function.
+
+    Inlining lets fusion merge each weight-gradient kernel with its update, so many gradients
+    are never materialised at all.
+    """
+    adjoint = trainer["backbone_loss_adjoint"]
+    optim = trainer["optimizer"]
+    adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
+    optim_gv = trainer.get_global_var("optimizer")
+    relax.expr._update_type(optim_gv, optim.ty)  # SetupTrainer adds it without a type
+    args = [relax.Var(v.name, v.ty) for v in adjoint.params]
+    state_types = list(optim.params[2].ty.fields)
+    states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
+    first_trainable = len(args) - 1 - n_trainable
+
+    bb = relax.BlockBuilder(trainer)
+    with bb.function(STEP_FUNC, args[:-1] + states + [args[-1]]):
+        with bb.dataflow():
+            res = bb.emit(relax.Call(adjoint_gv, args))
+            loss = bb.emit(relax.TupleGetItem(res, 0))
+            grads = bb.emit(relax.TupleGetItem(res, 1))
+            old = relax.Tuple(args[first_trainable:-1])
+            upd = bb.emit(relax.Call(optim_gv, [old, grads, relax.Tuple(states)]))
+            new_params = bb.emit(relax.TupleGetItem(upd, 0))
+            new_states = bb.emit(relax.TupleGetItem(upd, 1))
+            outs = [loss]
+            outs += [bb.emit(relax.TupleGetItem(new_params, i)) for i in range(n_trainable)]
+            outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))]
+            result = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(result)
+    step = bb.get()[STEP_FUNC]
+    step = step.inline_functions({"backbone_loss_adjoint": adjoint, "optimizer": optim})
+    return step.with_attr("global_symbol", STEP_FUNC), state_types

@@ -1,0 +1,1 @@
+"""Measure a compiled step on its device: latency with TVM's time evaluator."""

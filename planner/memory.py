@@ -1,0 +1,141 @@
+"""Peak training memory, by liveness over the step as the VM will run it.
+
+`relax.analysis.estimate_memory_usage` adds up every allocation. The runtime frees storage as soon
+as its last user is killed, so the peak is lower; this module replays the planned step (after
+static memory planning and `KillAfterLastUse`) and tracks which storages are alive at each binding.
+
+A storage is freed when it has been killed *and* every tensor carved out of it (or viewing one of
+those) has been killed; tensors the step returns stay alive to the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .graph import StepSignature
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes at the step's peak. `total` is their sum."""
+
+    total: int
+    activations: int  # everything else the step holds at its peak: batch, activations, new weights
+    trainable_params: int
+    gradients: int  # gradient buffers alive at the peak (fused updates never materialise theirs)
+    optimizer_state: int
+    frozen_params: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def tensor_bytes(shape, dtype: str) -> int:
+    return int(np.prod([int(d) for d in shape], dtype=np.int64)) * np.dtype(str(dtype)).itemsize
+
+
+def _ty_bytes(ty) -> int:
+    if isinstance(ty, relax.TensorType) and ty.shape is not None:
+        return tensor_bytes(ty.shape.values, ty.dtype)
+    if isinstance(ty, relax.TupleType):
+        return sum(_ty_bytes(f) for f in ty.fields)
+    return 0
+
+
+def _call_name(call: relax.Call) -> str:
+    op = call.op
+    return op.name if isinstance(op, tvm.ir.Op) else getattr(op, "name_hint", "")
+
+
+def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[relax.Var]:
+    """Step-allocated buffers that hold a gradient.
+
+    After fusion, an update kernel reads the old parameter and, unless the gradient computation
+    was fused into it, a buffer with as many elements as that parameter: the gradient.
+    """
+    sizes = {p: _ty_bytes(p.ty) for p in trainable}
+    grads: set[relax.Var] = set()
+    for block in planned.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if not (isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar)):
+                continue
+            ins = [a for a in value.args[:-1] if isinstance(a, relax.Var)]
+            for param in (a for a in ins if a in sizes):
+                grads.update(a for a in ins if a not in sizes and _ty_bytes(a.ty) == sizes[param])
+    return grads
+
+
+def step_peak(planned: relax.Function, sig: StepSignature) -> MemoryBreakdown:
+    """Replay `planned` (the lowered `train_step`) and report its peak with a breakdown."""
+    params = list(planned.params)
+    # Inputs to the step: x, frozen..., trainable..., states..., labels
+    n_frozen, n_train, n_state = len(sig.frozen), len(sig.trainable), len(sig.optim_states)
+    frozen_b = sum(_ty_bytes(p.ty) for p in params[1 : 1 + n_frozen])
+    train_vars = params[1 + n_frozen : 1 + n_frozen + n_train]
+    train_b = sum(_ty_bytes(p.ty) for p in train_vars)
+    state_b = sum(_ty_bytes(p.ty) for p in params[1 + n_frozen + n_train : 1 + n_frozen + n_train + n_state])
+    batch_b = _ty_bytes(params[0].ty) + _ty_bytes(params[-1].ty)
+    grad_vars = _gradient_vars(planned, train_vars)
+
+    storage_size: dict[relax.Var, int] = {}
+    holders: dict[relax.Var, set[relax.Var]] = {}  # storage -> vars keeping it alive
+    owner: dict[relax.Var, relax.Var] = {}  # tensor or view -> its storage
+    live = peak = peak_grad = 0
+
+    def allocate(storage: relax.Var, size: int) -> None:
+        nonlocal live
+        storage_size[storage], holders[storage] = size, {storage}
+        live += size
+
+    def hold(var: relax.Var, source: relax.Var) -> None:
+        owner[var] = source
+        holders[source].add(var)
+
+    def release(var: relax.Var) -> None:
+        nonlocal live
+        storage = var if var in storage_size else owner.pop(var, None)
+        if storage is None or storage not in holders:
+            return
+        holders[storage].discard(var)
+        if not holders[storage]:
+            live -= storage_size.pop(storage)
+            del holders[storage]
+
+    for block in planned.body.blocks:
+        for binding in block.bindings:
+            var, value = binding.var, binding.value
+            if isinstance(value, relax.Var) and value in owner:  # alias
+                hold(var, owner[value])
+                continue
+            if not isinstance(value, relax.Call):
+                continue
+            name = _call_name(value)
+            if name == "relax.memory.alloc_storage":
+                allocate(var, int(value.args[0].values[0]))
+            elif name == "relax.memory.alloc_tensor":
+                hold(var, value.args[0])
+            elif name in ("relax.memory.kill_storage", "relax.memory.kill_tensor"):
+                release(value.args[0])
+            elif name == "relax.reshape" and value.args[0] in owner:  # a view: no copy
+                hold(var, owner[value.args[0]])
+            elif name == "relax.builtin.alloc_tensor":  # unplanned allocation: its own storage
+                allocate(var, _ty_bytes(var.ty))
+            if live > peak:
+                peak = live
+                peak_grad = sum(
+                    size for s, size in storage_size.items() if any(h in grad_vars for h in holders[s])
+                )
+    activations = peak - peak_grad + batch_b
+    return MemoryBreakdown(
+        total=activations + peak_grad + train_b + state_b + frozen_b,
+        activations=activations,
+        trainable_params=train_b,
+        gradients=peak_grad,
+        optimizer_state=state_b,
+        frozen_params=frozen_b,
+    )

@@ -1,0 +1,180 @@
+"""The plan: which trial to deploy, and the versioned plan directory that carries it to the board.
+
+Selection (documented in README): among *feasible* completed trials, find the best val accuracy;
+every trial within `accuracy_tolerance` of it is "as good"; of those take the least peak memory
+(`memory`, default) or the least median step latency (`latency`). `accuracy` takes the most
+accurate trial outright (ties: least memory).
+
+A plan directory is written into a temporary sibling and renamed into place, so a reader never
+sees half a plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from . import __version__
+from .errors import BadInput, NoFeasiblePlan
+from .graph import StepSignature
+from .model import Model
+from .search import TrialRecord
+from .space import Candidate
+
+SCHEMA_VERSION = 1
+PLAN_FILE = "plan.json"
+WEIGHTS_FILE = "weights.npz"
+STEP_LIBRARY = "train_step.so"
+MODEL_FILE = "model.onnx"
+Policy = Literal["memory", "latency", "accuracy"]
+
+
+class ModelInfo(BaseModel):
+    path: str
+    sha256: str
+    inputs: list[dict]
+
+
+class DatasetInfo(BaseModel):
+    source: str
+    sha256: str
+    n_train: int
+    n_val: int
+    n_classes: int
+
+
+class TargetInfo(BaseModel):
+    name: str
+    tvm_target: dict
+    device: str
+
+
+class Choice(BaseModel):
+    trainable: list[dict]  # {layer, params, mode}
+    precision: str
+    batch_size: int
+    optimizer: dict  # {name, lr}
+
+
+class Plan(BaseModel):
+    schema_version: int
+    model: ModelInfo
+    dataset: DatasetInfo
+    target: TargetInfo
+    choice: Choice
+    metrics: dict
+    measurement: dict
+    pareto: list[dict]
+    selection: dict
+    step: dict  # {library, signature}
+    versions: dict
+    study: dict
+
+    @property
+    def signature(self) -> StepSignature:
+        return StepSignature.from_json(self.step["signature"])
+
+    @property
+    def candidate(self) -> Candidate:
+        c = self.choice
+        return Candidate(
+            trainable=tuple((t["layer"], t["mode"]) for t in c.trainable),
+            batch_size=c.batch_size,
+            optimizer=c.optimizer["name"],
+            lr=float(c.optimizer["lr"]),
+            precision=c.precision,
+        )
+
+
+def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolerance: float = 0.01) -> TrialRecord:
+    """The trial to deploy (see the module docstring)."""
+    feasible = [t for t in trials if t.feasible]
+    if not feasible:
+        n_complete = sum(t.complete for t in trials)
+        raise NoFeasiblePlan(
+            f"no feasible plan: {n_complete} of {len(trials)} trials completed, none within the target's budgets"
+        )
+    best = max(t.accuracy.after for t in feasible)
+    if policy == "accuracy":
+        return min(feasible, key=lambda t: (-t.accuracy.after, t.memory.total, t.number))
+    good = [t for t in feasible if t.accuracy.after >= best - accuracy_tolerance]
+    if policy == "latency":
+        return min(good, key=lambda t: (t.latency.median, t.memory.total, t.number))
+    return min(good, key=lambda t: (t.memory.total, t.latency.median, t.number))
+
+
+def choice_json(model: Model, cand: Candidate) -> dict:
+    return {
+        "trainable": [
+            {"layer": name, "params": list(model.layer(name).params_for(mode)), "mode": mode}
+            for name, mode in cand.trainable
+        ],
+        "precision": cand.precision,
+        "batch_size": cand.batch_size,
+        "optimizer": {"name": cand.optimizer, "lr": cand.lr},
+    }
+
+
+def metrics_json(t: TrialRecord) -> dict:
+    return {
+        "step_latency_ms": t.latency.to_json(),
+        "peak_memory_bytes": t.memory.to_json(),
+        "accuracy": {"before": t.accuracy.before, "after": t.accuracy.after, "steps": t.accuracy.steps},
+    }
+
+
+def versions() -> dict:
+    import onnx
+    import optuna
+    import tvm
+
+    return {
+        "planner": __version__,
+        "tvm": tvm.__version__,
+        "onnx": onnx.__version__,
+        "optuna": optuna.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> None:
+    """Write plan.json, copies of `files`, weights.npz and `texts` atomically into `out`.
+
+    Files already in `out` that are not part of a plan (e.g. the study database) are kept.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".plan-"))
+    try:
+        for name, source in files.items():
+            shutil.copyfile(source, tmp / name)
+        np.savez(tmp / WEIGHTS_FILE, **weights)
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        (tmp / PLAN_FILE).write_text(json.dumps(plan.model_dump(), indent=2) + "\n")
+        # plan.json goes last: its presence marks a complete plan
+        (out / PLAN_FILE).unlink(missing_ok=True)
+        for name in [n for n in os.listdir(tmp) if n != PLAN_FILE] + [PLAN_FILE]:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_plan(plan_dir: Path) -> Plan:
+    path = plan_dir / PLAN_FILE
+    if not path.is_file():
+        raise BadInput(f"{plan_dir} holds no plan (no {PLAN_FILE}); make one with `planner plan`")
+    try:
+        plan = Plan.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise BadInput(f"{path} is not a valid plan: {exc.errors()[0]['msg']}") from None
+    if plan.schema_version != SCHEMA_VERSION:
+        raise BadInput(f"{path} has schema version {plan.schema_version}; this planner reads {SCHEMA_VERSION}")
+    return plan

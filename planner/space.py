@@ -1,0 +1,145 @@
+"""Search spaces (YAML) and the candidates they produce.
+
+A candidate is everything that decides a training step: which layers update (and how), the
+precision, the batch size and the optimizer. A search space says which values each may take;
+`SearchSpace.sample` turns any object with Optuna's `suggest_*` methods into a candidate, so this
+module never imports Optuna.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import BadInput, UnsupportedOp
+from .model import Model
+
+SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+DEFAULT_SPACE = "per-layer"
+
+Mode = Literal["frozen", "bias", "full"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training configuration; hashable and JSON-serialisable (it keys the compile cache)."""
+
+    trainable: tuple[tuple[str, str], ...]  # (layer name, mode) in model order; frozen omitted
+    batch_size: int
+    optimizer: str
+    lr: float
+    precision: str = "fp32"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["trainable"] = [list(t) for t in self.trainable]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Candidate:
+        return cls(
+            trainable=tuple((str(a), str(b)) for a, b in d["trainable"]),
+            batch_size=int(d["batch_size"]),
+            optimizer=str(d["optimizer"]),
+            lr=float(d["lr"]),
+            precision=str(d.get("precision", "fp32")),
+        )
+
+    def key(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+
+class Suggester(Protocol):
+    """The part of `optuna.Trial` a search space needs."""
+
+    def suggest_categorical(self, name: str, choices: list) -> object: ...
+    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float: ...
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LrRange(_Strict):
+    low: float = Field(gt=0)
+    high: float = Field(gt=0)
+    log: bool = True
+
+
+class SearchSpace(_Strict):
+    """What the study may vary. Layers default to every layer planner can train."""
+
+    name: str
+    description: str = ""
+    layers: list[str] | None = None
+    modes: list[Mode] = ["frozen", "bias", "full"]
+    batch_size: list[int] = [8, 16, 32]
+    optimizer: list[Literal["sgd"]] = ["sgd"]
+    lr: LrRange = LrRange(low=0.01, high=0.1)
+    precision: list[Literal["fp32"]] = ["fp32"]
+
+    @field_validator("batch_size")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(b < 1 for b in v):
+            raise ValueError("batch sizes must be a non-empty list of positive integers")
+        return v
+
+    def layer_names(self, model: Model) -> list[str]:
+        """The layers the study decides about, checked against the model."""
+        if self.layers is None:
+            names = [layer.name for layer in model.layers if layer.weight or layer.bias]
+        else:
+            names = [model.layer(n).name for n in self.layers]
+        for name in names:
+            problem = model.layer(name).problem
+            if problem:
+                raise UnsupportedOp(
+                    f"cannot train layer '{name}': {problem} (leave it out of the space's `layers`)"
+                )
+        if not names:
+            raise BadInput(f"search space '{self.name}' leaves no layer to train")
+        return names
+
+    def sample(self, trial: Suggester, model: Model) -> Candidate:
+        """Draw one candidate. Each layer's mode is its own categorical parameter."""
+        trainable = []
+        for name in self.layer_names(model):
+            layer = model.layer(name)
+            modes = [m for m in self.modes if m == "frozen" or layer.params_for(m)]
+            mode = str(trial.suggest_categorical(f"mode:{name}", modes))
+            if mode != "frozen":
+                trainable.append((name, mode))
+        lr = self.lr
+        return Candidate(
+            trainable=tuple(trainable),
+            batch_size=int(trial.suggest_categorical("batch_size", list(self.batch_size))),
+            optimizer=str(trial.suggest_categorical("optimizer", list(self.optimizer))),
+            lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
+            precision=str(trial.suggest_categorical("precision", list(self.precision))),
+        )
+
+
+def load_space(name_or_path: str | None) -> SearchSpace:
+    """A shipped space by name (`search_spaces/NAME.yaml`) or a user's YAML file."""
+    name_or_path = name_or_path or DEFAULT_SPACE
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SPACES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
+        raise BadInput(f"unknown search space {name_or_path!r} (shipped: {shipped}; or a path to a YAML file)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+        return SearchSpace.model_validate({"name": path.stem, **(raw or {})})
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise BadInput(f"{path}: {where}: {err['msg']}") from None
