@@ -13,7 +13,9 @@ from pathlib import Path
 
 from .compile import compile_candidate, default_cache_dir
 from .data import load_dataset
+from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_TARGET, DEFAULT_TRIALS
 from .errors import BadInput
+from .graph import check_importable
 from .model import Model, load_model
 from .plan import (
     MODEL_FILE,
@@ -33,12 +35,6 @@ from .search import SearchSettings, TrialRecord, open_study, pareto_numbers, run
 from .space import load_space
 from .target import load_target
 
-EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "digits"
-DEFAULT_MODEL = EXAMPLE_DIR / "model.onnx"
-DEFAULT_DATA = EXAMPLE_DIR / "digits.npz"
-DEFAULT_TRIALS = 24
-DEFAULT_ACCURACY_STEPS = 200
-
 __all__ = ["plan", "inspect_model", "run_plan", "PlanResult", "RunResult", "DEFAULT_MODEL", "DEFAULT_DATA"]
 
 
@@ -57,7 +53,7 @@ def inspect_model(path: str | Path) -> Model:
 def plan(
     model: str | Path | None = None,
     data: str | Path | None = None,
-    target: str = "host",
+    target: str = DEFAULT_TARGET,
     space: str | None = None,
     out: str | Path = "plan",
     trials: int = DEFAULT_TRIALS,
@@ -84,6 +80,7 @@ def plan(
     hw = load_target(target)
     sp = load_space(space)
     layer_names = sp.layer_names(m)
+    check_importable(m)
     if trials < 1:
         raise BadInput("--trials must be at least 1")
 

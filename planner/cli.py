@@ -15,12 +15,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
+
 app = typer.Typer(
     help="Plan on-device training: which layers to update, in what precision, with what batch size — "
     "measured with TVM on the target, searched with Optuna.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 err = Console(stderr=True)
 out = Console()
@@ -52,17 +55,17 @@ def _kib(n: float) -> str:
 def plan(
     model: Annotated[Path | None, typer.Option(help="ONNX classifier [default: the bundled digits example]")] = None,
     data: Annotated[Path | None, typer.Option(help=".npz with x_train/y_train/x_val/y_val (or x/y) [default: the example's]")] = None,
-    target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = "host",
+    target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = DEFAULT_TARGET,
     space: Annotated[str | None, typer.Option(help="search space: a name in search_spaces/ or a YAML path [default: per-layer]")] = None,
     out: Annotated[Path, typer.Option(help="plan directory (plan.json, train_step.so, weights.npz, report.md, study.db)")] = Path("plan"),
-    trials: Annotated[int, typer.Option(help="finished trials the study should hold; a rerun only adds the missing ones")] = 24,
+    trials: Annotated[int, typer.Option(help="finished trials the study should hold; a rerun only adds the missing ones")] = DEFAULT_TRIALS,
     timeout: Annotated[float | None, typer.Option(help="stop starting new trials after this many seconds")] = None,
     seed: Annotated[int, typer.Option(help="sampler and fine-tuning seed")] = 0,
     storage: Annotated[str | None, typer.Option(help="Optuna storage URL [default: sqlite:///OUT/study.db]")] = None,
     study: Annotated[str | None, typer.Option(help="study name in the storage [default: planner]")] = None,
     select: Annotated[Literal["memory", "latency", "accuracy"], typer.Option(help="pick the least memory / least latency among trials within --accuracy-tolerance of the best, or the most accurate")] = "memory",
     accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
-    accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = 200,
+    accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = DEFAULT_ACCURACY_STEPS,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
 ) -> None:
     """Search for the best training plan and write it to --out.
@@ -146,7 +149,7 @@ def inspect(
 def run(
     plan_dir: Annotated[Path, typer.Argument(help="a plan directory written by `planner plan`")] = Path("plan"),
     data: Annotated[Path | None, typer.Option(help="dataset [default: the plan's]")] = None,
-    steps: Annotated[int, typer.Option(help="training steps")] = 100,
+    steps: Annotated[int, typer.Option(help="training steps")] = DEFAULT_RUN_STEPS,
     out_dir: Annotated[Path | None, typer.Option("--out", help="where weights.npz and model.onnx go [default: PLAN_DIR/finetuned]")] = None,
     no_shuffle: Annotated[bool, typer.Option("--no-shuffle", help="step k uses train samples [k*B, (k+1)*B) in file order")] = False,
     seed: Annotated[int, typer.Option(help="shuffling seed")] = 0,
@@ -162,7 +165,7 @@ def run(
     out.print(
         f"{r.steps} steps: val loss {r.before['loss']:.4f} → {r.after['loss']:.4f}, "
         f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f}; wrote {r.out}/",
-        highlight=False,
+        markup=False, highlight=False, soft_wrap=True,
     )
 
 

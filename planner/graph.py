@@ -24,7 +24,7 @@ from tvm.relax.training import SetupTrainer
 from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD, Optimizer
 
-from .errors import CandidateFailed
+from .errors import BadInput, CandidateFailed
 from .model import Model
 from .space import Candidate
 
@@ -68,11 +68,20 @@ class StepSignature:
 _IMPORTED: dict[str, relax.Function] = {}
 
 
+def check_importable(model: Model) -> None:
+    """Raise BadInput now, not in every trial, when TVM's ONNX frontend cannot read the model."""
+    _imported(model)
+
+
 def _imported(model: Model) -> relax.Function:
     """The model as one Relax function `(x, *initializers)`; imported once per model."""
     if model.sha256 in _IMPORTED:
         return _IMPORTED[model.sha256]
-    mod = from_onnx(model.proto, keep_params_in_input=True)
+    try:
+        mod = from_onnx(model.proto, keep_params_in_input=True)
+    except Exception as exc:  # the frontend raises assorted types for ops it does not know
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise BadInput(f"TVM cannot import {model.path.name}: {detail}") from None
     mod, _ = relax.frontend.detach_params(mod)
     func = mod["main"]
     expected = 1 + len(model.initializers)

@@ -13,6 +13,7 @@ import numpy as np
 
 from .accuracy import finetune
 from .data import load_dataset
+from .defaults import DEFAULT_RUN_STEPS
 from .errors import BadInput
 from .model import load_model, save_onnx
 from .plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, read_plan
@@ -31,7 +32,7 @@ class RunResult:
 
 
 def run_plan(
-    plan_dir: Path, data: Path | None = None, steps: int = 100, out: Path | None = None, shuffle: bool = True, seed: int = 0
+    plan_dir: Path, data: Path | None = None, steps: int = DEFAULT_RUN_STEPS, out: Path | None = None, shuffle: bool = True, seed: int = 0
 ) -> RunResult:
     """Train `steps` steps from the plan's weights; write weights.npz and model.onnx to `out`."""
     plan = read_plan(plan_dir)

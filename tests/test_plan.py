@@ -1,0 +1,159 @@
+"""`planner plan` end to end on a tiny model: the plan directory, the budget, resuming a killed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optuna
+import pytest
+import tvm
+
+from planner import api
+from planner.accuracy import AccuracyResult
+from planner.compile import compile_candidate
+from planner.measure.local import Latency
+from planner.memory import MemoryBreakdown
+from planner.model import load_model
+from planner.plan import read_plan, select
+from planner.search import TrialRecord
+from planner.space import Candidate
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tiny_model, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    result = api.plan(model=tiny_model, data=tiny_data, out=out, trials=5, accuracy_steps=30, latency_repeats=5)
+    return result
+
+
+def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
+    out = tiny_plan.out
+    for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
+        assert (out / name).is_file(), name
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["schema_version"] == 1
+    assert plan["target"]["device"] == "local"
+    assert plan["study"]["n_trials"] == 5
+    lat = plan["metrics"]["step_latency_ms"]
+    assert lat["repeats"] >= 5 and 0 < lat["median"] <= lat["p90"]
+    mem = plan["metrics"]["peak_memory_bytes"]
+    parts = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params")
+    assert mem["total"] == sum(mem[p] for p in parts)
+    assert plan["pareto"] and all({"trial", "choice", "metrics"} <= set(p) for p in plan["pareto"])
+    # the board starts from the model's own weights, not from an accuracy run's leftovers
+    model = load_model(tiny_model)
+    with np.load(out / "weights.npz") as w:
+        assert set(w.files) == set(model.initializers)
+        for k, v in model.initializers.items():
+            np.testing.assert_array_equal(w[k], v)
+    chosen = plan["choice"]["trainable"]
+    report = (out / "report.md").read_text()
+    assert all(t["layer"] in report for t in chosen)
+
+
+def test_rerun_resumes_instead_of_repeating(tiny_plan, tiny_model, tiny_data):
+    again = api.plan(model=tiny_model, data=tiny_data, out=tiny_plan.out, trials=6, accuracy_steps=30, latency_repeats=5)
+    assert len(again.trials) == 6
+    assert [t.candidate for t in again.trials[:5]] == [t.candidate for t in tiny_plan.trials]
+
+
+def _rec(n, acc, mem, feasible):
+    return TrialRecord(
+        number=n, state="COMPLETE", candidate=Candidate((("fc", "full"),), 4, "sgd", 0.1),
+        accuracy=AccuracyResult(0.1, acc, 1.0, 0.5, 10, 0.1),
+        latency=Latency(1.0, 1.1, 0.9, 1.2, 5, 1, "local"),
+        memory=MemoryBreakdown(mem, mem, 0, 0, 0, 0), feasible=feasible,
+    )
+
+
+def test_selection_policies_never_pick_an_over_budget_trial():
+    trials = [_rec(0, 0.99, 900, False), _rec(1, 0.90, 500, True), _rec(2, 0.895, 300, True), _rec(3, 0.5, 100, True)]
+    assert select(trials, "memory", 0.01).number == 2
+    assert select(trials, "accuracy").number == 1
+    assert select(trials, "memory", 0.0).number == 1
+
+
+def test_over_budget_candidates_are_infeasible_and_never_chosen(tiny_model, tiny_data, tmp_path):
+    model = load_model(tiny_model)
+    host = tvm.target.Target({"kind": "llvm"})
+    small = compile_candidate(model, Candidate((("fc", "bias"),), 4, "sgd", 0.1), host).memory.total
+    big = compile_candidate(model, Candidate(tuple((l.name, "full") for l in model.layers), 32, "sgd", 0.1), host).memory.total
+    budget = (small + big) // 2
+    target = tmp_path / "tight.yaml"
+    target.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: {budget}\n")
+    space = tmp_path / "space.yaml"
+    space.write_text("batch_size: [4, 32]\nlr: {low: 0.05, high: 0.2}\n")
+    result = api.plan(model=tiny_model, data=tiny_data, target=str(target), space=str(space), out=tmp_path / "p",
+                      trials=8, accuracy_steps=20, latency_repeats=3, policy="accuracy")
+    done = [t for t in result.trials if t.complete]
+    assert any(t.memory.total > budget for t in done), "the test needs an over-budget trial"
+    for t in done:
+        assert t.feasible == (t.memory.total <= budget)
+    assert result.plan.metrics["peak_memory_bytes"]["total"] <= budget
+    assert all(p["metrics"]["peak_memory_bytes"]["total"] <= budget for p in result.plan.pareto)
+
+
+def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    cmd = [sys.executable, "-m", "planner", "plan", "--model", str(tiny_model), "--data", str(tiny_data),
+           "--out", str(out), "--trials", "7", "--accuracy-steps", "40"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"sqlite:///{out / 'study.db'}"
+    finished: list = []
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        try:
+            trials = optuna.load_study(study_name="planner", storage=url).get_trials()
+        except Exception:  # database not created yet
+            continue
+        finished = [t for t in trials if t.state.is_finished()]
+        if len(finished) >= 2:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "planner finished before it could be killed"
+    kept = {t.number: t.params for t in finished}
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    trials = optuna.load_study(study_name="planner", storage=url).get_trials()
+    by_number = {t.number: t for t in trials}
+    for number, params in kept.items():
+        assert by_number[number].state.is_finished() and by_number[number].params == params
+    assert sum(t.state.is_finished() for t in trials) == 7
+    assert read_plan(out).study["n_trials"] >= 7
+
+
+def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data, tmp_path):
+    from planner.data import load_dataset
+    from planner.session import TrainingSession
+
+    r1 = api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "a", shuffle=False)
+    r2 = api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)
+    assert r1.after["loss"] < r1.before["loss"]
+    with np.load(tmp_path / "a" / "weights.npz") as a, np.load(tmp_path / "b" / "weights.npz") as b:
+        wa = {k: a[k] for k in a.files}
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k])
+    # file order: step k trains on samples [k*B, (k+1)*B), wrapping around
+    plan = read_plan(tiny_plan.out)
+    model = load_model(tiny_plan.out / "model.onnx")
+    data = load_dataset(tiny_data, model)
+    session = TrainingSession(tiny_plan.out / "train_step.so", plan.signature, model.initializers)
+    B, n = plan.choice.batch_size, len(data.y_train)
+    for k in range(60):
+        idx = np.arange(k * B, (k + 1) * B) % n
+        session.step(data.x_train[idx], data.y_train[idx])
+    for k, v in session.weights().items():
+        np.testing.assert_allclose(wa[k], v, rtol=0, atol=1e-6)
+    # the fine-tuned ONNX model carries the new weights
+    tuned = load_model(tmp_path / "a" / "model.onnx")
+    for k, v in tuned.initializers.items():
+        np.testing.assert_array_equal(v, wa[k])
