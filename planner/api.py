@@ -141,7 +141,7 @@ def plan(
         study={
             "storage": storage_url,
             "name": study_name,
-            "n_trials": len(records),
+            "n_trials": sum(t.state in ("COMPLETE", "FAIL", "PRUNED") for t in records),
             "n_failed": sum(t.state == "FAIL" for t in records),
         },
     )

@@ -100,7 +100,7 @@ def plan(
         return
     p = result.plan
     m = p.metrics
-    err.print(
+    out.print(
         f"plan written to {result.out}/: trial {p.selection['trial']}, trains "
         f"{', '.join(t['layer'] + ':' + t['mode'] for t in p.choice.trainable)}; batch {p.choice.batch_size}; "
         f"val acc {m['accuracy']['before']:.3f} → {m['accuracy']['after']:.3f}; "

@@ -97,6 +97,41 @@ def pretrain(model_path: Path, x: np.ndarray, y: np.ndarray, steps: int, seed: i
     return session.weights()
 
 
+def calibrate_batchnorm(model_path: Path, weights: dict[str, np.ndarray], x: np.ndarray) -> dict[str, np.ndarray]:
+    """Give every BN layer the real running statistics of the source data, function unchanged.
+
+    planner trains BN in inference form, so pretraining keeps the initial statistics (mean 0,
+    var 1). Measuring each BN input on the source data and folding the difference into scale and
+    bias yields a model that computes the same function but carries the statistics a real
+    pretrained network has, which frozen BN layers then use on the new domain.
+    """
+    from onnx.reference import ReferenceEvaluator
+
+    model = load_model(model_path)
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    bn_nodes = [n for n in proto.graph.node if n.op_type == "BatchNormalization"]
+    for node in bn_nodes:
+        proto.graph.output.append(helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, None))
+    for i, t in enumerate(proto.graph.initializer):
+        proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[t.name], t.name))
+    logits, *outs = ReferenceEvaluator(proto).run(None, {model.input_name: x})
+    w = dict(weights)
+    for node, act in zip(bn_nodes, outs):
+        scale, bias, mean_name, var_name = node.input[1], node.input[2], node.input[3], node.input[4]
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        m, v = act.mean(axis=(0, 2, 3)), act.var(axis=(0, 2, 3))
+        old = np.sqrt(w[var_name] + eps)  # scale/old is the slope before recalibration
+        w[bias] = (w[bias] + w[scale] * (m - w[mean_name]) / old).astype(np.float32)
+        w[scale] = (w[scale] * np.sqrt(v + eps) / old).astype(np.float32)
+        w[mean_name], w[var_name] = m.astype(np.float32), v.astype(np.float32)
+    for i, t in enumerate(proto.graph.initializer):
+        proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(w[t.name], t.name))
+    recalibrated = ReferenceEvaluator(proto).run(None, {model.input_name: x[:64]})[0]
+    assert np.allclose(recalibrated, logits[:64], atol=1e-3), "BN recalibration changed the function"
+    return w
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
@@ -116,6 +151,7 @@ def main() -> None:
     model_path = args.out / "model.onnx"
     onnx.save(build_cnn(rng), model_path)
     weights = pretrain(model_path, x[source], y[source], args.steps, args.seed)
+    weights = calibrate_batchnorm(model_path, weights, x[source])
     save_onnx(load_model(model_path), weights, model_path)
 
     xt, yt = sensor_shift(x[target], rng), y[target]
