@@ -25,12 +25,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-err = Console(stderr=True)
-out = Console()
+stderr = Console(stderr=True)
+stdout = Console()
 
 
 def _fail(exc: Exception, code: int) -> typer.Exit:
-    err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+    stderr.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -43,7 +43,7 @@ def _guard(fn):
     except PlannerError as exc:
         raise _fail(exc, exc.exit_code) from None
     except KeyboardInterrupt:
-        err.print("interrupted: finished trials are kept; rerun the same command to resume")
+        stderr.print("interrupted: finished trials are kept; rerun the same command to resume")
         raise typer.Exit(130) from None
 
 
@@ -81,13 +81,13 @@ def plan(
             flag = "ok  " if rec.feasible else "over"
             cand = rec.candidate
             trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
-            err.print(
+            stderr.print(
                 f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
                 f"{rec.latency.median:7.2f} ms  {_kib(rec.memory.total):>12}  batch {cand.batch_size:<3} {trainable}",
                 markup=False, highlight=False, soft_wrap=True,
             )
         else:
-            err.print(f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}", markup=False, highlight=False, soft_wrap=True)
+            stderr.print(f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}", markup=False, highlight=False, soft_wrap=True)
 
     result = _guard(
         lambda: api.plan(
@@ -100,7 +100,7 @@ def plan(
         return
     p = result.plan
     m = p.metrics
-    out.print(
+    stdout.print(
         f"plan written to {result.out}/: trial {p.selection['trial']}, trains "
         f"{', '.join(t['layer'] + ':' + t['mode'] for t in p.choice.trainable)}; batch {p.choice.batch_size}; "
         f"val acc {m['accuracy']['before']:.3f} → {m['accuracy']['after']:.3f}; "
@@ -142,7 +142,7 @@ def inspect(
             r["layer"], r["op"], params, f"{r['param_bytes']:,}", str(tuple(r["output_shape"])),
             "yes" if r["trainable"] else f"no: {r['reason']}",
         )
-    out.print(table)
+    stdout.print(table)
 
 
 @app.command()
@@ -162,7 +162,7 @@ def run(
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    out.print(
+    stdout.print(
         f"{r.steps} steps: val loss {r.before['loss']:.4f} → {r.after['loss']:.4f}, "
         f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f}; wrote {r.out}/",
         markup=False, highlight=False, soft_wrap=True,

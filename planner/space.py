@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import BadInput, UnsupportedOp
 from .model import Model
+from .spec import load_spec
 
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 DEFAULT_SPACE = "per-layer"
@@ -127,19 +127,4 @@ class SearchSpace(_Strict):
 
 def load_space(name_or_path: str | None) -> SearchSpace:
     """A shipped space by name (`search_spaces/NAME.yaml`) or a user's YAML file."""
-    name_or_path = name_or_path or DEFAULT_SPACE
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = SPACES_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
-        raise BadInput(f"unknown search space {name_or_path!r} (shipped: {shipped}; or a path to a YAML file)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-        return SearchSpace.model_validate({"name": path.stem, **(raw or {})})
-    except yaml.YAMLError as exc:
-        raise BadInput(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise BadInput(f"{path}: {where}: {err['msg']}") from None
+    return load_spec(name_or_path or DEFAULT_SPACE, SPACES_DIR, "search space", SearchSpace)

@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import BadInput
+from .spec import load_spec
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "hw_targets"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -55,22 +55,9 @@ class HardwareTarget(BaseModel):
 
 def load_target(name_or_path: str) -> HardwareTarget:
     """A shipped target by name (`hw_targets/NAME.yaml`) or a user's YAML file."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = TARGETS_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in TARGETS_DIR.glob("*.yaml")))
-        raise BadInput(f"unknown target {name_or_path!r} (shipped: {shipped}; or a path to a YAML file)")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-        target = HardwareTarget.model_validate({"name": path.stem, **raw})
-    except yaml.YAMLError as exc:
-        raise BadInput(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise BadInput(f"{path}: {'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+    target = load_spec(name_or_path, TARGETS_DIR, "target", HardwareTarget)
     try:
         target.tvm()
     except Exception as exc:
-        raise BadInput(f"{path}: tvm_target is not a valid TVM target: {str(exc).strip().splitlines()[-1]}") from None
+        raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {str(exc).strip().splitlines()[-1]}") from None
     return target

@@ -20,6 +20,10 @@ def _cases(tmp, tiny_model, tiny_data):
     blocked = tiny_cnn(tmp / "blocked.onnx", extra_op="Sigmoid")
     wrong_shape = blobs(tmp / "wrong_shape.npz", shape=(1, 8, 8))
     bad_labels = blobs(tmp / "bad_labels.npz", y=np.full(240, 7, dtype=np.int64))
+    bad_target = tmp / "bad-target.yaml"
+    bad_target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: lots\n")
+    bad_space = tmp / "bad-space.yaml"
+    bad_space.write_text("batch_size: [8]\nlayerz: [c1]\n")
     return {
         "missing model": (["--model", str(tmp / "nope.onnx"), "--data", str(tiny_data)], "model file not found"),
         "corrupt model": (["--model", str(corrupt), "--data", str(tiny_data)], "not a valid ONNX model"),
@@ -27,11 +31,17 @@ def _cases(tmp, tiny_model, tiny_data):
         "data shape": (["--model", str(tiny_model), "--data", str(wrong_shape)], "needs (1, 6, 6)"),
         "labels out of range": (["--model", str(tiny_model), "--data", str(bad_labels)], "labels must lie in [0, 2]"),
         "unknown target": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", "toaster"], "unknown target 'toaster'"),
+        "target with a bad size": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", str(bad_target)], "ram_budget_bytes"),
+        "space with an unknown key": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(bad_space)], "layerz: Extra inputs are not permitted"),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["missing model", "corrupt model", "op without gradient", "data shape", "labels out of range", "unknown target"]
+    "case",
+    [
+        "missing model", "corrupt model", "op without gradient", "data shape", "labels out of range",
+        "unknown target", "target with a bad size", "space with an unknown key",
+    ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_model, tiny_data):
     args, expected = _cases(tmp_path, tiny_model, tiny_data)[case]

@@ -103,22 +103,19 @@ def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tm
     out = tmp_path / "p"
     cmd = [sys.executable, "-m", "planner", "plan", "--model", str(tiny_model), "--data", str(tiny_data),
            "--out", str(out), "--trials", "7", "--accuracy-steps", "40"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = tmp_path / "first-run.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
     url = f"sqlite:///{out / 'study.db'}"
-    finished: list = []
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-        try:
-            trials = optuna.load_study(study_name="planner", storage=url).get_trials()
-        except Exception:  # database not created yet
-            continue
-        finished = [t for t in trials if t.state.is_finished()]
-        if len(finished) >= 2:
+    while time.time() < deadline and proc.poll() is None:  # kill once two trials are reported done
+        time.sleep(0.2)
+        if sum(line.startswith("trial ") for line in log_path.read_text().splitlines()) >= 2:
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "planner finished before it could be killed"
+    assert proc.returncode == -signal.SIGKILL, log_path.read_text()
+    finished = [t for t in optuna.load_study(study_name="planner", storage=url).get_trials() if t.state.is_finished()]
+    assert len(finished) >= 2
     kept = {t.number: t.params for t in finished}
 
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
