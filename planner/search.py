@@ -11,7 +11,6 @@ Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -77,7 +76,7 @@ def _storage(url: str) -> optuna.storages.BaseStorage:
 
 def open_study(storage_url: str, name: str, seed: int, config: dict) -> optuna.Study:
     """Create the study, or load it when it exists — for the same model, data, target and space."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported via on_trial
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
     try:
         study = optuna.create_study(
@@ -148,7 +147,6 @@ def run_study(
         callbacks = []
         if on_trial is not None:
             callbacks.append(lambda s, t: on_trial(to_record(t), t.number + 1, settings.trials))
-        logging.getLogger("optuna").setLevel(logging.ERROR)  # failures are reported by on_trial
         study.optimize(
             _objective(model, data, target, space, settings),
             n_trials=remaining,

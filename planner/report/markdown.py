@@ -68,5 +68,5 @@ def render(plan: Plan, model: Model) -> str:
             f"{_kib(pm['peak_memory_bytes']['total'])} |"
         )
     lines += ["", "## How it was measured", ""]
-    lines += [f"- {k}: {v}" for k, v in plan.measurement.items() if k != "ram_budget_bytes"]
+    lines += [f"- {k}: {v}" for k, v in plan.measurement.items() if k != "ram_budget_bytes" and v is not None]
     return "\n".join(lines) + "\n"
