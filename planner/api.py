@@ -11,31 +11,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compile import compile_candidate, default_cache_dir
+from .compile import CompiledStep, compile_candidate, default_cache_dir
 from .data import load_dataset
-from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_TARGET, DEFAULT_TRIALS
+from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
 from .errors import BadInput
 from .graph import check_importable
+from .measure import capacity
 from .model import Model, load_model
-from .plan import (
-    MODEL_FILE,
-    SCHEMA_VERSION,
-    STEP_LIBRARY,
-    Plan,
-    Policy,
-    choice_json,
-    metrics_json,
-    select,
-    versions,
-    write_plan_dir,
-)
+from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, read_plan, select, write_plan_dir
 from .report import markdown
-from .runner import RunResult, run_plan
+from .runner import RunResult
+from .runner import run_plan as _run_plan
 from .search import SearchSettings, TrialRecord, open_study, pareto_numbers, run_study
 from .space import load_space
-from .target import load_target
+from .target import HardwareTarget, load_target
 
-__all__ = ["plan", "inspect_model", "run_plan", "PlanResult", "RunResult", "DEFAULT_MODEL", "DEFAULT_DATA"]
+__all__ = ["plan", "compile_plan", "check_target", "inspect_model", "run_plan", "resolve_target", "PlanResult", "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +39,17 @@ class PlanResult:
 def inspect_model(path: str | Path) -> Model:
     """The validated model with its layer table (see `Model.layers`)."""
     return load_model(path)
+
+
+def resolve_target(name: str, tracker: str | None = None, key: str | None = None) -> HardwareTarget:
+    """A target by name or path; `tracker` and `key` (both or neither) move it onto RPC boards."""
+    target = load_target(name)
+    if (tracker is None) != (key is None):
+        raise BadInput("--tracker and --key go together")
+    if tracker is not None:
+        target = target.over_tracker(tracker, key)
+    target.toolchain_path()  # a missing cross compiler is bad input, not N failed trials
+    return target
 
 
 def plan(
@@ -66,23 +68,25 @@ def plan(
     accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
     latency_repeats: int = 10,
     cache_dir: Path | None = None,
+    tracker: str | None = None,
+    key: str | None = None,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
 ) -> PlanResult:
     """Search the space for the best training plan of `model` on `target`; write it to `out`.
 
-    With no model and data, plans the bundled example (examples/digits). Inputs are validated
-    before anything is written. Rerunning with the same storage and study resumes the study.
+    With no model and data, plans the bundled example (examples/digits). Inputs (and the tracker,
+    for an RPC target) are checked before anything is written. Rerunning with the same storage
+    and study resumes the study.
     """
-    model_path = Path(model) if model else DEFAULT_MODEL
-    data_path = Path(data) if data else DEFAULT_DATA
-    m = load_model(model_path)
-    dataset = load_dataset(data_path, m)
-    hw = load_target(target)
+    if trials < 1:
+        raise BadInput("--trials must be at least 1")
+    m = load_model(Path(model) if model else DEFAULT_MODEL)
+    dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
+    hw = resolve_target(target, tracker, key)
     sp = load_space(space)
     layer_names = sp.layer_names(m)
     check_importable(m)
-    if trials < 1:
-        raise BadInput("--trials must be at least 1")
+    capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +95,7 @@ def plan(
     config = {
         "model": m.sha256,
         "dataset": dataset.sha256,
-        "target": hw.model_dump(),
+        "target": hw.identity(),
         "space": sp.model_dump(),
         "accuracy_steps": accuracy_steps,
     }
@@ -100,56 +104,82 @@ def plan(
     records = run_study(st, m, dataset, hw, sp, settings, on_trial)
 
     chosen = select(records, policy, accuracy_tolerance)
-    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), settings.cache_dir)
-    front = set(pareto_numbers(st))
-    result = Plan(
-        schema_version=SCHEMA_VERSION,
-        model={
-            "path": str(m.path),
-            "sha256": m.sha256,
-            "inputs": [{"name": m.input_name, "shape": ["batch", *m.input_shape], "dtype": "float32"}],
-        },
-        dataset={**dataset.to_json(), "sha256": dataset.sha256},
-        target={"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device},
-        choice=choice_json(m, chosen.candidate),
-        metrics=metrics_json(chosen),
-        measurement={
-            "latency": f"TVM VM time_evaluator on {hw.device} device, whole step (forward+backward+update), "
-            f"median and p90 over {chosen.latency.repeats} repeats, each the mean of {chosen.latency.number} back-to-back steps; spread "
-            f"{chosen.latency.min:.3f}-{chosen.latency.max:.3f} ms",
-            "memory": "liveness over the compiled step after TVM static memory planning, plus resident "
-            "weights, optimizer state and the batch",
-            "accuracy": f"fine-tuned on the host for {accuracy_steps} steps (seed {seed}) with the "
-            "candidate's own compiled step; accuracy does not depend on the board",
-            "ram_budget_bytes": hw.ram_budget_bytes,
-            "latency_budget_ms": hw.latency_budget_ms,
-        },
-        pareto=[
-            {"trial": t.number, "choice": choice_json(m, t.candidate), "metrics": metrics_json(t)}
-            for t in records
-            if t.number in front
-        ],
-        selection={
-            "policy": policy,
-            "accuracy_tolerance": accuracy_tolerance,
-            "trial": chosen.number,
-            "n_feasible": sum(t.feasible for t in records),
-            "layers_searched": layer_names,
-        },
-        step={"library": STEP_LIBRARY, "signature": compiled.signature.to_json()},
-        versions=versions(),
-        study={
-            "storage": storage_url,
-            "name": study_name,
-            "n_trials": sum(t.state in ("COMPLETE", "FAIL", "PRUNED") for t in records),
-            "n_failed": sum(t.state == "FAIL" for t in records),
-        },
+    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), settings.cache_dir, hw.toolchain)
+    result = assemble(
+        m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled.signature,
+        selection={"policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names},
+        study={"storage": storage_url, "name": study_name},
+        accuracy_seed=seed,
     )
+    _write(out, result, compiled, m)
+    return PlanResult(result, out, records)
+
+
+def compile_plan(plan_dir: str | Path, target: str, out: str | Path, cache_dir: Path | None = None) -> Plan:
+    """Re-target a plan: compile its chosen candidate for `target` into a new plan directory.
+
+    The new plan keeps the choice and the metrics measured for the original target (their
+    `device` says where); its memory is re-planned for the new build.
+    """
+    plan_dir = Path(plan_dir)
+    original = read_plan(plan_dir)
+    m = load_model(plan_dir / MODEL_FILE)
+    hw = resolve_target(target)
+    compiled = compile_candidate(m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain)
+    data = original.model_dump()
+    data["target"] = {"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device, "toolchain": hw.toolchain}
+    data["metrics"]["peak_memory_bytes"] = compiled.memory.to_json()
+    data["metrics"]["library_bytes"] = compiled.library.stat().st_size
+    data["measurement"]["retargeted_from"] = (
+        f"{original.target.name}: latency and accuracy were measured there; re-plan with "
+        f"`planner plan --target {hw.name}` to measure on this target"
+    )
+    data["step"]["signature"] = compiled.signature.to_json()
+    result = Plan.model_validate(data)
+    _write(Path(out), result, compiled, m)
+    return result
+
+
+def check_target(name: str, tracker: str | None = None, key: str | None = None) -> dict:
+    """What `planner targets check` reports: the resolved TVM target, toolchain and free boards."""
+    from .measure.rpc import BoardPool
+
+    hw = resolve_target(name, tracker, key)
+    report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default", "device": hw.device}
+    if hw.runner == "rpc":
+        status = BoardPool.for_target(hw).check()
+        report["boards"] = f"{status.total} under key '{hw.rpc.key}' at {hw.rpc.tracker}, {status.free} free, {status.pending} pending requests"
+    return report
+
+
+def run_plan(
+    plan_dir: str | Path,
+    data: str | Path | None = None,
+    steps: int = DEFAULT_RUN_STEPS,
+    out: str | Path | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    target: str | None = None,
+    tracker: str | None = None,
+    key: str | None = None,
+) -> RunResult:
+    """Execute a plan here, or — with `target` (or `tracker` and `key`) — on a board over RPC."""
+    hw = None
+    if target is not None:
+        hw = resolve_target(target, tracker, key)
+    elif tracker is not None or key is not None:
+        hw = read_plan(Path(plan_dir)).as_target()
+        if (tracker is None) != (key is None):
+            raise BadInput("--tracker and --key go together")
+        hw = hw.over_tracker(tracker, key)
+    return _run_plan(Path(plan_dir), Path(data) if data else None, steps, Path(out) if out else None, shuffle, seed, hw)
+
+
+def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model) -> None:
     write_plan_dir(
         out,
-        result,
-        files={STEP_LIBRARY: compiled.library, MODEL_FILE: m.path},
-        weights=m.initializers,
-        texts={"report.md": markdown.render(result, m)},
+        plan,
+        files={STEP_LIBRARY: compiled.library, MODEL_FILE: model.path},
+        weights=model.initializers,
+        texts={"report.md": markdown.render(plan, model)},
     )
-    return PlanResult(result, out, records)

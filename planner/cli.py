@@ -47,6 +47,10 @@ def _guard(fn):
         raise typer.Exit(130) from None
 
 
+TrackerOpt = Annotated[str | None, typer.Option(help="HOST:PORT of a TVM RPC tracker: measure on its boards instead of the target's runner")]
+KeyOpt = Annotated[str | None, typer.Option(help="board key at the tracker (with --tracker)")]
+
+
 def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
@@ -66,6 +70,8 @@ def plan(
     select: Annotated[Literal["memory", "latency", "accuracy"], typer.Option(help="pick the least memory / least latency among trials within --accuracy-tolerance of the best, or the most accurate")] = "memory",
     accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
     accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = DEFAULT_ACCURACY_STEPS,
+    tracker: TrackerOpt = None,
+    key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
 ) -> None:
     """Search for the best training plan and write it to --out.
@@ -92,7 +98,7 @@ def plan(
     result = _guard(
         lambda: api.plan(
             model, data, target, space, out, trials, timeout, seed, storage, study, select,
-            accuracy_tolerance, accuracy_steps, on_trial=progress,
+            accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress,
         )
     )
     if json_out:
@@ -153,20 +159,150 @@ def run(
     out_dir: Annotated[Path | None, typer.Option("--out", help="where weights.npz and model.onnx go [default: PLAN_DIR/finetuned]")] = None,
     no_shuffle: Annotated[bool, typer.Option("--no-shuffle", help="step k uses train samples [k*B, (k+1)*B) in file order")] = False,
     seed: Annotated[int, typer.Option(help="shuffling seed")] = 0,
+    target: Annotated[str | None, typer.Option(help="run on this target's boards over RPC [default: in this process]")] = None,
+    tracker: TrackerOpt = None,
+    key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print before/after loss and accuracy as JSON")] = False,
 ) -> None:
-    """Execute a plan: fine-tune with its compiled step, write the weights and a fine-tuned model.onnx."""
+    """Execute a plan: fine-tune with its compiled step, write the weights and a fine-tuned model.onnx.
+
+    Runs in this process by default (e.g. on the board itself). With --target (an RPC target) or
+    --tracker/--key, the training runs on a board and the updated weights come back.
+    """
     from . import api
 
-    r = _guard(lambda: api.run_plan(plan_dir, data, steps, out_dir, not no_shuffle, seed))
+    r = _guard(lambda: api.run_plan(plan_dir, data, steps, out_dir, not no_shuffle, seed, target, tracker, key))
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
     stdout.print(
         f"{r.steps} steps: val loss {r.before['loss']:.4f} → {r.after['loss']:.4f}, "
-        f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f}; wrote {r.out}/",
+        f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f} ({r.device}); wrote {r.out}/",
         markup=False, highlight=False, soft_wrap=True,
     )
+
+
+@app.command("compile")
+def compile_(
+    plan_dir: Annotated[Path, typer.Argument(help="a plan directory")],
+    target: Annotated[str, typer.Option(help="target to compile for: a name in hw_targets/ or a YAML path")],
+    out_dir: Annotated[Path, typer.Option("--out", help="the re-targeted plan directory")],
+    json_out: Annotated[bool, typer.Option("--json", help="print the new plan.json")] = False,
+) -> None:
+    """Re-target a plan: compile its chosen training step for another board (cross-compiling)."""
+    from . import api
+
+    result = _guard(lambda: api.compile_plan(plan_dir, target, out_dir))
+    if json_out:
+        print(json.dumps(result.model_dump(), indent=2))
+        return
+    stdout.print(f"compiled the plan's step for {result.target.name} into {out_dir}/", markup=False, highlight=False, soft_wrap=True)
+
+
+targets_app = typer.Typer(help="Hardware targets: list, show, check.", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(targets_app, name="targets")
+
+
+@targets_app.command("list")
+def targets_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The shipped targets (hw_targets/*.yaml)."""
+    from .target import list_targets
+
+    targets = _guard(list_targets)
+    if json_out:
+        print(json.dumps([t.model_dump() for t in targets], indent=2))
+        return
+    table = Table()
+    for col in ("name", "device", "RAM budget", "TVM target"):
+        table.add_column(col)
+    for t in targets:
+        tvm_target = " ".join(str(t.tvm_target[k]) for k in ("kind", "mtriple", "mcpu") if k in t.tvm_target)
+        table.add_row(t.name, t.device, f"{t.ram_budget_bytes / 2**20:,.0f} MiB", tvm_target)
+    stdout.print(table)
+
+
+@targets_app.command("show")
+def targets_show(name: Annotated[str, typer.Argument(help="a target name or YAML path")]) -> None:
+    """One target, as planner reads it (JSON)."""
+    from .target import load_target
+
+    print(json.dumps(_guard(lambda: load_target(name)).model_dump(), indent=2))
+
+
+@targets_app.command("check")
+def targets_check(
+    name: Annotated[str, typer.Argument(help="a target name or YAML path")],
+    tracker: TrackerOpt = None,
+    key: KeyOpt = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Resolve the TVM target, find the toolchain, and ask the tracker how many boards are free."""
+    from . import api
+
+    report = _guard(lambda: api.check_target(name, tracker, key))
+    if json_out:
+        print(json.dumps(report, indent=2))
+        return
+    for k, v in report.items():
+        stdout.print(f"{k:>10}: {v}", markup=False, highlight=False, soft_wrap=True)
+
+
+board_app = typer.Typer(
+    help="Run the board side: a TVM RPC tracker, and RPC servers that register boards with it. "
+    "TVM RPC executes any code it is sent: both bind to 127.0.0.1 unless --host says otherwise.",
+    no_args_is_help=True, rich_markup_mode=None,
+)
+app.add_typer(board_app, name="board")
+
+
+@board_app.command("tracker")
+def board_tracker(
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9190,
+    port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
+) -> None:
+    """Start a TVM RPC tracker and keep it running until Ctrl-C."""
+    from .board import start_tracker
+
+    tracker = start_tracker(host, port, port_end)
+    stderr.print(f"tracker listening on {host}:{tracker.port} (Ctrl-C stops it)", markup=False, highlight=False)
+    _wait(tracker.terminate)
+
+
+@board_app.command("serve")
+def board_serve(
+    tracker: Annotated[str, typer.Option(help="HOST:PORT of the tracker to register with")],
+    key: Annotated[str, typer.Option(help="board key, e.g. raspberry-pi-4 (boards of one kind share it)")],
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9090,
+    port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
+) -> None:
+    """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
+    from .board import serve
+    from .target import parse_host_port
+
+    try:
+        addr = parse_host_port(tracker)
+    except ValueError as exc:
+        raise _fail(exc, 2) from None
+    server = serve(addr, key, host, port, port_end)
+    stderr.print(f"board '{key}' serving on {host}:{server.port}, registered with {tracker} (Ctrl-C stops it)", markup=False, highlight=False)
+    _wait(server.terminate)
+
+
+def _wait(stop) -> None:
+    """Block until Ctrl-C or SIGTERM, then stop the service."""
+    import signal
+    import threading
+
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
 
 
 def main() -> None:

@@ -53,12 +53,13 @@ class CompiledStep:
         return self.directory / LIB_NAME
 
 
-def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target) -> str:
+def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None) -> str:
     blob = json.dumps(
         {
             "model": model.sha256,
             "candidate": candidate.to_json(),
             "target": str(target),
+            "toolchain": toolchain,
             "versions": {"planner": __version__, "tvm": tvm.__version__},
         },
         sort_keys=True,
@@ -91,11 +92,19 @@ def _finish(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
 
 
 def compile_candidate(
-    model: Model, candidate: Candidate, target: tvm.target.Target, cache_dir: Path | None = None
+    model: Model,
+    candidate: Candidate,
+    target: tvm.target.Target,
+    cache_dir: Path | None = None,
+    toolchain: str | None = None,
 ) -> CompiledStep:
-    """The candidate's compiled step, from the cache when it is there."""
+    """The candidate's compiled step, from the cache when it is there.
+
+    `toolchain` is the C++ (cross) compiler that links the library, e.g. `aarch64-linux-gnu-g++`
+    for a Raspberry Pi; None links with the host's default compiler.
+    """
     cache_dir = cache_dir or default_cache_dir()
-    entry = cache_dir / "steps" / cache_key(model, candidate, target)
+    entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain)
     if (entry / META_NAME).is_file() and (entry / LIB_NAME).is_file():
         return _load(entry, cached=True)
 
@@ -112,13 +121,18 @@ def compile_candidate(
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
-        executable.export_library(str(tmp / LIB_NAME))
+        fcompile = tvm.support.cc.cross_compiler(toolchain) if toolchain else None
+        try:
+            executable.export_library(str(tmp / LIB_NAME), fcompile=fcompile)
+        except Exception as exc:
+            raise CandidateFailed(f"linking the step failed: {str(exc).strip().splitlines()[-1]}") from None
         meta = {
             "signature": sig.to_json(),
             "memory": memory.to_json(),
             "compile_seconds": seconds,
             "candidate": candidate.to_json(),
             "target": str(target),
+            "toolchain": toolchain,
         }
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2))
         try:

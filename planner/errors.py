@@ -27,3 +27,13 @@ class NoFeasiblePlan(PlannerError):
 
 class CandidateFailed(Exception):
     """One candidate could not be built, compiled or run: a failed trial, never a dead study."""
+
+
+class BoardUnreachable(PlannerError):
+    """The RPC tracker cannot be reached, or it has no board under the requested key."""
+
+    exit_code = 3
+
+
+class BoardLost(Exception):
+    """A board disconnected, crashed or overran its session while measuring (retried once)."""

@@ -25,9 +25,11 @@ from pydantic import BaseModel, ValidationError
 from . import __version__
 from .errors import BadInput, NoFeasiblePlan
 from .graph import StepSignature
+from .data import Dataset
 from .model import Model
 from .search import TrialRecord
 from .space import Candidate
+from .target import HardwareTarget
 
 SCHEMA_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -55,6 +57,7 @@ class TargetInfo(BaseModel):
     name: str
     tvm_target: dict
     device: str
+    toolchain: str | None = None
 
 
 class Choice(BaseModel):
@@ -81,6 +84,14 @@ class Plan(BaseModel):
     @property
     def signature(self) -> StepSignature:
         return StepSignature.from_json(self.step["signature"])
+
+    def as_target(self) -> HardwareTarget:
+        """The target this plan was built for, as far as the plan records it."""
+        t = self.target
+        return HardwareTarget(
+            name=t.name, tvm_target=t.tvm_target, toolchain=t.toolchain,
+            ram_budget_bytes=self.measurement["ram_budget_bytes"],
+        )
 
     @property
     def candidate(self) -> Candidate:
@@ -124,11 +135,70 @@ def choice_json(model: Model, cand: Candidate) -> dict:
 
 
 def metrics_json(t: TrialRecord) -> dict:
-    return {
+    metrics = {
         "step_latency_ms": t.latency.to_json(),
         "peak_memory_bytes": t.memory.to_json(),
         "accuracy": {"before": t.accuracy.before, "after": t.accuracy.after, "steps": t.accuracy.steps},
+        "library_bytes": t.library_bytes,
+        "board": t.board,
     }
+    if t.board_memory:
+        metrics["board_memory"] = t.board_memory
+    return metrics
+
+
+def assemble(
+    model: Model,
+    dataset: Dataset,
+    target: HardwareTarget,
+    trials: list[TrialRecord],
+    chosen: TrialRecord,
+    pareto: set[int],
+    signature: StepSignature,
+    selection: dict,
+    study: dict,
+    accuracy_seed: int,
+) -> Plan:
+    """The plan for `chosen`, with the Pareto front and how every number was measured."""
+    lat = chosen.latency
+    where = "in-process on this machine" if target.runner == "local" else f"on a '{target.rpc.key}' board over TVM RPC"
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        model={
+            "path": str(model.path),
+            "sha256": model.sha256,
+            "inputs": [{"name": model.input_name, "shape": ["batch", *model.input_shape], "dtype": "float32"}],
+        },
+        dataset={**dataset.to_json(), "sha256": dataset.sha256},
+        target={"name": target.name, "tvm_target": target.tvm_target, "device": target.device, "toolchain": target.toolchain},
+        choice=choice_json(model, chosen.candidate),
+        metrics=metrics_json(chosen),
+        measurement={
+            "latency": f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
+            f"p90 over {lat.repeats} repeats, each the mean of {lat.number} back-to-back steps; spread "
+            f"{lat.min:.3f}-{lat.max:.3f} ms",
+            "memory": "liveness over the compiled step after TVM static memory planning, plus resident "
+            "weights, optimizer state and the batch",
+            "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed {accuracy_seed}) "
+            "with a host build of the candidate's step; accuracy does not depend on the board",
+            "ram_budget_bytes": target.ram_budget_bytes,
+            "latency_budget_ms": target.latency_budget_ms,
+            "flash_budget_bytes": target.flash_budget_bytes,
+        },
+        pareto=[
+            {"trial": t.number, "choice": choice_json(model, t.candidate), "metrics": metrics_json(t)}
+            for t in trials
+            if t.number in pareto
+        ],
+        selection={**selection, "trial": chosen.number, "n_feasible": sum(t.feasible for t in trials)},
+        step={"library": STEP_LIBRARY, "signature": signature.to_json()},
+        versions=versions(),
+        study={
+            **study,
+            "n_trials": sum(t.state in ("COMPLETE", "FAIL", "PRUNED") for t in trials),
+            "n_failed": sum(t.state == "FAIL" for t in trials),
+        },
+    )
 
 
 def versions() -> dict:

@@ -1,7 +1,9 @@
 """Execute a plan: fine-tune with the plan's compiled step and export the result.
 
 A plan directory is self-contained — plan.json, the compiled step, the starting weights and the
-model graph — so this is what runs on the board.
+model graph — so it runs where it was compiled for: in this process (on the board itself, or on
+the planning host for a host plan), or on a board over TVM RPC with `--target`, where the weights
+go up, every step runs on the board, and the trained weights come back.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from .accuracy import finetune
-from .data import load_dataset
+from .compile import compile_candidate, default_cache_dir
+from .data import Dataset, load_dataset
 from .defaults import DEFAULT_RUN_STEPS
 from .errors import BadInput
 from .model import load_model, save_onnx
-from .plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, read_plan
+from .plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, Plan, read_plan
 from .session import TrainingSession
+from .target import HardwareTarget
 
 
 @dataclass(frozen=True)
@@ -26,15 +30,34 @@ class RunResult:
     after: dict[str, float]
     steps: int
     out: Path
+    device: str
 
     def to_json(self) -> dict:
-        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out)}
+        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
+
+
+def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None):
+    loss0, acc0 = session.evaluate(data.x_val, data.y_val)
+    finetune(session, data, steps, seed)
+    loss1, acc1 = session.evaluate(data.x_val, data.y_val)
+    return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
 
 
 def run_plan(
-    plan_dir: Path, data: Path | None = None, steps: int = DEFAULT_RUN_STEPS, out: Path | None = None, shuffle: bool = True, seed: int = 0
+    plan_dir: Path,
+    data: Path | None = None,
+    steps: int = DEFAULT_RUN_STEPS,
+    out: Path | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    target: HardwareTarget | None = None,
 ) -> RunResult:
-    """Train `steps` steps from the plan's weights; write weights.npz and model.onnx to `out`."""
+    """Train `steps` steps from the plan's weights; write weights.npz and model.onnx to `out`.
+
+    Without `target`, runs the plan's library in this process. With an RPC target, runs on one of
+    its boards (the plan is recompiled for the target if it was built for another).
+    """
+    plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
     if steps < 1:
         raise BadInput("--steps must be at least 1")
@@ -42,13 +65,38 @@ def run_plan(
     dataset = load_dataset(data or Path(plan.dataset.source), model)
     with np.load(plan_dir / WEIGHTS_FILE) as npz:
         weights = {k: npz[k] for k in npz.files}
-    session = TrainingSession(plan_dir / STEP_LIBRARY, plan.signature, weights)
-    loss0, acc0 = session.evaluate(dataset.x_val, dataset.y_val)
-    finetune(session, dataset, steps, seed if shuffle else None)
-    loss1, acc1 = session.evaluate(dataset.x_val, dataset.y_val)
-    out = out or plan_dir / "finetuned"
+    order_seed = seed if shuffle else None
+
+    library, sig = plan_dir / STEP_LIBRARY, plan.signature
+    if target is not None and not _built_for(plan, target):
+        compiled = compile_candidate(model, plan.candidate, target.tvm(), default_cache_dir(), target.toolchain)
+        library, sig = compiled.library, compiled.signature
+    if target is not None and target.runner == "rpc":
+        from .measure.rpc import BoardPool, run_on_board
+
+        pool = BoardPool.for_target(target)
+        pool.check()
+        before, after, final = run_on_board(
+            pool, library, lambda lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
+        )
+        device = target.device
+    else:
+        try:
+            session = TrainingSession(library, sig, weights)
+        except Exception:
+            raise BadInput(
+                f"cannot load {library.name} on this machine: it is built for {plan.target.name} "
+                f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or pass --target"
+            ) from None
+        before, after, final = _train(session, dataset, steps, order_seed)
+        device = "local"
+
+    out = Path(out) if out else plan_dir / "finetuned"
     out.mkdir(parents=True, exist_ok=True)
-    final = session.weights()
     np.savez(out / WEIGHTS_FILE, **final)
     save_onnx(model, final, out / MODEL_FILE)
-    return RunResult({"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, steps, out)
+    return RunResult(before, after, steps, out, device)
+
+
+def _built_for(plan: Plan, target: HardwareTarget) -> bool:
+    return plan.target.tvm_target == target.tvm_target and plan.target.toolchain == target.toolchain

@@ -11,6 +11,7 @@ Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -23,11 +24,11 @@ import tvm
 from .accuracy import AccuracyResult, measure_accuracy
 from .compile import compile_candidate
 from .data import Dataset
-from .errors import BadInput, CandidateFailed
-from .measure.local import Latency, time_step
+from .errors import BadInput, BoardLost, CandidateFailed
+from .measure import capacity, measure_step
+from .measure.latency import Latency
 from .memory import MemoryBreakdown
 from .model import Model
-from .session import TrainingSession
 from .space import Candidate, SearchSpace
 from .target import HardwareTarget
 
@@ -60,6 +61,9 @@ class TrialRecord:
     memory: MemoryBreakdown | None = None
     feasible: bool = False
     fail_reason: str | None = None
+    board: str | None = None
+    board_memory: dict | None = None
+    library_bytes: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -98,23 +102,39 @@ def open_study(storage_url: str, name: str, seed: int, config: dict) -> optuna.S
     return study
 
 
+HOST_TARGET = {"kind": "llvm"}
+
+
 def _objective(model: Model, data: Dataset, target: HardwareTarget, space: SearchSpace, settings: SearchSettings):
-    tvm_target = target.tvm()
+    board_target = target.tvm()
+    host_target = tvm.target.Target(HOST_TARGET)
+    compile_lock = threading.Lock()  # trials run in threads (one per board); TVM compiles one at a time
+
+    def build(candidate: Candidate, tvm_target, toolchain):
+        with compile_lock:
+            return compile_candidate(model, candidate, tvm_target, settings.cache_dir, toolchain)
 
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
         candidate = space.sample(trial, model)
         trial.set_user_attr("candidate", candidate.to_json())
         try:
-            compiled = compile_candidate(model, candidate, tvm_target, settings.cache_dir)
+            compiled = build(candidate, board_target, target.toolchain)
             trial.set_user_attr("memory", compiled.memory.to_json())
+            trial.set_user_attr("library_bytes", compiled.library.stat().st_size)
             trial.set_user_attr("compile_s", 0.0 if compiled.cached else compiled.compile_seconds)
             t0 = time.perf_counter()
-            session = TrainingSession(compiled.library, compiled.signature, model.initializers)
-            latency = time_step(session, repeats=settings.latency_repeats, device=target.device)
-            trial.set_user_attr("latency", latency.to_json())
+            measured = measure_step(compiled, model.initializers, target, settings.latency_repeats)
+            trial.set_user_attr("latency", measured.latency.to_json())
+            trial.set_user_attr("board", measured.board)
+            trial.set_user_attr("board_memory", measured.board_memory)
             trial.set_user_attr("measure_s", time.perf_counter() - t0)
-            acc = measure_accuracy(model, data, candidate, compiled, settings.accuracy_steps, settings.seed, settings.cache_dir)
+            # accuracy does not depend on the board: a board build may not even run here
+            on_host = compiled if target.runner == "local" else build(candidate, host_target, None)
+            acc = measure_accuracy(model, data, candidate, on_host, settings.accuracy_steps, settings.seed, settings.cache_dir)
             trial.set_user_attr("accuracy", acc.to_json())
+        except BoardLost as exc:
+            trial.set_user_attr("fail_reason", str(exc))
+            raise CandidateFailed(str(exc)) from None
         except CandidateFailed as exc:
             trial.set_user_attr("fail_reason", str(exc))
             raise
@@ -124,8 +144,10 @@ def _objective(model: Model, data: Dataset, target: HardwareTarget, space: Searc
             raise CandidateFailed(reason) from exc
         trial.set_constraint("ram_budget", compiled.memory.total - target.ram_budget_bytes)
         if target.latency_budget_ms is not None:
-            trial.set_constraint("latency_budget", latency.median - target.latency_budget_ms)
-        return acc.after, latency.median, float(compiled.memory.total)
+            trial.set_constraint("latency_budget", measured.latency.median - target.latency_budget_ms)
+        if target.flash_budget_bytes is not None:
+            trial.set_constraint("flash_budget", compiled.library.stat().st_size - target.flash_budget_bytes)
+        return acc.after, measured.latency.median, float(compiled.memory.total)
 
     return objective
 
@@ -141,6 +163,7 @@ def run_study(
 ) -> list[TrialRecord]:
     """Run trials until the study holds `settings.trials` finished ones (or the timeout)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
+    n_jobs = capacity(target)  # one trial in flight per board
     done = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
     remaining = settings.trials - done
     if remaining > 0:
@@ -152,6 +175,7 @@ def run_study(
             n_trials=remaining,
             timeout=settings.timeout_s,
             catch=(CandidateFailed,),
+            n_jobs=n_jobs,
             callbacks=callbacks,
             gc_after_trial=False,
         )
@@ -169,6 +193,9 @@ def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
         latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
         memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
         fail_reason=attrs.get("fail_reason") or trial.system_attrs.get("fail_reason"),
+        board=attrs.get("board"),
+        board_memory=attrs.get("board_memory"),
+        library_bytes=attrs.get("library_bytes"),
         seconds={k: float(attrs[k]) for k in ("compile_s", "measure_s") if k in attrs},
     )
     rec.feasible = rec.complete and all(c <= 0 for c in trial.constraints.values())

@@ -40,7 +40,11 @@ class TrainingSession:
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One training step on a full batch; returns its loss."""
-        out = self.vm[STEP_FUNC](*self.step_args(x, y))
+        # set_input/invoke_stateful/get_outputs work alike on a local and an RPC device, where a
+        # returned tuple cannot be indexed directly
+        self.vm.set_input(STEP_FUNC, *self.step_args(x, y))
+        self.vm.invoke_stateful(STEP_FUNC)
+        out = self.vm.get_outputs(STEP_FUNC)
         n = len(self.trainable)
         self.trainable = list(out[1 : 1 + n])
         self.states = list(out[1 + n :])

@@ -17,7 +17,7 @@ import tvm
 from planner import api
 from planner.accuracy import AccuracyResult
 from planner.compile import compile_candidate
-from planner.measure.local import Latency
+from planner.measure.latency import Latency
 from planner.memory import MemoryBreakdown
 from planner.model import load_model
 from planner.plan import read_plan, select

@@ -1,0 +1,141 @@
+"""Measure a compiled step on a board behind a TVM RPC tracker.
+
+A measurement requests a board of the key from the tracker (waiting while all are busy), uploads
+the library, loads it into a Relax VM on the board, uploads the weights, times the step there with
+the VM's time evaluator and reads the board process's peak memory through planner's probes (when
+the board runs `planner board serve`). A board that disconnects, crashes or overruns its session
+costs one retry on another board; the second loss is `BoardLost`, which the search records as a
+failed trial with reason "board lost".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
+from ..compile import CompiledStep
+from ..errors import BoardLost, BoardUnreachable
+from ..session import TrainingSession
+from . import Measurement
+from .latency import time_step
+
+
+@dataclass
+class BoardPool:
+    """The boards registered with one tracker under one key."""
+
+    tracker: tuple[str, int]
+    key: str
+    priority: int = 1
+    session_timeout_s: float = 600
+
+    @classmethod
+    def for_target(cls, target) -> BoardPool:
+        r = target.rpc
+        return cls(r.address, r.key, r.priority, r.session_timeout_s)
+
+    @property
+    def device(self) -> str:
+        return f"rpc:{self.key}"
+
+    def status(self) -> KeyStatus:
+        return key_status(self.tracker, self.key)
+
+    def check(self) -> KeyStatus:
+        """Fail fast (exit 3) when the tracker is down or knows no board of the key."""
+        status = self.status()
+        if status.total == 0:
+            raise BoardUnreachable(
+                f"the tracker at {self.tracker[0]}:{self.tracker[1]} has no board under key '{self.key}' "
+                f"(start one with `planner board serve --tracker {self.tracker[0]}:{self.tracker[1]} --key {self.key}`)"
+            )
+        return status
+
+    def session(self):
+        """A session on a free board of the key (blocks while every board is busy)."""
+        from tvm import rpc
+
+        try:
+            tracker = rpc.connect_tracker(*self.tracker)
+            return tracker.request(self.key, priority=self.priority, session_timeout=self.session_timeout_s, max_retry=2)
+        except (OSError, RuntimeError) as exc:
+            raise BoardLost(f"no session on a '{self.key}' board: {_last_line(exc)}") from None
+
+    def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+        try:
+            return self._measure_once(compiled, weights, repeats)
+        except BoardLost:
+            pass
+        try:
+            return self._measure_once(compiled, weights, repeats)  # once more, on whichever board is free
+        except BoardLost as exc:
+            raise BoardLost(f"board lost: {exc}") from None
+
+    def _measure_once(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+        remote = self.session()
+        try:
+            board = _address(remote, self.key)
+            remote.upload(str(compiled.library), _remote_name(compiled.library))
+            lib = remote.load_module(_remote_name(compiled.library))
+            dev = remote.cpu()
+            reset, peak = _probe(remote, RESET_PEAK), _probe(remote, PEAK_RSS)
+            rss0 = reset() if reset else None
+            session = TrainingSession(lib, compiled.signature, weights, device=dev)
+            latency = time_step(session, repeats, device=self.device)
+            memory = None
+            if rss0 is not None and peak is not None:
+                memory = {
+                    "peak_rss_growth_bytes": int(peak()) - int(rss0),
+                    "method": "board process VmHWM during weight upload and timed steps, minus VmRSS before",
+                }
+            return Measurement(latency=latency, board=board, board_memory=memory)
+        except BoardLost:
+            raise
+        except Exception as exc:  # a dropped connection or a session timeout surfaces as TVM errors
+            raise BoardLost(_last_line(exc)) from None
+        finally:
+            del remote
+
+
+def run_on_board(pool: BoardPool, library: Path, fn):
+    """Call `fn(lib, device)` with `library` loaded on a board; one retry if the board is lost."""
+    for attempt in range(2):
+        remote = pool.session()
+        try:
+            remote.upload(str(library), _remote_name(library))
+            return fn(remote.load_module(_remote_name(library)), remote.cpu())
+        except BoardLost:
+            if attempt:
+                raise
+        except Exception as exc:
+            if attempt:
+                raise BoardLost(f"board lost: {_last_line(exc)}") from None
+        finally:
+            del remote
+    raise AssertionError("unreachable")
+
+
+def _remote_name(library: Path) -> str:
+    """Each upload gets its own name in the session's work directory."""
+    return f"{library.parent.name}-{library.name}"
+
+
+def _probe(remote, name: str):
+    try:
+        return remote.get_function(name)
+    except Exception:  # a stock TVM server has no planner probes
+        return None
+
+
+def _address(remote, key: str) -> str:
+    """Which board: planner's probe names its host and server process; a stock server stays anonymous."""
+    board_id = _probe(remote, BOARD_ID)
+    return str(board_id()) if board_id else f"rpc:{key}"
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
