@@ -105,7 +105,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     trainable = [n for n in names if n in trainable_set]
     frozen = [n for n in names if n not in trainable_set]
     if not trainable:
-        raise CandidateFailed("candidate trains no parameter")
+        raise CandidateFailed("candidate freezes every layer: nothing to train")
 
     func = _imported(model)
     x, *pvars = func.params
