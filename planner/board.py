@@ -26,6 +26,14 @@ RSS = "planner.board.rss"
 BOARD_ID = "planner.board.id"
 
 
+def parse_host_port(value: str) -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port)."""
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not HOST:PORT: {value!r}")
+    return host, int(port)
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

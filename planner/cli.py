@@ -278,8 +278,7 @@ def board_serve(
     port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
 ) -> None:
     """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
-    from .board import serve
-    from .target import parse_host_port
+    from .board import parse_host_port, serve
 
     try:
         addr = parse_host_port(tracker)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .board import parse_host_port
 from .errors import BadInput
 from .spec import load_spec
 
@@ -37,14 +38,6 @@ def parse_bytes(value: int | str) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (use bytes or units like 512MiB, 2GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """`HOST:PORT` -> (host, port)."""
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"not HOST:PORT: {value!r}")
-    return host, int(port)
 
 
 class RpcRunner(BaseModel):

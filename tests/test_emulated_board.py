@@ -1,0 +1,81 @@
+"""A cross-compiled plan trains on AArch64: an emulated Raspberry Pi (qemu-user) serving TVM RPC.
+
+The board is built by tests/emulated_board/build.sh (.ci/run does it); without it these tests skip.
+Timings under emulation mean nothing; what is checked is that the AArch64 build really runs there
+and trains exactly like the host build.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_rpc import free_port, kill, start
+
+from planner import api
+from planner.board import key_status
+from planner.plan import read_plan
+
+EMU = Path(os.environ.get("PLANNER_EMU_DIR", Path.home() / ".cache" / "planner" / "aarch64-board"))
+REPO = Path(__file__).resolve().parent.parent
+KEY = "pi-emulated"
+
+pytestmark = pytest.mark.skipif(
+    not (EMU / "ready").is_file() or not Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists(),
+    reason=f"no emulated AArch64 board in {EMU} (build it with tests/emulated_board/build.sh, as root)",
+)
+
+
+@pytest.fixture(scope="module")
+def pi():
+    port = free_port()
+    tracker = f"127.0.0.1:{port}"
+    tracker_proc = start("tracker", "--port", str(port), "--port-end", str(port + 1))
+    env = {**os.environ, "QEMU_LD_PREFIX": str(EMU / "root"), "PYTHONPATH": f"{EMU / 'site'}:{REPO}"}
+    board = subprocess.Popen(
+        [str(EMU / "root/usr/bin/python3.11"), "-m", "planner", "board", "serve", "--tracker", tracker,
+         "--key", KEY, "--port", str(free_port())],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.time() + 300  # importing TVM under emulation takes a while
+    while time.time() < deadline:
+        try:
+            if key_status(("127.0.0.1", port), KEY).total == 1:
+                break
+        except Exception:
+            pass
+        time.sleep(1)
+    else:
+        kill(board)
+        kill(tracker_proc)
+        pytest.fail("the emulated board did not register with the tracker")
+    yield tracker
+    kill(board)
+    kill(tracker_proc)
+
+
+def test_plan_for_raspberry_pi_4_is_measured_on_aarch64(pi, tiny_model, tiny_data, tmp_path):
+    result = api.plan(model=tiny_model, data=tiny_data, target="raspberry-pi-4", out=tmp_path / "p", trials=2,
+                      accuracy_steps=10, latency_repeats=3, tracker=pi, key=KEY)
+    assert result.plan.target.device == f"rpc:{KEY}"
+    assert all(t.complete for t in result.trials)
+    elf = (tmp_path / "p" / "train_step.so").read_bytes()[:20]
+    assert int.from_bytes(elf[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_cross_compiled_step_trains_like_the_host_build(pi, tiny_model, tiny_data, tmp_path):
+    api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "host", trials=1, accuracy_steps=5, latency_repeats=3)
+    api.compile_plan(tmp_path / "host", "raspberry-pi-4", tmp_path / "pi")
+    assert read_plan(tmp_path / "pi").target.toolchain == "aarch64-linux-gnu-g++"
+    local = api.run_plan(tmp_path / "host", steps=15, out=tmp_path / "local", shuffle=False)
+    remote = api.run_plan(tmp_path / "pi", steps=15, out=tmp_path / "arm", shuffle=False,
+                          target="raspberry-pi-4", tracker=pi, key=KEY)
+    assert remote.device == f"rpc:{KEY}"
+    with np.load(tmp_path / "local" / "weights.npz") as a, np.load(tmp_path / "arm" / "weights.npz") as b:
+        for k in a.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-5)
+    assert remote.after["accuracy"] == local.after["accuracy"]
