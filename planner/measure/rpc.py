@@ -59,9 +59,11 @@ class BoardPool:
         from tvm import rpc
 
         try:
+            if self.status().total == 0:  # the tracker would queue the request forever
+                raise BoardLost(f"no '{self.key}' board is left at the tracker")
             tracker = rpc.connect_tracker(*self.tracker)
             return tracker.request(self.key, priority=self.priority, session_timeout=self.session_timeout_s, max_retry=2)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, BoardUnreachable) as exc:
             raise BoardLost(f"no session on a '{self.key}' board: {_last_line(exc)}") from None
 
     def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
