@@ -11,9 +11,14 @@ model output passes a gradient to its input: ops upstream of every trainable lay
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import onnx
+import tvm
+from tvm import relax
+from tvm.relax.op.base import register_gradient
+from tvm.relax.op.grad import no_grad
 
 # ONNX ops whose lowering passes a gradient from output to (data) input.
 PASSES_GRADIENT: frozenset[str] = frozenset(
@@ -21,30 +26,41 @@ PASSES_GRADIENT: frozenset[str] = frozenset(
         "Add",
         "AveragePool",
         "BatchNormalization",
+        "Clip",
+        "Concat",
         "Conv",
+        "Div",
+        "Erf",
         "Flatten",
+        "Gelu",
         "Gemm",
         "GlobalAveragePool",
+        "HardSigmoid",
+        "HardSwish",
         "Identity",
+        "LayerNormalization",
         "MatMul",
         "MaxPool",
+        "Mul",
+        "ReduceMean",
         "Relu",
         "Reshape",
+        "Sigmoid",
+        "Softmax",
+        "Sub",
+        "Tanh",
+        "Transpose",
     }
 )
 
 # ONNX ops whose parameters (initializer inputs) planner can train.
-HAS_PARAM_GRADIENT: frozenset[str] = frozenset({"BatchNormalization", "Conv", "Gemm", "MatMul"})
+HAS_PARAM_GRADIENT: frozenset[str] = frozenset({"Add", "BatchNormalization", "Conv", "Gemm", "LayerNormalization", "MatMul", "Mul"})
 
 
 def node_gradient_problem(node: onnx.NodeProto) -> str | None:
     """Why a gradient cannot flow through `node`, or None when it can."""
     if node.op_type not in PASSES_GRADIENT:
         return f"node '{node.name}' ({node.op_type}) has no gradient in planner"
-    if node.op_type == "Conv":
-        group = next((a.i for a in node.attribute if a.name == "group"), 1)
-        if group != 1:
-            return f"node '{node.name}' (Conv, group={group}) has no gradient in planner"
     return None
 
 
@@ -76,3 +92,41 @@ def layer_problem(node: onnx.NodeProto, downstream: Mapping[str, str]) -> str | 
     if own:
         return own
     return downstream.get(node.name) or None
+
+
+# --- Gradients TVM 0.27 lacks, registered with Relax's own mechanism -----------------------------
+# Each is checked against float64 finite differences in tests/test_gradients.py.
+
+
+def _clip_grad(orig_var, orig_call, output_grad, ctx):
+    """y = clip(x, lo, hi): dy/dx = 1 inside [lo, hi], 0 outside (HardSwish, HardSigmoid)."""
+    x, lo, hi = orig_call.args
+    dtype = x.ty.dtype
+
+    def bound(prim: relax.PrimValue) -> relax.Constant:
+        return relax.const(float(getattr(prim.value, "value", prim.value)), dtype)
+
+    inside = relax.op.logical_and(relax.op.greater_equal(x, bound(lo)), relax.op.less_equal(x, bound(hi)))
+    return [relax.op.where(inside, output_grad, relax.op.zeros_like(output_grad)), no_grad(lo), no_grad(hi)]
+
+
+def _erf_grad(orig_var, orig_call, output_grad, ctx):
+    """y = erf(x): dy/dx = 2/sqrt(pi) * exp(-x^2)."""
+    x = orig_call.args[0]
+    dtype = x.ty.dtype
+    return [output_grad * relax.const(2.0 / math.sqrt(math.pi), dtype) * relax.op.exp(relax.op.negative(x * x))]
+
+
+def _gelu_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x * Phi(x): dy/dx = Phi(x) + x * phi(x), Phi the normal CDF, phi its density."""
+    x = orig_call.args[0]
+    dtype = x.ty.dtype
+    half = relax.const(0.5, dtype)
+    cdf = half * (relax.const(1.0, dtype) + relax.op.erf(x * relax.const(1.0 / math.sqrt(2.0), dtype)))
+    pdf = relax.const(1.0 / math.sqrt(2.0 * math.pi), dtype) * relax.op.exp(relax.op.negative(half * x * x))
+    return [output_grad * (cdf + x * pdf)]
+
+
+for _op, _grad in (("relax.clip", _clip_grad), ("relax.erf", _erf_grad), ("relax.nn.gelu", _gelu_grad)):
+    if tvm.ir.Op.get(_op).get_attr("FPrimalGradient") is None:
+        register_gradient(_op, _grad)

@@ -83,6 +83,7 @@ def _imported(model: Model) -> relax.Function:
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise BadInput(f"TVM cannot import {model.path.name}: {detail}") from None
     mod, _ = relax.frontend.detach_params(mod)
+    mod = _untangle_clip(mod)
     func = mod["main"]
     expected = 1 + len(model.initializers)
     if len(func.params) != expected:  # the frontend keeps initializers in graph order
@@ -90,6 +91,30 @@ def _imported(model: Model) -> relax.Function:
     func = func.without_attr("params").without_attr("num_input")
     _IMPORTED[model.sha256] = func
     return func
+
+
+@relax.expr_functor.mutator
+class _ClipAsRelaxOps(relax.PyExprMutator):
+    """`call_tir(maximum|minimum, (x, bound))` -> `R.maximum|R.minimum(x, bound)`.
+
+    TVM's ONNX frontend lowers Clip with tensor bounds (every opset >= 11, so every ReLU6) straight
+    to TIR, which the gradient pass cannot see through; the Relax ops it stands for have gradients.
+    """
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and isinstance(call.args[0], relax.GlobalVar):
+            name = call.args[0].name_hint
+            operands = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else []
+            if len(operands) == 2 and name.rstrip("0123456789") in ("maximum", "minimum"):
+                op = relax.op.maximum if name.startswith("maximum") else relax.op.minimum
+                return op(*operands)
+        return call
+
+
+def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
+    mod["main"] = _ClipAsRelaxOps().visit_expr(mod["main"])
+    return relax.transform.DeadCodeElimination(["main"])(mod)
 
 
 def make_optimizer(candidate: Candidate) -> Optimizer:

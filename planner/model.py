@@ -25,7 +25,9 @@ _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
     "Gemm": (1, 2),
     "MatMul": (1, None),
     "BatchNormalization": (1, 2),  # scale, bias; running mean/var (3, 4) stay frozen
+    "LayerNormalization": (1, 2),  # scale, bias
 }
+_ELEMENTWISE_PARAM = {"Add", "Mul"}  # a bias added after MatMul, a learned scale
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,9 @@ def _layers(proto: onnx.ModelProto) -> list[Layer]:
         if not owned:
             continue
         w_slot, b_slot = _WEIGHT_BIAS_SLOTS.get(node.op_type, (None, None))
+        if node.op_type in _ELEMENTWISE_PARAM:  # x + b, x * w: the initializer may stand on either side
+            slot = 0 if node.input[0] in inits else 1
+            w_slot, b_slot = (slot, None) if node.op_type == "Mul" else (None, slot)
         weight = node.input[w_slot] if w_slot is not None and len(node.input) > w_slot and node.input[w_slot] in inits else None
         bias = node.input[b_slot] if b_slot is not None and len(node.input) > b_slot and node.input[b_slot] in inits else None
         buffers = tuple(n for n in owned if n not in (weight, bias))

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
+import tvm
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.ops._op import OpRunUnaryNum
+
+from planner.compile import compile_candidate
+from planner.model import load_model
+from planner.session import TrainingSession
+from planner.space import Candidate
 
 
 def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: int = 3) -> Path:
     """Conv-BN-ReLU(1->4) MaxPool Conv(4->6)-ReLU GAP Flatten Gemm(6->C), input [batch,1,6,6].
 
-    `extra_op` inserts a single-input op (e.g. "Sigmoid") right before the classifier head.
+    `extra_op` inserts a single-input op (e.g. "Floor") right before the classifier head.
     """
     rng = np.random.default_rng(seed)
     inits, nodes = [], []
@@ -55,3 +65,196 @@ def blobs(path: Path, n: int = 240, n_classes: int = 3, seed: int = 0, shape=(1,
     arrays.update(overrides)
     np.savez(path, **arrays)
     return path
+
+
+# --- one op between a trainable conv and the head: does a correct gradient flow through it? -----
+
+Body = Callable[[list, Callable, str, int, np.random.Generator], str]
+
+
+def _unary(op: str, **attrs) -> Body:
+    def body(nodes, p, h, C, rng):
+        nodes.append(helper.make_node(op, [h], ["o"], name="op", **attrs))
+        return "o"
+
+    return body
+
+
+def _binary(op: str) -> Body:
+    def body(nodes, p, h, C, rng):
+        nodes.append(helper.make_node(op, [h, p("k", rng.uniform(0.5, 1.5, (1, C, 1, 1)))], ["o"], name="op"))
+        return "o"
+
+    return body
+
+
+def _clip(nodes, p, h, C, rng):  # ReLU6, with tensor bounds as every exporter writes it
+    for name, v in (("lo", 0.0), ("hi", 6.0)):
+        nodes.append(helper.make_node("Constant", [], [name], name=f"const_{name}", value=numpy_helper.from_array(np.array(v, np.float32))))
+    nodes.append(helper.make_node("Clip", [h, "lo", "hi"], ["o"], name="op"))
+    return "o"
+
+
+def _conv(k: int, stride: int, groups: str) -> Body:
+    def body(nodes, p, h, C, rng):
+        G = {"depthwise": C, "grouped": 2, "dense": 1}[groups]
+        w = p("op.w", rng.normal(0, 0.5, (C, C // G, k, k)))
+        nodes.append(helper.make_node("Conv", [h, w, p("op.b", rng.normal(0, 0.1, C))], ["o"], name="op", group=G, pads=[k // 2] * 4, strides=[stride, stride]))
+        return "o"
+
+    return body
+
+
+def _channels_last(inner: Body) -> Body:
+    def body(nodes, p, h, C, rng):
+        nodes.append(helper.make_node("Transpose", [h], ["t"], name="to_nhwc", perm=[0, 2, 3, 1]))
+        out = inner(nodes, p, "t", C, rng)
+        nodes.append(helper.make_node("Transpose", [out], ["o2"], name="to_nchw", perm=[0, 3, 1, 2]))
+        return "o2"
+
+    return body
+
+
+def _layernorm(nodes, p, h, C, rng):
+    nodes.append(helper.make_node("LayerNormalization", [h, p("op.s", rng.uniform(0.5, 1.5, C)), p("op.b", rng.normal(0, 0.1, C))], ["o"], name="op", axis=-1))
+    return "o"
+
+
+def _matmul(nodes, p, h, C, rng):
+    nodes.append(helper.make_node("MatMul", [h, p("op.w", rng.normal(0, 0.5, (C, C)))], ["o"], name="op"))
+    return "o"
+
+
+def _concat(nodes, p, h, C, rng):
+    nodes.append(helper.make_node("Concat", [h, h], ["cc"], name="op", axis=1))
+    nodes.append(helper.make_node("Conv", ["cc", p("mix.w", rng.normal(0, 0.5, (C, 2 * C, 1, 1)))], ["o"], name="mix"))
+    return "o"
+
+
+def _reduce_mean(nodes, p, h, C, rng):
+    nodes.append(helper.make_node("Constant", [], ["axes"], name="const_axes", value=numpy_helper.from_array(np.array([2], np.int64))))
+    nodes.append(helper.make_node("ReduceMean", [h, "axes"], ["r"], name="op", keepdims=1))
+    nodes.append(helper.make_node("Add", [h, "r"], ["o"], name="residual"))
+    return "o"
+
+
+OP_PATTERNS: dict[str, Body] = {
+    "Relu": _unary("Relu"),
+    "Clip(ReLU6)": _clip,
+    "HardSwish": _unary("HardSwish"),
+    "HardSigmoid": _unary("HardSigmoid"),
+    "Sigmoid": _unary("Sigmoid"),
+    "Tanh": _unary("Tanh"),
+    "Erf": _unary("Erf"),
+    "Gelu": _unary("Gelu"),
+    "Softmax": _unary("Softmax", axis=1),
+    "Add": _binary("Add"),
+    "Sub": _binary("Sub"),
+    "Mul": _binary("Mul"),
+    "Div": _binary("Div"),
+    "Concat": _concat,
+    "ReduceMean": _reduce_mean,
+    "MaxPool3x3s2": _unary("MaxPool", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+    "AveragePool": _unary("AveragePool", kernel_shape=[2, 2], strides=[2, 2]),
+    "Conv1x1": _conv(1, 1, "dense"),
+    "Conv5x5": _conv(5, 1, "dense"),
+    "Conv7x7s2": _conv(7, 2, "dense"),
+    "DepthwiseConv3x3s2": _conv(3, 2, "depthwise"),
+    "DepthwiseConv5x5": _conv(5, 1, "depthwise"),
+    "GroupedConv3x3": _conv(3, 1, "grouped"),
+    "LayerNormalization": _channels_last(_layernorm),
+    "MatMul+Transpose": _channels_last(_matmul),
+}
+TRAINABLE_OP = {"Conv1x1", "Conv5x5", "Conv7x7s2", "DepthwiseConv3x3s2", "DepthwiseConv5x5", "GroupedConv3x3", "LayerNormalization", "MatMul+Transpose"}
+
+
+def op_pattern_model(path: Path, pattern: str, seed: int = 0) -> Path:
+    """Conv(1->4) -> PATTERN -> GAP -> Gemm(4->3), input [batch, 1, 6, 6]."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def p(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        return name
+
+    C = 4
+    nodes.append(helper.make_node("Conv", ["x", p("c.w", rng.normal(0, 0.5, (C, 1, 3, 3))), p("c.b", rng.normal(0, 0.1, C))], ["h"], name="c", pads=[1, 1, 1, 1]))
+    out = OP_PATTERNS[pattern](nodes, p, "h", C, rng)
+    nodes.append(helper.make_node("GlobalAveragePool", [out], ["gp"], name="gap"))
+    nodes.append(helper.make_node("Flatten", ["gp"], ["f"], name="flat"))
+    nodes.append(helper.make_node("Gemm", ["f", p("fc.w", rng.normal(0, 0.5, (3, C))), p("fc.b", np.zeros(3))], ["logits"], name="fc", transB=1))
+    graph = helper.make_graph(
+        nodes, pattern, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])], inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+# --- planner's gradients against float64 central differences of the ONNX reference runtime ------
+
+
+class Erf(OpRunUnaryNum):
+    """onnx's reference Erf rounds to float32 (and so does Gelu, built on it); this one does not."""
+
+    def _run(self, x):
+        return (np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype),)
+
+
+class Gelu(OpRunUnaryNum):
+    """Exact GELU in float64 (the reference expands ONNX's function body with float32 constants)."""
+
+    def _run(self, x, approximate="none"):
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
+
+
+def float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.ndarray) -> float:
+    """Mean cross-entropy of the ONNX graph evaluated by onnx's reference runtime in float64."""
+    m = onnx.ModelProto()
+    m.CopyFrom(proto)
+    for i, t in enumerate(m.graph.initializer):
+        m.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[t.name].astype(np.float64), t.name))
+    for v in list(m.graph.input) + list(m.graph.output):
+        v.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for node in m.graph.node:  # constants (e.g. Clip bounds) must be float64 too
+        if node.op_type == "Constant":
+            arr = numpy_helper.to_array(node.attribute[0].t)
+            if arr.dtype == np.float32:
+                node.attribute[0].t.CopyFrom(numpy_helper.from_array(arr.astype(np.float64), node.attribute[0].t.name))
+    logits = ReferenceEvaluator(m, new_ops=[Erf, Gelu]).run(None, {m.graph.input[0].name: x.astype(np.float64)})[0]
+    logits = logits - logits.max(axis=1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    return float(-logp[np.arange(len(y)), y].mean())
+
+
+def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int = 12, h: float = 1e-6) -> dict[str, float]:
+    """Relative error of planner's gradient of each trainable parameter vs finite differences.
+
+    SGD with lr = 1 makes the compiled step compute p - grad, so grad = p_before - p_after.
+    """
+    model = load_model(path)
+    step = compile_candidate(model, Candidate(trainable=trainable, batch_size=batch, optimizer="sgd", lr=1.0), tvm.target.Target({"kind": "llvm"}))
+    w0 = {k: v.astype(np.float32) for k, v in model.initializers.items()}
+    session = TrainingSession(step.library, step.signature, w0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 1, (batch, *model.input_shape)).astype(np.float32)
+    y = rng.integers(0, model.n_classes, batch)
+    session.step(x, y)
+    w1 = session.weights()
+    errors = {}
+    for name in step.signature.trainable:
+        grad = (w0[name].astype(np.float64) - w1[name].astype(np.float64)).ravel()
+        idx = rng.choice(grad.size, size=min(grad.size, samples), replace=False)
+        fd = []
+        for i in idx:
+            plus = {k: v.astype(np.float64) for k, v in w0.items()}
+            minus = {k: v.astype(np.float64) for k, v in w0.items()}
+            plus[name].ravel()[i] += h
+            minus[name].ravel()[i] -= h
+            fd.append((float64_loss(model.proto, plus, x, y) - float64_loss(model.proto, minus, x, y)) / (2 * h))
+        fd = np.array(fd)
+        errors[name] = float(np.linalg.norm(grad[idx] - fd) / max(np.linalg.norm(fd), 1e-12))
+    return errors

@@ -17,7 +17,7 @@ def planner(*args: str, cwd=None) -> subprocess.CompletedProcess:
 def _cases(tmp, tiny_model, tiny_data):
     corrupt = tmp / "corrupt.onnx"
     corrupt.write_bytes(b"\x08\x07this is not a protobuf" * 10)
-    blocked = tiny_cnn(tmp / "blocked.onnx", extra_op="Sigmoid")
+    blocked = tiny_cnn(tmp / "blocked.onnx", extra_op="Floor")
     wrong_shape = blobs(tmp / "wrong_shape.npz", shape=(1, 8, 8))
     bad_labels = blobs(tmp / "bad_labels.npz", y=np.full(240, 7, dtype=np.int64))
     bad_target = tmp / "bad-target.yaml"
@@ -27,7 +27,7 @@ def _cases(tmp, tiny_model, tiny_data):
     return {
         "missing model": (["--model", str(tmp / "nope.onnx"), "--data", str(tiny_data)], "model file not found"),
         "corrupt model": (["--model", str(corrupt), "--data", str(tiny_data)], "not a valid ONNX model"),
-        "op without gradient": (["--model", str(blocked), "--data", str(tiny_data)], "node 'blocker' (Sigmoid)"),
+        "op without gradient": (["--model", str(blocked), "--data", str(tiny_data)], "node 'blocker' (Floor)"),
         "data shape": (["--model", str(tiny_model), "--data", str(wrong_shape)], "needs (1, 6, 6)"),
         "labels out of range": (["--model", str(tiny_model), "--data", str(bad_labels)], "labels must lie in [0, 2]"),
         "unknown target": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", "toaster"], "unknown target 'toaster'"),
@@ -55,7 +55,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_model, tiny_data)
 
 
 def test_inspect_names_the_blocking_node(tmp_path):
-    blocked = tiny_cnn(tmp_path / "blocked.onnx", extra_op="Sigmoid")
+    blocked = tiny_cnn(tmp_path / "blocked.onnx", extra_op="Floor")
     res = planner("inspect", str(blocked), "--json")
     assert res.returncode == 0, res.stderr
     import json

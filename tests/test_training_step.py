@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 import tvm
-from onnx import TensorProto, numpy_helper
-from onnx.reference import ReferenceEvaluator
+from builders import gradient_errors
 
 from planner.compile import compile_candidate
 from planner.model import load_model
@@ -38,20 +36,6 @@ def test_frozen_params_stay_and_trainable_ones_move(tiny_model):
     assert "bn.s" in step.signature.frozen and "c1.w" in step.signature.frozen
 
 
-def _float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.ndarray) -> float:
-    """Mean cross-entropy of the ONNX graph evaluated by onnx's reference runtime in float64."""
-    m = onnx.ModelProto()
-    m.CopyFrom(proto)
-    for i, t in enumerate(m.graph.initializer):
-        m.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[t.name].astype(np.float64), t.name))
-    for v in list(m.graph.input) + list(m.graph.output):
-        v.type.tensor_type.elem_type = TensorProto.DOUBLE
-    logits = ReferenceEvaluator(m).run(None, {"x": x.astype(np.float64)})[0]
-    logits = logits - logits.max(axis=1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    return float(-logp[np.arange(len(y)), y].mean())
-
-
 @pytest.mark.parametrize(
     "trainable",
     [
@@ -61,27 +45,6 @@ def _float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.nd
     ids=["all-full", "sparse"],
 )
 def test_gradients_match_float64_finite_differences(tiny_model, trainable):
-    """SGD with lr=1 turns the step into p - grad: compare grad with central differences."""
-    model = load_model(tiny_model)
-    cand = Candidate(trainable=trainable, batch_size=4, optimizer="sgd", lr=1.0)
-    step = compile_candidate(model, cand, HOST)
-    w0 = {k: v.astype(np.float32) for k, v in model.initializers.items()}
-    session = TrainingSession(step.library, step.signature, w0)
-    x, y = _batch(model)
-    session.step(x, y)
-    w1 = session.weights()
-    rng = np.random.default_rng(0)
-    h = 1e-6
-    for name in step.signature.trainable:
-        grad = (w0[name].astype(np.float64) - w1[name].astype(np.float64)).ravel()
-        idx = rng.choice(grad.size, size=min(grad.size, 12), replace=False)
-        fd = []
-        for i in idx:
-            plus = {k: v.astype(np.float64) for k, v in w0.items()}
-            minus = {k: v.astype(np.float64) for k, v in w0.items()}
-            plus[name].ravel()[i] += h
-            minus[name].ravel()[i] -= h
-            fd.append((_float64_loss(model.proto, plus, x, y) - _float64_loss(model.proto, minus, x, y)) / (2 * h))
-        fd = np.array(fd)
-        err = np.linalg.norm(grad[idx] - fd) / max(np.linalg.norm(fd), 1e-12)
-        assert err < 1e-3, f"{name}: relative gradient error {err:.2e}"
+    errors = gradient_errors(tiny_model, trainable)
+    assert set(errors) == {p for layer, mode in trainable for p in load_model(tiny_model).layer(layer).params_for(mode)}
+    assert all(e < 1e-3 for e in errors.values()), errors
