@@ -22,7 +22,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 from tvm.relax.training import SetupTrainer
 from tvm.relax.training.loss import CrossEntropyLoss
-from tvm.relax.training.optimizer import SGD, Optimizer
+from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from .errors import BadInput, CandidateFailed
 from .model import Model
@@ -41,7 +41,7 @@ class StepSignature:
     input_shape: tuple[int, ...]  # with the batch dimension
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
-    optim_states: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype); all start at zero
+    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
     n_classes: int
 
     @property
@@ -50,7 +50,7 @@ class StepSignature:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["optim_states"] = [{"shape": list(s), "dtype": t} for s, t in self.optim_states]
+        d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
         return d
 
     @classmethod
@@ -60,7 +60,7 @@ class StepSignature:
             input_shape=tuple(d["input_shape"]),
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
-            optim_states=tuple((tuple(s["shape"]), s["dtype"]) for s in d["optim_states"]),
+            optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
         )
 
@@ -117,10 +117,34 @@ def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.DeadCodeElimination(["main"])(mod)
 
 
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+class _Adam(Adam):
+    """TVM 0.27's `Adam.init` hands NumPy a TVM dtype object; a dtype string works everywhere."""
+
+    def _set_params_and_dtype(self, params: list[relax.Var]) -> None:
+        super()._set_params_and_dtype(params)
+        self.dtype = str(self.dtype)
+
+
 def make_optimizer(candidate: Candidate) -> Optimizer:
+    """`sgd`: plain SGD (no momentum, no weight decay); `momentum`: SGD with momentum 0.9; `adam`."""
     if candidate.optimizer == "sgd":
-        return SGD(candidate.lr)  # plain SGD: no momentum, no weight decay
-    raise CandidateFailed(f"optimizer {candidate.optimizer!r} is not supported yet")
+        return SGD(candidate.lr)
+    if candidate.optimizer == "momentum":
+        return MomentumSGD(candidate.lr, momentum=0.9)
+    if candidate.optimizer == "adam":
+        return _Adam(candidate.lr)
+    raise CandidateFailed(f"unknown optimizer {candidate.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+
+
+def _fill(tensor) -> float:
+    """Optimizer states start constant (zeros; Adam's running beta products at one)."""
+    values = tensor.numpy().ravel()
+    if values.size and not (values == values[0]).all():
+        raise CandidateFailed("optimizer state does not start constant")
+    return float(values[0]) if values.size else 0.0
 
 
 def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
@@ -163,7 +187,10 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         input_shape=(B, *model.input_shape),
         frozen=tuple(frozen),
         trainable=tuple(trainable),
-        optim_states=tuple((tuple(int(d) for d in t.shape), str(t.dtype)) for t in state_types),
+        optim_states=tuple(
+            (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init))
+            for t, init in zip(state_types, optimizer.state)
+        ),
         n_classes=model.n_classes,
     )
     return out, sig

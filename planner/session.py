@@ -30,7 +30,7 @@ class TrainingSession:
         put = self._put
         self.frozen = [put(weights[n]) for n in sig.frozen]
         self.trainable = [put(weights[n]) for n in sig.trainable]
-        self.states = [put(np.zeros(shape, dtype)) for shape, dtype in sig.optim_states]
+        self.states = [put(np.full(shape, fill, dtype)) for shape, dtype, fill in sig.optim_states]
 
     def _put(self, array: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(array, order="C"), self.device)

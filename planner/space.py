@@ -59,6 +59,7 @@ class Suggester(Protocol):
 
     def suggest_categorical(self, name: str, choices: list) -> object: ...
     def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float: ...
+    def suggest_int(self, name: str, low: int, high: int) -> int: ...
 
 
 class _Strict(BaseModel):
@@ -72,14 +73,21 @@ class LrRange(_Strict):
 
 
 class SearchSpace(_Strict):
-    """What the study may vary. Layers default to every layer planner can train."""
+    """What the study may vary. Layers default to every layer with parameters, in model order.
+
+    `strategy` says how the trainable set is drawn:
+    - `per-layer`: each layer gets its own mode from `modes` (the sparse-update search);
+    - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
+    - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
+    """
 
     name: str
     description: str = ""
+    strategy: Literal["per-layer", "last-k", "all"] = "per-layer"
     layers: list[str] | None = None
     modes: list[Mode] = ["frozen", "bias", "full"]
     batch_size: list[int] = [8, 16, 32]
-    optimizer: list[Literal["sgd"]] = ["sgd"]
+    optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
     lr: LrRange = LrRange(low=0.01, high=0.1)
     precision: list[Literal["fp32"]] = ["fp32"]
 
@@ -106,18 +114,30 @@ class SearchSpace(_Strict):
             raise BadInput(f"search space '{self.name}' leaves no layer to train")
         return names
 
+    @field_validator("modes")
+    @classmethod
+    def _some_mode(cls, v: list[str]) -> list[str]:
+        if not [m for m in v if m != "frozen"]:
+            raise ValueError("modes must include bias or full")
+        return v
+
     def sample(self, trial: Suggester, model: Model) -> Candidate:
-        """Draw one candidate. Each layer's mode is its own categorical parameter."""
-        trainable = []
-        for name in self.layer_names(model):
-            layer = model.layer(name)
-            modes = [m for m in self.modes if m == "frozen" or layer.params_for(m)]
-            mode = str(trial.suggest_categorical(f"mode:{name}", modes))
-            if mode != "frozen":
-                trainable.append((name, mode))
+        """Draw one candidate: the trainable set by `strategy`, then batch, optimizer, lr, precision."""
+        names = self.layer_names(model)
+        if self.strategy == "per-layer":
+            modes = {
+                n: str(trial.suggest_categorical(f"mode:{n}", [m for m in self.modes if m == "frozen" or model.layer(n).params_for(m)]))
+                for n in names
+            }
+        else:
+            k = int(trial.suggest_int("last_k", 1, len(names))) if self.strategy == "last-k" else len(names)
+            mode = str(trial.suggest_categorical("mode", [m for m in self.modes if m != "frozen"]))
+            modes = {n: mode for n in names[len(names) - k :]}
+        # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
+        trainable = tuple((n, m) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))
         lr = self.lr
         return Candidate(
-            trainable=tuple(trainable),
+            trainable=trainable,
             batch_size=int(trial.suggest_categorical("batch_size", list(self.batch_size))),
             optimizer=str(trial.suggest_categorical("optimizer", list(self.optimizer))),
             lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),

@@ -1,0 +1,53 @@
+"""Search spaces turn trials into the candidates their strategy promises."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from planner.errors import BadInput
+from planner.model import load_model
+from planner.space import SPACES_DIR, load_space
+
+
+def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
+    model = load_model(tiny_model)
+    space = load_space("last-k")
+    trial = optuna.trial.FixedTrial({"last_k": 2, "mode": "full", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32"})
+    cand = space.sample(trial, model)
+    assert cand.trainable == (("c2", "full"), ("fc", "full"))
+
+
+def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
+    model = load_model(tiny_model)
+    cand = load_space("bias-only").sample(
+        optuna.trial.FixedTrial({"mode": "bias", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32"}), model
+    )
+    assert cand.trainable == tuple((layer.name, "bias") for layer in model.layers)
+
+
+def test_full_trains_everything(tiny_model):
+    model = load_model(tiny_model)
+    cand = load_space("full").sample(
+        optuna.trial.FixedTrial({"mode": "full", "batch_size": 8, "optimizer": "adam", "lr": 0.01, "precision": "fp32"}), model
+    )
+    assert cand.trainable == tuple((layer.name, "full") for layer in model.layers) and cand.optimizer == "adam"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
+def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
+    model = load_model(tiny_model)
+    space = load_space(name)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(10):
+        cand = space.sample(study.ask(), model)
+        assert cand.batch_size in space.batch_size and cand.optimizer in space.optimizer
+        assert space.lr.low <= cand.lr <= space.lr.high
+        assert all(mode in space.modes for _, mode in cand.trainable)
+
+
+def test_a_space_without_a_training_mode_is_refused(tmp_path):
+    path = tmp_path / "frozen.yaml"
+    path.write_text("modes: [frozen]\n")
+    with pytest.raises(BadInput, match="modes"):
+        load_space(str(path))
