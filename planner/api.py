@@ -22,7 +22,8 @@ from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, read_plan, s
 from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
-from .search import SearchSettings, TrialRecord, open_study, pareto_numbers, run_study
+from .evaluate import EvalSettings, TrialRecord
+from .search import SearchSettings, open_study, pareto_numbers, run_study
 from .space import load_space
 from .target import HardwareTarget, load_target
 
@@ -100,11 +101,11 @@ def plan(
         "accuracy_steps": accuracy_steps,
     }
     st = open_study(storage_url, study_name, seed, config)
-    settings = SearchSettings(trials, timeout_s, seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir())
-    records = run_study(st, m, dataset, hw, sp, settings, on_trial)
+    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir())
+    records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 
     chosen = select(records, policy, accuracy_tolerance)
-    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), settings.cache_dir, hw.toolchain)
+    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain)
     result = assemble(
         m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled.signature,
         selection={"policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names},

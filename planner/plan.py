@@ -27,7 +27,7 @@ from .errors import BadInput, NoFeasiblePlan
 from .graph import StepSignature
 from .data import Dataset
 from .model import Model
-from .search import TrialRecord
+from .evaluate import TrialRecord
 from .space import Candidate
 from .target import HardwareTarget
 

@@ -21,7 +21,7 @@ from planner.measure.latency import Latency
 from planner.memory import MemoryBreakdown
 from planner.model import load_model
 from planner.plan import read_plan, select
-from planner.search import TrialRecord
+from planner.evaluate import TrialRecord
 from planner.space import Candidate
 
 

@@ -1,0 +1,133 @@
+"""Evaluate one candidate for real: compile it for the target, measure it there, fine-tune it.
+
+This is the work of one search trial and of `planner measure` alike. Results are reported through
+`record(key, json_value)` as soon as each stage finishes, so a candidate that fails late still
+leaves what was measured; `TrialRecord` is the plain-data view of a finished evaluation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tvm
+
+from .accuracy import AccuracyResult, measure_accuracy
+from .compile import compile_candidate
+from .data import Dataset
+from .errors import BoardLost, CandidateFailed
+from .measure import measure_step
+from .measure.latency import Latency
+from .memory import MemoryBreakdown
+from .model import Model
+from .space import Candidate
+from .target import HardwareTarget
+
+HOST_TARGET = {"kind": "llvm"}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    seed: int
+    accuracy_steps: int
+    latency_repeats: int
+    cache_dir: Path
+
+
+@dataclass
+class TrialRecord:
+    """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
+
+    number: int
+    state: str  # COMPLETE | FAIL | RUNNING | PRUNED
+    candidate: Candidate | None
+    accuracy: AccuracyResult | None = None
+    latency: Latency | None = None
+    memory: MemoryBreakdown | None = None
+    feasible: bool = False
+    fail_reason: str | None = None
+    board: str | None = None
+    board_memory: dict | None = None
+    library_bytes: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "COMPLETE" and self.accuracy is not None
+
+    @classmethod
+    def from_attrs(cls, number: int, state: str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:
+        """Rebuild a record from what `Evaluator.evaluate` recorded."""
+        cand = attrs.get("candidate")
+        rec = cls(
+            number=number,
+            state=state,
+            candidate=Candidate.from_json(cand) if cand else None,
+            accuracy=AccuracyResult(**attrs["accuracy"]) if "accuracy" in attrs else None,
+            latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
+            memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
+            fail_reason=attrs.get("fail_reason"),
+            board=attrs.get("board"),
+            board_memory=attrs.get("board_memory"),
+            library_bytes=attrs.get("library_bytes"),
+            seconds={k: float(attrs[k]) for k in ("compile_s", "measure_s") if k in attrs},
+        )
+        rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
+        if rec.accuracy is not None:
+            rec.seconds["accuracy_s"] = rec.accuracy.seconds
+        return rec
+
+
+class Evaluator:
+    """Evaluates candidates of one model on one target; safe to call from several threads."""
+
+    def __init__(self, model: Model, data: Dataset, target: HardwareTarget, settings: EvalSettings):
+        self.model, self.data, self.target, self.settings = model, data, target, settings
+        self._board_target = target.tvm()
+        self._host_target = tvm.target.Target(HOST_TARGET)
+        self._compile_lock = threading.Lock()  # TVM compiles one candidate at a time
+
+    def _build(self, candidate: Candidate, tvm_target, toolchain: str | None):
+        with self._compile_lock:
+            return compile_candidate(self.model, candidate, tvm_target, self.settings.cache_dir, toolchain)
+
+    def evaluate(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float]:
+        """Measure `candidate`; returns its budget constraints (feasible when all are <= 0).
+
+        Raises CandidateFailed (with the reason also recorded) when it cannot be built or run.
+        """
+        target, settings = self.target, self.settings
+        record("candidate", candidate.to_json())
+        try:
+            compiled = self._build(candidate, self._board_target, target.toolchain)
+            record("memory", compiled.memory.to_json())
+            record("library_bytes", compiled.library.stat().st_size)
+            record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds)
+            t0 = time.perf_counter()
+            measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
+            record("latency", measured.latency.to_json())
+            record("board", measured.board)
+            record("board_memory", measured.board_memory)
+            record("measure_s", time.perf_counter() - t0)
+            # accuracy does not depend on the board: a board build may not even run here
+            on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
+            acc = measure_accuracy(
+                self.model, self.data, candidate, on_host, settings.accuracy_steps, settings.seed, settings.cache_dir
+            )
+            record("accuracy", acc.to_json())
+        except (BoardLost, CandidateFailed) as exc:
+            record("fail_reason", str(exc))
+            raise CandidateFailed(str(exc)) from None
+        except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            record("fail_reason", reason)
+            raise CandidateFailed(reason) from exc
+        constraints = {"ram_budget": compiled.memory.total - target.ram_budget_bytes}
+        if target.latency_budget_ms is not None:
+            constraints["latency_budget"] = measured.latency.median - target.latency_budget_ms
+        if target.flash_budget_bytes is not None:
+            constraints["flash_budget"] = compiled.library.stat().st_size - target.flash_budget_bytes
+        return constraints
