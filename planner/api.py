@@ -14,7 +14,7 @@ from pathlib import Path
 from .compile import CompiledStep, compile_candidate, default_cache_dir
 from .data import load_dataset
 from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
-from .errors import BadInput
+from .errors import BadInput, CandidateFailed, MeasureFailed
 from .graph import check_importable
 from .measure import capacity
 from .model import Model, load_model
@@ -22,12 +22,13 @@ from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, read_plan, s
 from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
-from .evaluate import EvalSettings, TrialRecord
+from .evaluate import EvalSettings, Evaluator, TrialRecord
 from .search import SearchSettings, open_study, pareto_numbers, run_study
+from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
 
-__all__ = ["plan", "compile_plan", "check_target", "inspect_model", "run_plan", "resolve_target", "PlanResult", "RunResult"]
+__all__ = ["plan", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "resolve_target", "PlanResult", "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,50 @@ def plan(
     )
     _write(out, result, compiled, m)
     return PlanResult(result, out, records)
+
+
+def measure(
+    model: str | Path,
+    scheme: str | Path,
+    data: str | Path,
+    target: str = DEFAULT_TARGET,
+    out: str | Path = "plan",
+    seed: int = 0,
+    accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
+    latency_repeats: int = 10,
+    cache_dir: Path | None = None,
+    tracker: str | None = None,
+    key: str | None = None,
+) -> PlanResult:
+    """Measure one explicit scheme (no search) and write a plan directory like `plan` does.
+
+    The plan is written even when the scheme breaks the target's budgets — it is what the user
+    asked to measure; `selection.feasible` says whether it fits.
+    """
+    m = load_model(model)
+    dataset = load_dataset(data, m)
+    hw = resolve_target(target, tracker, key)
+    candidate = load_scheme(scheme).candidate(m)
+    check_importable(m)
+    capacity(hw)
+    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir())
+    attrs: dict = {}
+    try:
+        constraints = Evaluator(m, dataset, hw, evaluation).evaluate(candidate, attrs.__setitem__)
+    except CandidateFailed as exc:
+        raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
+    rec = TrialRecord.from_attrs(0, "COMPLETE", attrs, constraints)
+    compiled = compile_candidate(m, candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain)
+    result = assemble(
+        m, dataset, hw, [rec], rec, {0}, compiled.signature,
+        selection={"policy": "scheme", "scheme": str(Path(scheme).resolve()), "feasible": rec.feasible,
+                   "accuracy_tolerance": None, "over_budget": {k: v for k, v in constraints.items() if v > 0}},
+        study={"storage": None, "name": None},
+        accuracy_seed=seed,
+    )
+    out = Path(out)
+    _write(out, result, compiled, m)
+    return PlanResult(result, out, [rec])
 
 
 def compile_plan(plan_dir: str | Path, target: str, out: str | Path, cache_dir: Path | None = None) -> Plan:

@@ -104,6 +104,10 @@ def plan(
     if json_out:
         print(json.dumps(result.plan.model_dump(), indent=2))
         return
+    _summary(result)
+
+
+def _summary(result) -> None:
     p = result.plan
     m = p.metrics
     stdout.print(
@@ -113,6 +117,35 @@ def plan(
         f"step {m['step_latency_ms']['median']:.2f} ms; peak {_kib(m['peak_memory_bytes']['total'])}",
         markup=False, highlight=False, soft_wrap=True,
     )
+    if p.selection.get("feasible") is False:
+        stderr.print(f"warning: the scheme breaks the target's budgets: {', '.join(p.selection['over_budget'])}", markup=False, highlight=False)
+
+
+@app.command()
+def measure(
+    model: Annotated[Path, typer.Argument(help="ONNX classifier")],
+    scheme: Annotated[Path, typer.Option(help="scheme YAML: trainable layers/params, batch_size, optimizer {name, lr}, precision")],
+    data: Annotated[Path, typer.Option(help=".npz dataset (x_train/y_train/x_val/y_val, or x/y)")],
+    target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = DEFAULT_TARGET,
+    out: Annotated[Path, typer.Option(help="plan directory to write")] = Path("plan"),
+    seed: Annotated[int, typer.Option(help="fine-tuning seed")] = 0,
+    accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps for the accuracy")] = DEFAULT_ACCURACY_STEPS,
+    tracker: TrackerOpt = None,
+    key: KeyOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
+) -> None:
+    """Measure one explicit scheme (e.g. a paper's) with no search; writes a plan directory.
+
+    The directory has the format `planner plan` writes, so `planner run DIR` executes it and its
+    numbers compare directly with a searched plan's.
+    """
+    from . import api
+
+    result = _guard(lambda: api.measure(model, scheme, data, target, out, seed, accuracy_steps, tracker=tracker, key=key))
+    if json_out:
+        print(json.dumps(result.plan.model_dump(), indent=2))
+        return
+    _summary(result)
 
 
 @app.command()

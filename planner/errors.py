@@ -25,6 +25,12 @@ class NoFeasiblePlan(PlannerError):
     exit_code = 1
 
 
+class MeasureFailed(PlannerError):
+    """`planner measure`: the scheme could not be built or run (the reason says why)."""
+
+    exit_code = 1
+
+
 class CandidateFailed(Exception):
     """One candidate could not be built, compiled or run: a failed trial, never a dead study."""
 

@@ -49,11 +49,13 @@ class Layer:
         return self.problem is None
 
     def params_for(self, mode: str) -> tuple[str, ...]:
-        """Parameters updated by a layer in `mode` (`full`: weight and bias, `bias`: bias only)."""
+        """Parameters updated by a layer in `mode` (`full`: weight and bias, `bias`, `weight`)."""
         if mode == "full":
             return tuple(p for p in (self.weight, self.bias) if p)
         if mode == "bias":
             return (self.bias,) if self.bias else ()
+        if mode == "weight":
+            return (self.weight,) if self.weight else ()
         raise ValueError(f"unknown update mode {mode!r}")
 
 

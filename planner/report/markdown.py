@@ -18,12 +18,19 @@ def render(plan: Plan, model: Model) -> str:
     m = plan.metrics
     lat, mem, acc = m["step_latency_ms"], m["peak_memory_bytes"], m["accuracy"]
     c = plan.choice
+    sel = plan.selection
+    if sel["policy"] == "scheme":
+        fits = "fits the target's budgets" if sel["feasible"] else f"breaks the target's budgets ({', '.join(sel['over_budget'])})"
+        origin = f"Measured scheme `{sel['scheme']}` (no search); it {fits}."
+    else:
+        origin = (
+            f"Chosen by `{sel['policy']}` (accuracy tolerance {sel['accuracy_tolerance']}) from trial "
+            f"{sel['trial']} of {plan.study['n_trials']} ({plan.study['n_failed']} failed, {sel['n_feasible']} feasible)."
+        )
     lines = [
         f"# Training plan: {model.path.name} on {plan.target.name}",
         "",
-        f"Chosen by `{plan.selection['policy']}` (accuracy tolerance {plan.selection['accuracy_tolerance']}) "
-        f"from trial {plan.selection['trial']} of {plan.study['n_trials']} "
-        f"({plan.study['n_failed']} failed, {plan.selection['n_feasible']} feasible).",
+        origin,
         "",
         "| | |",
         "|---|---|",

@@ -1,0 +1,95 @@
+"""Scheme files: one explicit training configuration, e.g. a paper's, to measure without a search.
+
+    trainable:
+      - layer: b2.dw          # ONNX node name
+        mode: full            # full | bias | weight
+      - params: [classifier.weight, classifier.bias]
+    precision: fp32
+    batch_size: 8
+    grad_accum: 1
+    optimizer: {name: sgd, lr: 0.05}   # sgd (plain) | momentum | adam
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import BadInput
+from .model import Model
+from .space import Candidate
+from .spec import load_spec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Entry(_Strict):
+    """A layer with a mode, or a list of parameters (ONNX initializer names)."""
+
+    layer: str | None = None
+    mode: Literal["full", "bias", "weight"] = "full"
+    params: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Entry:
+        if (self.layer is None) == (self.params is None):
+            raise ValueError("each trainable entry names either a `layer` or `params`")
+        return self
+
+
+class Optimizer(_Strict):
+    name: Literal["sgd", "momentum", "adam"] = "sgd"
+    lr: float = Field(gt=0)
+
+
+class Scheme(_Strict):
+    name: str
+    trainable: list[Entry] = Field(min_length=1)
+    precision: Literal["fp32"] = "fp32"
+    batch_size: int = Field(gt=0)
+    grad_accum: Literal[1] = 1
+    optimizer: Optimizer
+
+    def candidate(self, model: Model) -> Candidate:
+        """The candidate, with every layer and parameter checked against the model."""
+        modes: dict[str, str] = {}
+        owners = {p: layer.name for layer in model.layers for p in layer.param_shapes}
+        for entry in self.trainable:
+            if entry.layer is not None:
+                layer = model.layer(entry.layer)
+                if not layer.params_for(entry.mode):
+                    raise BadInput(f"scheme {self.name}: layer '{layer.name}' has no parameters for mode {entry.mode}")
+                modes[layer.name] = entry.mode
+                continue
+            for p in entry.params:
+                if p not in owners:
+                    raise BadInput(f"scheme {self.name}: the model has no parameter '{p}'")
+            for layer in map(model.layer, dict.fromkeys(owners[p] for p in entry.params)):
+                wanted = {p for p in entry.params if owners[p] == layer.name}
+                mode = next((m for m in ("full", "bias", "weight") if set(layer.params_for(m)) == wanted), None)
+                if mode is None:
+                    raise BadInput(f"scheme {self.name}: {', '.join(sorted(wanted))} of layer '{layer.name}' is not an update planner supports (full, bias or weight)")
+                modes[layer.name] = mode
+        for name in modes:
+            problem = model.layer(name).problem
+            if problem:
+                raise BadInput(f"scheme {self.name}: cannot train layer '{name}': {problem}")
+        order = [layer.name for layer in model.layers]
+        return Candidate(
+            trainable=tuple(sorted(modes.items(), key=lambda kv: order.index(kv[0]))),
+            batch_size=self.batch_size,
+            optimizer=self.optimizer.name,
+            lr=self.optimizer.lr,
+            precision=self.precision,
+        )
+
+
+def load_scheme(path: str | Path) -> Scheme:
+    path = Path(path)
+    if not path.suffix:
+        raise BadInput(f"a scheme is a YAML file path, got {str(path)!r}")
+    return load_spec(str(path), path.parent, "scheme", Scheme)

@@ -1,0 +1,68 @@
+"""`planner measure`: one explicit scheme, measured like a trial, written as a runnable plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner import api
+from planner.errors import BadInput
+
+SCHEME = """
+trainable:
+  - layer: c2
+    mode: full
+  - params: [fc.b]
+batch_size: 4
+optimizer: {name: momentum, lr: 0.05}
+"""
+
+
+def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
+    scheme = tmp_path / "paper.yaml"
+    scheme.write_text(SCHEME)
+    res = subprocess.run(
+        [sys.executable, "-m", "planner", "measure", str(tiny_model), "--scheme", str(scheme), "--data", str(tiny_data),
+         "--out", str(tmp_path / "m"), "--accuracy-steps", "20", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert [(t["layer"], t["mode"], t["params"]) for t in plan["choice"]["trainable"]] == [
+        ("c2", "full", ["c2.w", "c2.b"]), ("fc", "bias", ["fc.b"])
+    ]
+    assert plan["choice"]["optimizer"] == {"name": "momentum", "lr": 0.05} and plan["choice"]["batch_size"] == 4
+    assert plan["selection"]["policy"] == "scheme" and plan["selection"]["feasible"] is True
+    assert plan["metrics"]["step_latency_ms"]["repeats"] >= 5
+    run = api.run_plan(tmp_path / "m", steps=10, out=tmp_path / "ft")
+    assert run.steps == 10 and (tmp_path / "ft" / "model.onnx").is_file()
+
+
+def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_data, tmp_path):
+    scheme = tmp_path / "s.yaml"
+    scheme.write_text(SCHEME)
+    target = tmp_path / "tiny.yaml"
+    target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: 1KiB\n")
+    result = api.measure(tiny_model, scheme, tiny_data, str(target), tmp_path / "m", accuracy_steps=5, latency_repeats=3)
+    assert result.plan.selection["feasible"] is False and "ram_budget" in result.plan.selection["over_budget"]
+    assert (tmp_path / "m" / "plan.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("trainable: [{params: [nope.w]}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "no parameter 'nope.w'"),
+        ("trainable: [{layer: c9}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "no layer named 'c9'"),
+        ("trainable: [{layer: c1, params: [c1.w]}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "either a `layer` or `params`"),
+        ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\ngrad_accum: 4\n", "grad_accum"),
+    ],
+)
+def test_bad_schemes_are_refused_before_any_compile(body, message, tiny_model, tiny_data, tmp_path):
+    scheme = tmp_path / "bad.yaml"
+    scheme.write_text(body)
+    with pytest.raises(BadInput, match=message.replace("(", r"\(").replace("[", r"\[").replace("`", "`")):
+        api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m")
+    assert not (tmp_path / "m").exists()
