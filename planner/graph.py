@@ -26,7 +26,7 @@ from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from .errors import BadInput, CandidateFailed
 from .model import Model
-from .space import Candidate
+from .space import Candidate, split_mode
 
 STEP_FUNC = "train_step"
 PREDICT_FUNC = "backbone"
@@ -41,6 +41,7 @@ class StepSignature:
     input_shape: tuple[int, ...]  # with the batch dimension
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
+    splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
     optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
     n_classes: int
 
@@ -60,6 +61,7 @@ class StepSignature:
             input_shape=tuple(d["input_shape"]),
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
+            splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
         )
@@ -150,23 +152,28 @@ def _fill(tensor) -> float:
 def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
     """The candidate's training module (unlegalized) and the signature of its step."""
     trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)}
+    splits = _channel_splits(model, candidate)
     names = list(model.initializers)
-    trainable = [n for n in names if n in trainable_set]
-    frozen = [n for n in names if n not in trainable_set]
+    trainable = [head(n) if n in splits else n for n in names if n in trainable_set]
+    frozen = [n for n in names if n not in trainable_set] + [tail(n) for n in names if n in splits]
     if not trainable:
         raise CandidateFailed("candidate freezes every layer: nothing to train")
 
     func = _imported(model)
-    x, *pvars = func.params
-    by_name = dict(zip(names, pvars))
-    params = [x] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
-    func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
-    batch_dim = x.ty.shape[0]
+    batch_dim = func.params[0].ty.shape[0]
     B = candidate.batch_size
     if isinstance(batch_dim, tvm.tirx.Var):
         func = func.bind_symbolic_vars({batch_dim: B})
     elif int(batch_dim) != B:
         raise CandidateFailed(f"model has a fixed batch size {int(batch_dim)}; cannot use batch {B}")
+    x, *pvars = func.params
+    if splits:
+        func = _with_split_weights(func, names, splits)
+        x, *pvars = func.params
+        names = [x.name for x in pvars]
+    by_name = dict(zip(names, pvars))
+    params = [x] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
+    func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
     func = func.with_attr("global_symbol", PREDICT_FUNC)
     backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
     backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
@@ -187,6 +194,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         input_shape=(B, *model.input_shape),
         frozen=tuple(frozen),
         trainable=tuple(trainable),
+        splits={n: splits[n] for n in splits},
         optim_states=tuple(
             (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init))
             for t, init in zip(state_types, optimizer.state)
@@ -194,6 +202,69 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         n_classes=model.n_classes,
     )
     return out, sig
+
+
+def head(name: str) -> str:
+    """The trainable first channels of a ratio-updated weight."""
+    return f"{name}@head"
+
+
+def tail(name: str) -> str:
+    """The frozen remaining channels of a ratio-updated weight."""
+    return f"{name}@tail"
+
+
+def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
+    """weight -> (output-channel axis, channels updated) for every `ratio:r` layer."""
+    splits = {}
+    for name, mode in candidate.trainable:
+        kind, ratio = split_mode(mode)
+        if kind != "ratio":
+            continue
+        layer = model.layer(name)
+        if layer.out_axis is None or layer.weight is None:
+            raise CandidateFailed(f"ratio updates need a Conv, Gemm or MatMul weight; layer '{name}' is {layer.op}")
+        channels = layer.param_shapes[layer.weight][layer.out_axis]
+        k = max(1, min(channels, round(ratio * channels)))
+        if k < channels:
+            splits[layer.weight] = (layer.out_axis, k)
+    return splits
+
+
+def _with_split_weights(func: relax.Function, names: list[str], splits: dict[str, tuple[int, int]]) -> relax.Function:
+    """`func(x, *initializers)` with each split weight taken as two parameters, head and tail.
+
+    The weight is rebuilt by concatenation inside the function, so only the head — the first k
+    output channels — can receive a gradient and optimizer state: a sparse update of that layer.
+    """
+    x, *pvars = func.params
+    new_params, args = [relax.Var(x.name, x.ty)], []
+    concat = []
+    for name, var in zip(names, pvars):
+        if name not in splits:
+            new_params.append(relax.Var(name, var.ty))
+            args.append(new_params[-1])
+            continue
+        axis, k = splits[name]
+        shape = [int(d) for d in var.ty.shape]
+        h_shape, t_shape = list(shape), list(shape)
+        h_shape[axis], t_shape[axis] = k, shape[axis] - k
+        h = relax.Var(head(name), relax.TensorType(h_shape, var.ty.dtype))
+        t = relax.Var(tail(name), relax.TensorType(t_shape, var.ty.dtype))
+        new_params += [h, t]
+        concat.append((len(args), h, t, axis))
+        args.append(None)
+    mod = tvm.IRModule({"imported": func})
+    gv = mod.get_global_var("imported")
+    relax.expr._update_type(gv, func.ty)
+    bb = relax.BlockBuilder(mod)
+    with bb.function("split", new_params):
+        with bb.dataflow():
+            for i, h, t, axis in concat:
+                args[i] = bb.emit(relax.op.concat([h, t], axis=axis))
+            out = bb.emit_output(relax.Call(gv, [new_params[0], *args]))
+        bb.emit_func_output(out)
+    return bb.get()["split"].inline_functions({"imported": func})
 
 
 def _fused_step(trainer: tvm.IRModule, n_trainable: int) -> tuple[relax.Function, list[relax.TensorType]]:

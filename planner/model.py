@@ -43,6 +43,7 @@ class Layer:
     param_bytes: int
     output_shape: tuple[int | str, ...]
     problem: str | None  # why planner cannot train it; None when it can
+    out_axis: int | None = None  # the weight's output-channel axis (Conv, Gemm, MatMul)
 
     @property
     def trainable(self) -> bool:
@@ -50,7 +51,7 @@ class Layer:
 
     def params_for(self, mode: str) -> tuple[str, ...]:
         """Parameters updated by a layer in `mode` (`full`: weight and bias, `bias`, `weight`)."""
-        if mode == "full":
+        if mode == "full" or mode.startswith("ratio"):  # ratio: a slice of the weight, all the bias
             return tuple(p for p in (self.weight, self.bias) if p)
         if mode == "bias":
             return (self.bias,) if self.bias else ()
@@ -169,6 +170,9 @@ def _layers(proto: onnx.ModelProto) -> list[Layer]:
         buffers = tuple(n for n in owned if n not in (weight, bias))
         param_shapes = {n: tuple(inits[n].dims) for n in owned}
         nbytes = sum(int(np.prod(s, dtype=np.int64)) * 4 for s in param_shapes.values())
+        out_axis = {"Conv": 0, "MatMul": 1}.get(node.op_type)
+        if node.op_type == "Gemm":
+            out_axis = 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
         layers.append(
             Layer(
                 name=node.name,
@@ -179,6 +183,7 @@ def _layers(proto: onnx.ModelProto) -> list[Layer]:
                 param_shapes=param_shapes,
                 param_bytes=nbytes,
                 output_shape=shapes.get(node.output[0], ()),
+                out_axis=out_axis if weight else None,
                 problem=layer_problem(node, downstream) if (weight or bias) else f"node '{node.name}' ({node.op_type}) has no trainable parameters",
             )
         )

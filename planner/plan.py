@@ -28,7 +28,7 @@ from .graph import StepSignature
 from .data import Dataset
 from .model import Model
 from .evaluate import TrialRecord
-from .space import Candidate
+from .space import Candidate, split_mode
 from .target import HardwareTarget
 
 SCHEMA_VERSION = 1
@@ -97,7 +97,7 @@ class Plan(BaseModel):
     def candidate(self) -> Candidate:
         c = self.choice
         return Candidate(
-            trainable=tuple((t["layer"], t["mode"]) for t in c.trainable),
+            trainable=tuple((t["layer"], f"ratio:{t['ratio']:g}" if t["mode"] == "ratio" else t["mode"]) for t in c.trainable),
             batch_size=c.batch_size,
             optimizer=c.optimizer["name"],
             lr=float(c.optimizer["lr"]),
@@ -122,12 +122,17 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
     return min(good, key=lambda t: (t.memory.total, t.latency.median, t.number))
 
 
+def _entry(model: Model, name: str, mode: str) -> dict:
+    kind, ratio = split_mode(mode)
+    entry = {"layer": name, "params": list(model.layer(name).params_for(mode)), "mode": kind}
+    if ratio is not None:
+        entry["ratio"] = ratio  # share of the weight's output channels that train
+    return entry
+
+
 def choice_json(model: Model, cand: Candidate) -> dict:
     return {
-        "trainable": [
-            {"layer": name, "params": list(model.layer(name).params_for(mode)), "mode": mode}
-            for name, mode in cand.trainable
-        ],
+        "trainable": [_entry(model, name, mode) for name, mode in cand.trainable],
         "precision": cand.precision,
         "batch_size": cand.batch_size,
         "optimizer": {"name": cand.optimizer, "lr": cand.lr},

@@ -2,7 +2,8 @@
 
     trainable:
       - layer: b2.dw          # ONNX node name
-        mode: full            # full | bias | weight
+        mode: ratio           # full | bias | weight | ratio
+        ratio: 0.25           # ratio: the first quarter of the output channels train
       - params: [classifier.weight, classifier.bias]
     precision: fp32
     batch_size: 8
@@ -31,13 +32,16 @@ class Entry(_Strict):
     """A layer with a mode, or a list of parameters (ONNX initializer names)."""
 
     layer: str | None = None
-    mode: Literal["full", "bias", "weight"] = "full"
+    mode: Literal["full", "bias", "weight", "ratio"] = "full"
+    ratio: float | None = Field(default=None, gt=0, le=1)
     params: list[str] | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> Entry:
         if (self.layer is None) == (self.params is None):
             raise ValueError("each trainable entry names either a `layer` or `params`")
+        if (self.mode == "ratio") != (self.ratio is not None):
+            raise ValueError("`mode: ratio` goes with `ratio: R` (the share of output channels updated), and only with it")
         return self
 
 
@@ -63,7 +67,9 @@ class Scheme(_Strict):
                 layer = model.layer(entry.layer)
                 if not layer.params_for(entry.mode):
                     raise BadInput(f"scheme {self.name}: layer '{layer.name}' has no parameters for mode {entry.mode}")
-                modes[layer.name] = entry.mode
+                if entry.mode == "ratio" and layer.out_axis is None:
+                    raise BadInput(f"scheme {self.name}: ratio updates need a Conv, Gemm or MatMul layer; '{layer.name}' is {layer.op}")
+                modes[layer.name] = f"ratio:{entry.ratio:g}" if entry.mode == "ratio" else entry.mode
                 continue
             for p in entry.params:
                 if p not in owners:

@@ -22,7 +22,13 @@ from .spec import load_spec
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 DEFAULT_SPACE = "per-layer"
 
-Mode = Literal["frozen", "bias", "full"]
+Mode = Literal["frozen", "bias", "full", "ratio"]
+
+
+def split_mode(mode: str) -> tuple[str, float | None]:
+    """A candidate's layer mode: `full`, `bias`, `weight`, or `ratio:R` (the first R of the channels)."""
+    kind, _, ratio = mode.partition(":")
+    return kind, float(ratio) if ratio else None
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class SearchSpace(_Strict):
     strategy: Literal["per-layer", "last-k", "all"] = "per-layer"
     layers: list[str] | None = None
     modes: list[Mode] = ["frozen", "bias", "full"]
+    ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
     batch_size: list[int] = [8, 16, 32]
     optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
     lr: LrRange = LrRange(low=0.01, high=0.1)
@@ -118,20 +125,30 @@ class SearchSpace(_Strict):
     @classmethod
     def _some_mode(cls, v: list[str]) -> list[str]:
         if not [m for m in v if m != "frozen"]:
-            raise ValueError("modes must include bias or full")
+            raise ValueError("modes must include bias, full or ratio")
+        return v
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0 < r <= 1 for r in v):
+            raise ValueError("ratios must be a non-empty list of numbers in (0, 1]")
         return v
 
     def sample(self, trial: Suggester, model: Model) -> Candidate:
         """Draw one candidate: the trainable set by `strategy`, then batch, optimizer, lr, precision."""
         names = self.layer_names(model)
         if self.strategy == "per-layer":
-            modes = {
-                n: str(trial.suggest_categorical(f"mode:{n}", [m for m in self.modes if m == "frozen" or model.layer(n).params_for(m)]))
-                for n in names
-            }
+            modes = {}
+            for n in names:
+                layer = model.layer(n)
+                allowed = [m for m in self.modes if m == "frozen" or (m == "ratio" and layer.out_axis is not None) or layer.params_for(m)]
+                modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
+                if modes[n] == "ratio":
+                    modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"
         else:
             k = int(trial.suggest_int("last_k", 1, len(names))) if self.strategy == "last-k" else len(names)
-            mode = str(trial.suggest_categorical("mode", [m for m in self.modes if m != "frozen"]))
+            mode = str(trial.suggest_categorical("mode", [m for m in self.modes if m not in ("frozen", "ratio")]))
             modes = {n: mode for n in names[len(names) - k :]}
         # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
         trainable = tuple((n, m) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))

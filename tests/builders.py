@@ -245,9 +245,17 @@ def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int =
     session.step(x, y)
     w1 = session.weights()
     errors = {}
-    for name in step.signature.trainable:
+    for name in (n.removesuffix("@head") for n in step.signature.trainable):
         grad = (w0[name].astype(np.float64) - w1[name].astype(np.float64)).ravel()
-        idx = rng.choice(grad.size, size=min(grad.size, samples), replace=False)
+        region = np.ones(w0[name].shape, bool)  # a ratio update trains only the first k channels
+        if name in step.signature.splits:
+            axis, k = step.signature.splits[name]
+            region = np.moveaxis(region, axis, 0)
+            region[k:] = False
+            region = np.moveaxis(region, 0, axis)
+            assert not grad[~region.ravel()].any(), f"{name}: frozen channels moved"
+        where = np.flatnonzero(region)
+        idx = rng.choice(where, size=min(where.size, samples), replace=False)
         fd = []
         for i in idx:
             plus = {k: v.astype(np.float64) for k, v in w0.items()}

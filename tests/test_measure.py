@@ -15,6 +15,9 @@ SCHEME = """
 trainable:
   - layer: c2
     mode: full
+  - layer: c1
+    mode: ratio
+    ratio: 0.5
   - params: [fc.b]
 batch_size: 4
 optimizer: {name: momentum, lr: 0.05}
@@ -32,8 +35,10 @@ def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert [(t["layer"], t["mode"], t["params"]) for t in plan["choice"]["trainable"]] == [
-        ("c2", "full", ["c2.w", "c2.b"]), ("fc", "bias", ["fc.b"])
+        ("c1", "ratio", ["c1.w", "c1.b"]), ("c2", "full", ["c2.w", "c2.b"]), ("fc", "bias", ["fc.b"])
     ]
+    assert plan["choice"]["trainable"][0]["ratio"] == 0.5
+    assert plan["step"]["signature"]["splits"] == {"c1.w": [0, 2]}
     assert plan["choice"]["optimizer"] == {"name": "momentum", "lr": 0.05} and plan["choice"]["batch_size"] == 4
     assert plan["selection"]["policy"] == "scheme" and plan["selection"]["feasible"] is True
     assert plan["metrics"]["step_latency_ms"]["repeats"] >= 5
@@ -58,6 +63,8 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
         ("trainable: [{layer: c9}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "no layer named 'c9'"),
         ("trainable: [{layer: c1, params: [c1.w]}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "either a `layer` or `params`"),
         ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\ngrad_accum: 4\n", "grad_accum"),
+        ("trainable: [{layer: c1, mode: ratio}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "goes with `ratio: R`"),
+        ("trainable: [{layer: bn, mode: ratio, ratio: 0.5}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "need a Conv, Gemm or MatMul"),
     ],
 )
 def test_bad_schemes_are_refused_before_any_compile(body, message, tiny_model, tiny_data, tmp_path):

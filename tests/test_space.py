@@ -7,7 +7,7 @@ import pytest
 
 from planner.errors import BadInput
 from planner.model import load_model
-from planner.space import SPACES_DIR, load_space
+from planner.space import SPACES_DIR, load_space, split_mode
 
 
 def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
@@ -43,7 +43,8 @@ def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
         cand = space.sample(study.ask(), model)
         assert cand.batch_size in space.batch_size and cand.optimizer in space.optimizer
         assert space.lr.low <= cand.lr <= space.lr.high
-        assert all(mode in space.modes for _, mode in cand.trainable)
+        assert all(split_mode(mode)[0] in space.modes for _, mode in cand.trainable)
+        assert all(split_mode(mode)[1] in (None, *space.ratios) for _, mode in cand.trainable)
 
 
 def test_a_space_without_a_training_mode_is_refused(tmp_path):

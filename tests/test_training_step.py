@@ -22,6 +22,20 @@ def _batch(model, B=4, seed=1):
     return x, y
 
 
+def test_ratio_update_trains_only_the_first_channels_and_keeps_state_for_them(tiny_model):
+    model = load_model(tiny_model)
+    cand = Candidate(trainable=(("c2", "ratio:0.5"),), batch_size=4, optimizer="momentum", lr=0.1)
+    step = compile_candidate(model, cand, HOST)
+    assert step.signature.splits == {"c2.w": (0, 3)}
+    # momentum keeps one velocity per trainable tensor: the 3-channel slice and the bias, no more
+    velocity_shapes = sorted(s for s, _, _ in step.signature.optim_states if s)
+    assert velocity_shapes == sorted([(3, 4, 3, 3), (6,)])
+    session = TrainingSession(step.library, step.signature, model.initializers)
+    session.step(*_batch(model))
+    moved = np.abs(session.weights()["c2.w"] - model.initializers["c2.w"]).reshape(6, -1).max(axis=1)
+    assert (moved[:3] > 0).all() and (moved[3:] == 0).all()
+
+
 def test_frozen_params_stay_and_trainable_ones_move(tiny_model):
     model = load_model(tiny_model)
     cand = Candidate(trainable=(("bn", "bias"), ("fc", "full")), batch_size=4, optimizer="sgd", lr=0.1)
@@ -41,8 +55,9 @@ def test_frozen_params_stay_and_trainable_ones_move(tiny_model):
     [
         (("c1", "full"), ("bn", "full"), ("c2", "full"), ("fc", "full")),
         (("c1", "bias"), ("c2", "full")),
+        (("c1", "ratio:0.5"), ("c2", "ratio:0.34"), ("fc", "ratio:0.67")),
     ],
-    ids=["all-full", "sparse"],
+    ids=["all-full", "sparse", "channel-ratio"],
 )
 def test_gradients_match_float64_finite_differences(tiny_model, trainable):
     errors = gradient_errors(tiny_model, trainable)

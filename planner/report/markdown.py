@@ -10,8 +10,12 @@ def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
+def _mode(entry: dict) -> str:
+    return f"ratio {entry['ratio']:g}" if entry["mode"] == "ratio" else entry["mode"]
+
+
 def _trainable_cell(choice: dict) -> str:
-    return ", ".join(f"{t['layer']}:{t['mode']}" for t in choice["trainable"]) or "—"
+    return ", ".join(f"{t['layer']}:{_mode(t)}" for t in choice["trainable"]) or "—"
 
 
 def render(plan: Plan, model: Model) -> str:
@@ -51,7 +55,7 @@ def render(plan: Plan, model: Model) -> str:
     for layer in model.layers:
         t = modes.get(layer.name)
         lines.append(
-            f"| {layer.name} | {layer.op} | {t['mode'] if t else 'frozen'} | "
+            f"| {layer.name} | {layer.op} | {_mode(t) if t else 'frozen'} | "
             f"{', '.join(t['params']) if t else '—'} | {layer.param_bytes:,} |"
         )
     lines += ["", "## Memory at the step's peak", "", "| part | bytes | share |", "|---|---|---|"]
