@@ -142,7 +142,10 @@ class SearchSpace(_Strict):
             modes = {}
             for n in names:
                 layer = model.layer(n)
-                allowed = [m for m in self.modes if m == "frozen" or (m == "ratio" and layer.out_axis is not None) or layer.params_for(m)]
+                allowed = [
+                    m for m in self.modes
+                    if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
+                ]
                 modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
                 if modes[n] == "ratio":
                     modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"

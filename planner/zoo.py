@@ -190,3 +190,18 @@ def vit_block(resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64
 def save(model: onnx.ModelProto, path: str | Path) -> Path:
     onnx.save(model, str(path))
     return Path(path)
+
+
+def synthetic_task(input_shape: tuple[int, ...], classes: int = 10, n: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
+    """A learnable stand-in dataset: one smooth random template per class, plus noise.
+
+    For exercising planner on architectures whose real datasets cannot be downloaded here; its
+    accuracies are a proxy, not a benchmark. Returns x/y arrays (the last 20 % become val).
+    """
+    rng = np.random.default_rng(seed)
+    c, h, w = input_shape
+    coarse = rng.normal(0, 1, (classes, c, max(1, h // 8), max(1, w // 8)))
+    templates = coarse.repeat(h // coarse.shape[2] + 1, axis=2)[:, :, :h].repeat(w // coarse.shape[3] + 1, axis=3)[:, :, :, :w]
+    y = rng.integers(0, classes, n)
+    x = templates[y] + rng.normal(0, 1.0, (n, c, h, w))
+    return {"x": x.astype(np.float32), "y": y.astype(np.int64)}

@@ -39,12 +39,14 @@ def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
     model = load_model(tiny_model)
     space = load_space(name)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    for _ in range(10):
+    for _ in range(30):
         cand = space.sample(study.ask(), model)
         assert cand.batch_size in space.batch_size and cand.optimizer in space.optimizer
         assert space.lr.low <= cand.lr <= space.lr.high
         assert all(split_mode(mode)[0] in space.modes for _, mode in cand.trainable)
         assert all(split_mode(mode)[1] in (None, *space.ratios) for _, mode in cand.trainable)
+        # channel ratios only where a weight has output channels (never on BatchNormalization)
+        assert all(model.layer(n).out_axis is not None for n, mode in cand.trainable if mode.startswith("ratio"))
 
 
 def test_a_space_without_a_training_mode_is_refused(tmp_path):
