@@ -42,6 +42,7 @@ class StepSignature:
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
     splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
+    loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
     optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
     n_classes: int
 
@@ -62,6 +63,7 @@ class StepSignature:
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
             splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
+            loss_scale=float(d.get("loss_scale", 1.0)),
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
         )
@@ -120,6 +122,29 @@ def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+FP16_LOSS_SCALE = 1024.0
+
+
+class _ScaledCrossEntropy(CrossEntropyLoss):
+    """Mean cross-entropy times a constant: static loss scaling for fp16 training."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(reduction="mean")
+        self.scale = scale
+
+    def __call__(self, predictions, targets, weights=None) -> relax.Function:
+        func = super().__call__(predictions, targets, weights)
+        if self.scale == 1.0:
+            return func
+        bb = relax.BlockBuilder()
+        params = [relax.Var(p.name, p.ty) for p in func.params]
+        with bb.function(self._loss_name, params):
+            with bb.dataflow():
+                logits = bb.emit(relax.op.astype(params[0], "float32"))
+                loss = bb.emit(relax.op.nn.nll_loss(relax.op.nn.log_softmax(logits), params[1], reduction="mean"))
+                out = bb.emit_output(loss * relax.const(self.scale, "float32"))
+            bb.emit_func_output(out)
+        return bb.get()[self._loss_name]
 
 
 class _Adam(Adam):
@@ -130,12 +155,16 @@ class _Adam(Adam):
         self.dtype = str(self.dtype)
 
 
-def make_optimizer(candidate: Candidate) -> Optimizer:
-    """`sgd`: plain SGD (no momentum, no weight decay); `momentum`: SGD with momentum 0.9; `adam`."""
+def make_optimizer(candidate: Candidate, loss_scale: float = 1.0) -> Optimizer:
+    """`sgd`: plain SGD (no momentum, no weight decay); `momentum`: SGD with momentum 0.9; `adam`.
+
+    Gradients arrive multiplied by `loss_scale`. SGD and momentum are linear in the gradient, so
+    dividing their learning rate undoes the scale exactly; Adam is invariant to it.
+    """
     if candidate.optimizer == "sgd":
-        return SGD(candidate.lr)
+        return SGD(candidate.lr / loss_scale)
     if candidate.optimizer == "momentum":
-        return MomentumSGD(candidate.lr, momentum=0.9)
+        return MomentumSGD(candidate.lr / loss_scale, momentum=0.9)
     if candidate.optimizer == "adam":
         return _Adam(candidate.lr)
     raise CandidateFailed(f"unknown optimizer {candidate.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
@@ -177,12 +206,21 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     func = func.with_attr("global_symbol", PREDICT_FUNC)
     backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
     backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
+    loss_scale = 1.0
+    if candidate.precision == "fp16":
+        # convolutions and matmuls (and their gradients) compute and store fp16; parameters stay
+        # fp32 master copies, cast inside the graph; the loss is scaled so that small gradients
+        # survive fp16, and unscaled by the caller
+        backbone = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
+        loss_scale = FP16_LOSS_SCALE
+    elif candidate.precision != "fp32":
+        raise CandidateFailed(f"precision {candidate.precision!r} is not supported (fp32, fp16)")
 
-    optimizer = make_optimizer(candidate)
+    optimizer = make_optimizer(candidate, loss_scale)
     labels = relax.TensorType((B,), LABEL_DTYPE)
     try:
         trainer = SetupTrainer(
-            CrossEntropyLoss(reduction="mean"), optimizer, [backbone[PREDICT_FUNC].ret_ty, labels], legalize=False
+            _ScaledCrossEntropy(loss_scale), optimizer, [backbone[PREDICT_FUNC].ret_ty, labels], legalize=False
         )(backbone)
     except Exception as exc:  # TVM reports missing gradients etc. as generic errors
         raise CandidateFailed(f"gradient construction failed: {str(exc).strip().splitlines()[-1]}") from None
@@ -195,6 +233,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         frozen=tuple(frozen),
         trainable=tuple(trainable),
         splits={n: splits[n] for n in splits},
+        loss_scale=loss_scale,
         optim_states=tuple(
             (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init))
             for t, init in zip(state_types, optimizer.state)

@@ -53,7 +53,7 @@ class Optimizer(_Strict):
 class Scheme(_Strict):
     name: str
     trainable: list[Entry] = Field(min_length=1)
-    precision: Literal["fp32"] = "fp32"
+    precision: Literal["fp32", "fp16"] = "fp32"
     batch_size: int = Field(gt=0)
     grad_accum: Literal[1] = 1
     optimizer: Optimizer

@@ -49,7 +49,7 @@ class TrainingSession:
         n = len(self.trainable)
         self.trainable = list(out[1 : 1 + n])
         self.states = list(out[1 + n :])
-        return float(out[0].numpy())
+        return float(out[0].numpy()) / self.sig.loss_scale
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Logits for any number of samples (the compiled batch is padded for the last chunk)."""

@@ -96,7 +96,7 @@ class SearchSpace(_Strict):
     batch_size: list[int] = [8, 16, 32]
     optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
     lr: LrRange = LrRange(low=0.01, high=0.1)
-    precision: list[Literal["fp32"]] = ["fp32"]
+    precision: list[Literal["fp32", "fp16"]] = ["fp32"]
 
     @field_validator("batch_size")
     @classmethod

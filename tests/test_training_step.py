@@ -63,3 +63,22 @@ def test_gradients_match_float64_finite_differences(tiny_model, trainable):
     errors = gradient_errors(tiny_model, trainable)
     assert set(errors) == {p for layer, mode in trainable for p in load_model(tiny_model).layer(layer).params_for(mode)}
     assert all(e < 1e-3 for e in errors.values()), errors
+
+
+def test_fp16_step_tracks_the_fp32_step(tiny_model):
+    """Mixed precision: fp16 convolutions/matmuls, fp32 master weights, loss scaled and unscaled."""
+    model = load_model(tiny_model)
+    x, y = _batch(model)
+    results = {}
+    for precision in ("fp32", "fp16"):
+        cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1, precision)
+        step = compile_candidate(model, cand, HOST)
+        session = TrainingSession(step.library, step.signature, model.initializers)
+        results[precision] = (session.step(x, y), session.weights(), step.signature)
+    (loss32, w32, _), (loss16, w16, sig16) = results["fp32"], results["fp16"]
+    assert sig16.loss_scale > 1
+    assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)  # reported unscaled
+    for name in ("c1.w", "c2.w", "fc.w", "fc.b"):
+        assert w16[name].dtype == np.float32  # master weights stay fp32
+        d32, d16 = model.initializers[name] - w32[name], model.initializers[name] - w16[name]
+        assert np.linalg.norm(d16 - d32) <= 0.1 * np.linalg.norm(d32), name
