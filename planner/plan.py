@@ -182,8 +182,9 @@ def assemble(
             "latency": f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
             f"p90 over {lat.repeats} repeats, each the mean of {lat.number} back-to-back steps; spread "
             f"{lat.min:.3f}-{lat.max:.3f} ms",
-            "memory": "liveness over the compiled step after TVM static memory planning, plus resident "
-            "weights, optimizer state and the batch",
+            "memory": "liveness over the compiled step after TVM static memory planning, replaying TVM's "
+            "pooled allocator (page-rounded blocks reused by size, never returned), plus resident weights, "
+            "optimizer state and the batch; kernels' own scratch is not included",
             "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed {accuracy_seed}) "
             "with a host build of the candidate's step; accuracy does not depend on the board",
             "ram_budget_bytes": target.ram_budget_bytes,
