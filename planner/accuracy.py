@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .compile import CompiledStep
+from .compile import CompiledStep, code_id
 from .errors import CandidateFailed
 from .data import Dataset
 from .model import Model
@@ -64,7 +64,7 @@ def measure_accuracy(
 ) -> AccuracyResult:
     """Val accuracy before and after `steps` fine-tuning steps (cached across targets)."""
     key = hashlib.sha256(
-        json.dumps([model.sha256, data.sha256, candidate.to_json(), steps, seed], sort_keys=True).encode()
+        json.dumps([model.sha256, data.sha256, candidate.to_json(), steps, seed, code_id()], sort_keys=True).encode()
     ).hexdigest()[:32]
     path = cache_dir / "accuracy" / f"{key}.json"
     if path.is_file():

@@ -8,6 +8,7 @@ killed compile leaves nothing half-written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -53,6 +54,16 @@ class CompiledStep:
         return self.directory / LIB_NAME
 
 
+@functools.cache
+def code_id() -> str:
+    """A hash of planner's own source: a changed graph builder or memory model must not reuse
+    entries built by the old one, even within one released version."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None) -> str:
     blob = json.dumps(
         {
@@ -60,7 +71,7 @@ def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, too
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
-            "versions": {"planner": __version__, "tvm": tvm.__version__},
+            "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},
         },
         sort_keys=True,
     )

@@ -82,14 +82,16 @@ class SearchSpace(_Strict):
     """What the study may vary. Layers default to every layer with parameters, in model order.
 
     `strategy` says how the trainable set is drawn:
-    - `per-layer`: each layer gets its own mode from `modes` (the sparse-update search);
+    - `per-layer`: each layer gets its own mode from `modes`;
+    - `sparse`: a depth k is drawn, then each of the last k layers gets its own mode — the
+      sparse-update search (updates concentrate where backpropagation is cheap);
     - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
     - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
     """
 
     name: str
     description: str = ""
-    strategy: Literal["per-layer", "last-k", "all"] = "per-layer"
+    strategy: Literal["per-layer", "sparse", "last-k", "all"] = "per-layer"
     layers: list[str] | None = None
     modes: list[Mode] = ["frozen", "bias", "full"]
     ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
@@ -138,7 +140,9 @@ class SearchSpace(_Strict):
     def sample(self, trial: Suggester, model: Model) -> Candidate:
         """Draw one candidate: the trainable set by `strategy`, then batch, optimizer, lr, precision."""
         names = self.layer_names(model)
-        if self.strategy == "per-layer":
+        if self.strategy in ("per-layer", "sparse"):
+            if self.strategy == "sparse":
+                names = names[len(names) - int(trial.suggest_int("depth", 1, len(names))) :]
             modes = {}
             for n in names:
                 layer = model.layer(n)

@@ -54,3 +54,11 @@ def test_a_space_without_a_training_mode_is_refused(tmp_path):
     path.write_text("modes: [frozen]\n")
     with pytest.raises(BadInput, match="modes"):
         load_space(str(path))
+
+
+def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
+    model = load_model(tiny_model)
+    params = {"depth": 2, "mode:c2": "ratio", "ratio:c2": 0.5, "mode:fc": "bias",
+              "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32"}
+    cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
+    assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))
