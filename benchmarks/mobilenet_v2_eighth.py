@@ -13,9 +13,12 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import optuna
 import yaml
 
 from planner import api, zoo
+from planner.errors import NoFeasiblePlan
+from planner.search import to_record
 
 
 def main() -> None:
@@ -44,8 +47,19 @@ def main() -> None:
     space = yaml.safe_load((Path(__file__).resolve().parent.parent / "search_spaces" / "sparse-update.yaml").read_text())
     space["batch_size"] = [1]
     (out / "space.yaml").write_text(yaml.safe_dump(space))
-    best = api.plan(model=model, data=out / "data.npz", target=str(target), space=str(out / "space.yaml"), out=out / "plan",
-                    trials=args.trials, accuracy_steps=args.accuracy_steps, latency_repeats=5)
+    try:
+        best = api.plan(model=model, data=out / "data.npz", target=str(target), space=str(out / "space.yaml"),
+                        out=out / "plan", trials=args.trials, accuracy_steps=args.accuracy_steps, latency_repeats=5)
+    except NoFeasiblePlan:
+        study = optuna.load_study(study_name="planner", storage=f"sqlite:///{(out / 'plan' / 'study.db').resolve()}")
+        done = sorted((to_record(t) for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.memory.total)
+        print(f"no plan under {full_peak // 8 / 2**20:.2f} MiB (1/8 of full update {full_peak / 2**20:.2f} MiB) in "
+              f"{len(done)} trials; the leanest:")
+        for t in done[:3]:
+            print(f"  trial {t.number}: {len(t.candidate.trainable)} layers, peak {t.memory.total / 2**20:.2f} MiB "
+                  f"(1/{full_peak / t.memory.total:.1f} of full), activations {t.memory.activations / 2**20:.2f} MiB, "
+                  f"{t.latency.median:.1f} ms, val acc {t.accuracy.after:.3f}")
+        return
 
     def row(name: str, plan) -> str:
         mt = plan.metrics
