@@ -38,7 +38,8 @@ class StepSignature:
     """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
 
     input_name: str
-    input_shape: tuple[int, ...]  # with the batch dimension
+    input_shape: tuple[int, ...]  # with the batch dimension: the effective batch of one update
+    micro_batch: int  # samples per forward/backward (and per `backbone` call)
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
     splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
@@ -60,6 +61,7 @@ class StepSignature:
         return cls(
             input_name=d["input_name"],
             input_shape=tuple(d["input_shape"]),
+            micro_batch=int(d.get("micro_batch", d["input_shape"][0])),
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
             splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
@@ -225,11 +227,12 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     except Exception as exc:  # TVM reports missing gradients etc. as generic errors
         raise CandidateFailed(f"gradient construction failed: {str(exc).strip().splitlines()[-1]}") from None
 
-    step, state_types = _fused_step(trainer, n_trainable=len(trainable))
+    step, state_types = _fused_step(trainer, n_trainable=len(trainable), accum=candidate.grad_accum)
     out = tvm.IRModule({PREDICT_FUNC: trainer[PREDICT_FUNC], STEP_FUNC: step})
     sig = StepSignature(
         input_name=model.input_name,
-        input_shape=(B, *model.input_shape),
+        input_shape=(B * candidate.grad_accum, *model.input_shape),
+        micro_batch=B,
         frozen=tuple(frozen),
         trainable=tuple(trainable),
         splits={n: splits[n] for n in splits},
@@ -306,30 +309,47 @@ def _with_split_weights(func: relax.Function, names: list[str], splits: dict[str
     return bb.get()["split"].inline_functions({"imported": func})
 
 
-def _fused_step(trainer: tvm.IRModule, n_trainable: int) -> tuple[relax.Function, list[relax.TensorType]]:
+def _fused_step(trainer: tvm.IRModule, n_trainable: int, accum: int = 1) -> tuple[relax.Function, list[relax.TensorType]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function.
 
     Inlining lets fusion merge each weight-gradient kernel with its update, so many gradients
-    are never materialised at all.
+    are never materialised at all. With `accum` > 1 the step takes `accum` micro-batches at once
+    and unrolls their forward/backward passes one after another, summing gradients: memory
+    planning reuses one micro-batch's activations for the next, so the step holds the
+    activations of one micro-batch plus the gradient accumulators.
     """
     adjoint = trainer["backbone_loss_adjoint"]
     optim = trainer["optimizer"]
     adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
     optim_gv = trainer.get_global_var("optimizer")
     relax.expr._update_type(optim_gv, optim.ty)  # SetupTrainer adds it without a type
-    args = [relax.Var(v.name, v.ty) for v in adjoint.params]
+    micro = [relax.Var(v.name, v.ty) for v in adjoint.params]
+    x_ty, y_ty = micro[0].ty, micro[-1].ty
+    B = int(x_ty.shape[0])
+    x = relax.Var(micro[0].name, relax.TensorType([B * accum, *[int(d) for d in x_ty.shape][1:]], x_ty.dtype))
+    y = relax.Var(micro[-1].name, relax.TensorType([B * accum], y_ty.dtype))
+    weights = micro[1:-1]
     state_types = list(optim.params[2].ty.fields)
     states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
-    first_trainable = len(args) - 1 - n_trainable
+    first_trainable = len(weights) - n_trainable
 
     bb = relax.BlockBuilder(trainer)
-    with bb.function(STEP_FUNC, args[:-1] + states + [args[-1]]):
+    with bb.function(STEP_FUNC, [x, *weights, *states, y]):
         with bb.dataflow():
-            res = bb.emit(relax.Call(adjoint_gv, args))
-            loss = bb.emit(relax.TupleGetItem(res, 0))
-            grads = bb.emit(relax.TupleGetItem(res, 1))
-            old = relax.Tuple(args[first_trainable:-1])
-            upd = bb.emit(relax.Call(optim_gv, [old, grads, relax.Tuple(states)]))
+            loss, grads = None, None
+            for i in range(accum):
+                xi = x if accum == 1 else bb.emit(relax.op.strided_slice(x, axes=[0], begin=[i * B], end=[(i + 1) * B]))
+                yi = y if accum == 1 else bb.emit(relax.op.strided_slice(y, axes=[0], begin=[i * B], end=[(i + 1) * B]))
+                res = bb.emit(relax.Call(adjoint_gv, [xi, *weights, yi]))
+                li = bb.emit(relax.TupleGetItem(res, 0))
+                gi = [bb.emit(relax.TupleGetItem(bb.emit(relax.TupleGetItem(res, 1)), j)) for j in range(n_trainable)]
+                loss = li if loss is None else bb.emit(loss + li)
+                grads = gi if grads is None else [bb.emit(a + b) for a, b in zip(grads, gi)]
+            if accum > 1:  # the mean over the effective batch, as one big batch would give
+                loss = bb.emit(loss / relax.const(float(accum), "float32"))
+                grads = [bb.emit(g / relax.const(float(accum), g.ty.dtype)) for g in grads]
+            old = relax.Tuple(weights[first_trainable:])
+            upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states)]))
             new_params = bb.emit(relax.TupleGetItem(upd, 0))
             new_states = bb.emit(relax.TupleGetItem(upd, 1))
             outs = [loss]

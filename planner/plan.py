@@ -63,7 +63,8 @@ class TargetInfo(BaseModel):
 class Choice(BaseModel):
     trainable: list[dict]  # {layer, params, mode}
     precision: str
-    batch_size: int
+    batch_size: int  # micro-batch: samples per forward/backward
+    grad_accum: int = 1  # micro-batches per update
     optimizer: dict  # {name, lr}
 
 
@@ -99,6 +100,7 @@ class Plan(BaseModel):
         return Candidate(
             trainable=tuple((t["layer"], f"ratio:{t['ratio']:g}" if t["mode"] == "ratio" else t["mode"]) for t in c.trainable),
             batch_size=c.batch_size,
+            grad_accum=c.grad_accum,
             optimizer=c.optimizer["name"],
             lr=float(c.optimizer["lr"]),
             precision=c.precision,
@@ -135,6 +137,7 @@ def choice_json(model: Model, cand: Candidate) -> dict:
         "trainable": [_entry(model, name, mode) for name, mode in cand.trainable],
         "precision": cand.precision,
         "batch_size": cand.batch_size,
+        "grad_accum": cand.grad_accum,
         "optimizer": {"name": cand.optimizer, "lr": cand.lr},
     }
 

@@ -55,7 +55,7 @@ class Scheme(_Strict):
     trainable: list[Entry] = Field(min_length=1)
     precision: Literal["fp32", "fp16"] = "fp32"
     batch_size: int = Field(gt=0)
-    grad_accum: Literal[1] = 1
+    grad_accum: int = Field(default=1, ge=1)
     optimizer: Optimizer
 
     def candidate(self, model: Model) -> Candidate:
@@ -91,6 +91,7 @@ class Scheme(_Strict):
             optimizer=self.optimizer.name,
             lr=self.optimizer.lr,
             precision=self.precision,
+            grad_accum=self.grad_accum,
         )
 
 

@@ -53,7 +53,7 @@ class TrainingSession:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Logits for any number of samples (the compiled batch is padded for the last chunk)."""
-        B = self.sig.batch_size
+        B = self.sig.micro_batch
         chunks = []
         for i in range(0, len(x), B):
             part = x[i : i + B].astype("float32")

@@ -40,6 +40,7 @@ class Candidate:
     optimizer: str
     lr: float
     precision: str = "fp32"
+    grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -54,6 +55,7 @@ class Candidate:
             optimizer=str(d["optimizer"]),
             lr=float(d["lr"]),
             precision=str(d.get("precision", "fp32")),
+            grad_accum=int(d.get("grad_accum", 1)),
         )
 
     def key(self) -> str:
@@ -96,15 +98,16 @@ class SearchSpace(_Strict):
     modes: list[Mode] = ["frozen", "bias", "full"]
     ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
     batch_size: list[int] = [8, 16, 32]
+    grad_accum: list[int] = [1]
     optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
     lr: LrRange = LrRange(low=0.01, high=0.1)
     precision: list[Literal["fp32", "fp16"]] = ["fp32"]
 
-    @field_validator("batch_size")
+    @field_validator("batch_size", "grad_accum")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
         if not v or any(b < 1 for b in v):
-            raise ValueError("batch sizes must be a non-empty list of positive integers")
+            raise ValueError("must be a non-empty list of positive integers")
         return v
 
     def layer_names(self, model: Model) -> list[str]:
@@ -166,6 +169,7 @@ class SearchSpace(_Strict):
             optimizer=str(trial.suggest_categorical("optimizer", list(self.optimizer))),
             lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
             precision=str(trial.suggest_categorical("precision", list(self.precision))),
+            grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
         )
 
 

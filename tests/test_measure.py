@@ -62,7 +62,7 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
         ("trainable: [{params: [nope.w]}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "no parameter 'nope.w'"),
         ("trainable: [{layer: c9}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "no layer named 'c9'"),
         ("trainable: [{layer: c1, params: [c1.w]}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "either a `layer` or `params`"),
-        ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\ngrad_accum: 4\n", "grad_accum"),
+        ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\ngrad_accum: 0\n", "grad_accum"),
         ("trainable: [{layer: c1, mode: ratio}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "goes with `ratio: R`"),
         ("trainable: [{layer: bn, mode: ratio, ratio: 0.5}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "need a Conv, Gemm or MatMul"),
     ],

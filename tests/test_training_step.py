@@ -82,3 +82,22 @@ def test_fp16_step_tracks_the_fp32_step(tiny_model):
         assert w16[name].dtype == np.float32  # master weights stay fp32
         d32, d16 = model.initializers[name] - w32[name], model.initializers[name] - w16[name]
         assert np.linalg.norm(d16 - d32) <= 0.1 * np.linalg.norm(d32), name
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_model):
+    """batch 2 x 4 micro-batches updates exactly like batch 8 (mean loss over the effective batch)."""
+    model = load_model(tiny_model)
+    x, y = _batch(model, B=8)
+    results = []
+    for batch, accum in ((8, 1), (2, 4)):
+        cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), batch, "momentum", 0.1, grad_accum=accum)
+        step = compile_candidate(model, cand, HOST)
+        assert step.signature.input_shape[0] == 8 and step.signature.micro_batch == batch
+        session = TrainingSession(step.library, step.signature, model.initializers)
+        losses = [session.step(x, y) for _ in range(2)]
+        results.append((losses, session.weights(), session.evaluate(x, y)))
+    (l_big, w_big, e_big), (l_acc, w_acc, e_acc) = results
+    np.testing.assert_allclose(l_acc, l_big, rtol=1e-5)
+    for name in w_big:
+        np.testing.assert_allclose(w_acc[name], w_big[name], atol=1e-6)
+    assert e_acc[1] == e_big[1]
