@@ -72,12 +72,12 @@ def run_plan(
         compiled = compile_candidate(model, plan.candidate, target.tvm(), default_cache_dir(), target.toolchain)
         library, sig = compiled.library, compiled.signature
     if target is not None and target.runner == "rpc":
-        from .measure.rpc import BoardPool, run_on_board
+        from .measure.rpc import BoardPool
 
         pool = BoardPool.for_target(target)
         pool.check()
-        before, after, final = run_on_board(
-            pool, library, lambda lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
+        before, after, final = pool.run(
+            library, lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
         )
         device = target.device
     else:

@@ -10,6 +10,7 @@ failed trial with reason "board lost".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,23 +67,27 @@ class BoardPool:
         except (OSError, RuntimeError, BoardUnreachable) as exc:
             raise BoardLost(f"no session on a '{self.key}' board: {_last_line(exc)}") from None
 
-    def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
-        try:
-            return self._measure_once(compiled, weights, repeats)
-        except BoardLost:
-            pass
-        try:
-            return self._measure_once(compiled, weights, repeats)  # once more, on whichever board is free
-        except BoardLost as exc:
-            raise BoardLost(f"board lost: {exc}") from None
+    def run(self, library: Path, fn: Callable):
+        """`fn(remote, lib, device)` with `library` loaded on a free board of the key.
 
-    def _measure_once(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
-        remote = self.session()
-        try:
-            board = _address(remote, self.key)
-            remote.upload(str(compiled.library), _remote_name(compiled.library))
-            lib = remote.load_module(_remote_name(compiled.library))
-            dev = remote.cpu()
+        A board that disconnects, crashes or overruns its session is retried once, on whichever
+        board is free then; a second loss raises BoardLost("board lost: ...").
+        """
+        for attempt in range(2):
+            try:
+                remote = self.session()
+                try:
+                    remote.upload(str(library), _remote_name(library))
+                    return fn(remote, remote.load_module(_remote_name(library)), remote.cpu())
+                finally:
+                    del remote
+            except Exception as exc:  # a dropped connection or a timeout surfaces as TVM errors
+                if attempt:
+                    raise BoardLost(f"board lost: {_last_line(exc)}") from None
+        raise AssertionError("unreachable")
+
+    def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+        def on_board(remote, lib, dev) -> Measurement:
             reset, peak = _probe(remote, RESET_PEAK), _probe(remote, PEAK_RSS)
             rss0 = reset() if reset else None
             session = TrainingSession(lib, compiled.signature, weights, device=dev)
@@ -93,31 +98,9 @@ class BoardPool:
                     "peak_rss_growth_bytes": int(peak()) - int(rss0),
                     "method": "board process VmHWM during weight upload and timed steps, minus VmRSS before",
                 }
-            return Measurement(latency=latency, board=board, board_memory=memory)
-        except BoardLost:
-            raise
-        except Exception as exc:  # a dropped connection or a session timeout surfaces as TVM errors
-            raise BoardLost(_last_line(exc)) from None
-        finally:
-            del remote
+            return Measurement(latency=latency, board=_address(remote, self.key), board_memory=memory)
 
-
-def run_on_board(pool: BoardPool, library: Path, fn):
-    """Call `fn(lib, device)` with `library` loaded on a board; one retry if the board is lost."""
-    for attempt in range(2):
-        remote = pool.session()
-        try:
-            remote.upload(str(library), _remote_name(library))
-            return fn(remote.load_module(_remote_name(library)), remote.cpu())
-        except BoardLost:
-            if attempt:
-                raise
-        except Exception as exc:
-            if attempt:
-                raise BoardLost(f"board lost: {_last_line(exc)}") from None
-        finally:
-            del remote
-    raise AssertionError("unreachable")
+        return self.run(compiled.library, on_board)
 
 
 def _remote_name(library: Path) -> str:
