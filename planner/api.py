@@ -85,7 +85,7 @@ def plan(
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
     hw = resolve_target(target, tracker, key)
-    sp = load_space(space)
+    sp = load_space(space).for_target(hw.precisions)
     layer_names = sp.layer_names(m)
     check_importable(m)
     capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
@@ -139,6 +139,11 @@ def measure(
     dataset = load_dataset(data, m)
     hw = resolve_target(target, tracker, key)
     candidate = load_scheme(scheme).candidate(m)
+    if candidate.precision not in hw.precisions:
+        raise BadInput(
+            f"scheme {Path(scheme).name} trains in {candidate.precision}; target {hw.name} supports only "
+            f"{', '.join(hw.precisions)}"
+        )
     check_importable(m)
     capacity(hw)
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir())

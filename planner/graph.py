@@ -15,6 +15,7 @@ differentiation: frozen and trainable BN layers both use running statistics (sca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import tvm
@@ -27,6 +28,7 @@ from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 from .errors import BadInput, CandidateFailed
 from .model import Model
 from .space import Candidate, split_mode
+from .storage import head, int8, scale, scale_shape, tail
 
 STEP_FUNC = "train_step"
 PREDICT_FUNC = "backbone"
@@ -43,6 +45,7 @@ class StepSignature:
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
     splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
+    quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
     loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
     optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
     n_classes: int
@@ -65,6 +68,7 @@ class StepSignature:
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
             splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
+            quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
             loss_scale=float(d.get("loss_scale", 1.0)),
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
@@ -124,7 +128,60 @@ def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+PRECISIONS = ("fp32", "fp16", "bf16")
 FP16_LOSS_SCALE = 1024.0
+
+
+def _retyped_attrs(attrs: tvm.ir.Attrs, old: str, new: str) -> tvm.ir.Attrs:
+    """`attrs` with every `dtype`/`out_dtype` field equal to `old` set to `new`."""
+    info = type(attrs).__tvm_ffi_type_info__
+    fields = {f.name: getattr(attrs, f.name) for f in info.fields}
+    if not any(k in ("dtype", "out_dtype") and str(v) == old for k, v in fields.items()):
+        return attrs
+    fields = {k: new if k in ("dtype", "out_dtype") and str(v) == old else v for k, v in fields.items()}
+    return tvm.ir.make_node(info.type_key, **fields)
+
+
+@relax.expr_functor.mutator
+class _Fp16AsBf16(relax.PyExprMutator):
+    """Every float16 cast, accumulator and constant becomes bfloat16.
+
+    `ToMixedPrecision` decides which ops run in low precision but only knows float16; bf16 steps
+    take its decisions and retype them. bf16 keeps fp32's exponent range, so it needs no loss
+    scaling; on CPUs without bf16 units TVM computes in fp32 and stores bf16 (half the bytes).
+    """
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if isinstance(call.op, tvm.ir.Op) and call.attrs is not None:
+            attrs = _retyped_attrs(call.attrs, "float16", "bfloat16")
+            if not attrs.same_as(call.attrs):
+                return relax.Call(call.op, call.args, attrs, call.ty_args)
+        return call
+
+    def visit_constant_(self, const: relax.Constant) -> relax.Expr:
+        if str(const.data.dtype) == "float16":
+            return relax.const(const.data.numpy().astype("float32"), "bfloat16")
+        return const
+
+
+def _low_precision(backbone: tvm.IRModule, precision: str) -> tuple[tvm.IRModule, float]:
+    """The backbone with convolutions and matmuls (and what follows them) in `precision`, and the
+    loss scale its gradients need.
+
+    Parameters stay fp32 master copies, cast inside the graph, so updates accumulate in fp32.
+    fp16's narrow exponent range flushes small gradients to zero: its loss is scaled, and the
+    caller unscales. bf16 has fp32's range and trains unscaled.
+    """
+    if precision == "fp32":
+        return backbone, 1.0
+    if precision not in PRECISIONS:
+        raise CandidateFailed(f"precision {precision!r} is not supported ({', '.join(PRECISIONS)})")
+    mixed = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
+    if precision == "fp16":
+        return mixed, FP16_LOSS_SCALE
+    func = _Fp16AsBf16().visit_expr(mixed[PREDICT_FUNC])
+    return tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs), 1.0
 
 
 class _ScaledCrossEntropy(CrossEntropyLoss):
@@ -186,7 +243,13 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     splits = _channel_splits(model, candidate)
     names = list(model.initializers)
     trainable = [head(n) if n in splits else n for n in names if n in trainable_set]
-    frozen = [n for n in names if n not in trainable_set] + [tail(n) for n in names if n in splits]
+    quantized = _quantized_weights(model, candidate, [n for n in names if n not in trainable_set])
+    frozen = [
+        stored
+        for n in names
+        if n not in trainable_set
+        for stored in ((int8(n), scale(n)) if n in quantized else (n,))
+    ] + [tail(n) for n in names if n in splits]
     if not trainable:
         raise CandidateFailed("candidate freezes every layer: nothing to train")
 
@@ -198,8 +261,8 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     elif int(batch_dim) != B:
         raise CandidateFailed(f"model has a fixed batch size {int(batch_dim)}; cannot use batch {B}")
     x, *pvars = func.params
-    if splits:
-        func = _with_split_weights(func, names, splits)
+    if splits or quantized:
+        func = _with_stored_weights(func, names, splits, quantized)
         x, *pvars = func.params
         names = [x.name for x in pvars]
     by_name = dict(zip(names, pvars))
@@ -208,15 +271,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     func = func.with_attr("global_symbol", PREDICT_FUNC)
     backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
     backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
-    loss_scale = 1.0
-    if candidate.precision == "fp16":
-        # convolutions and matmuls (and their gradients) compute and store fp16; parameters stay
-        # fp32 master copies, cast inside the graph; the loss is scaled so that small gradients
-        # survive fp16, and unscaled by the caller
-        backbone = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
-        loss_scale = FP16_LOSS_SCALE
-    elif candidate.precision != "fp32":
-        raise CandidateFailed(f"precision {candidate.precision!r} is not supported (fp32, fp16)")
+    backbone, loss_scale = _low_precision(backbone, candidate.precision)
 
     optimizer = make_optimizer(candidate, loss_scale)
     labels = relax.TensorType((B,), LABEL_DTYPE)
@@ -236,6 +291,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         frozen=tuple(frozen),
         trainable=tuple(trainable),
         splits={n: splits[n] for n in splits},
+        quantized=quantized,
         loss_scale=loss_scale,
         optim_states=tuple(
             (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init))
@@ -244,16 +300,6 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         n_classes=model.n_classes,
     )
     return out, sig
-
-
-def head(name: str) -> str:
-    """The trainable first channels of a ratio-updated weight."""
-    return f"{name}@head"
-
-
-def tail(name: str) -> str:
-    """The frozen remaining channels of a ratio-updated weight."""
-    return f"{name}@tail"
 
 
 def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
@@ -273,40 +319,66 @@ def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, 
     return splits
 
 
-def _with_split_weights(func: relax.Function, names: list[str], splits: dict[str, tuple[int, int]]) -> relax.Function:
-    """`func(x, *initializers)` with each split weight taken as two parameters, head and tail.
+def _quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
+    """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
+    if candidate.frozen_weights == "fp32":
+        return {}
+    if candidate.frozen_weights != "int8":
+        raise CandidateFailed(f"frozen_weights {candidate.frozen_weights!r} is not supported (fp32, int8)")
+    frozen_set = set(frozen)
+    return {
+        layer.weight: layer.out_axis
+        for layer in model.layers
+        if layer.weight in frozen_set and layer.out_axis is not None
+    }
 
-    The weight is rebuilt by concatenation inside the function, so only the head — the first k
-    output channels — can receive a gradient and optimizer state: a sparse update of that layer.
+
+@relax.expr_functor.mutator
+class _RebuildAtUse(relax.PyExprMutator):
+    """Each use of a weight becomes a rebuild from its stored parts, emitted right before the use,
+    so a dequantized or concatenated weight lives only as long as the op that needs it."""
+
+    def __init__(self, rebuild: dict[relax.Var, Callable[[], relax.Expr]]):
+        super().__init__()
+        self.rebuild = rebuild
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        make = self.rebuild.get(var)
+        return self.builder_.emit(make()) if make else var
+
+
+def _with_stored_weights(
+    func: relax.Function, names: list[str], splits: dict[str, tuple[int, int]], quantized: dict[str, int]
+) -> relax.Function:
+    """`func(x, *initializers)` taking each weight the way `planner.storage` stores it.
+
+    A split weight is taken as head and tail, concatenated where it is used, so only the head —
+    the first k output channels — can receive a gradient and optimizer state: a sparse update of
+    that layer. A quantized weight is taken as int8 values and fp32 scales, dequantized where it
+    is used.
     """
     x, *pvars = func.params
-    new_params, args = [relax.Var(x.name, x.ty)], []
-    concat = []
+    new_params: list[relax.Var] = [x]
+    rebuild: dict[relax.Var, Callable[[], relax.Expr]] = {}
     for name, var in zip(names, pvars):
-        if name not in splits:
-            new_params.append(relax.Var(name, var.ty))
-            args.append(new_params[-1])
-            continue
-        axis, k = splits[name]
         shape = [int(d) for d in var.ty.shape]
-        h_shape, t_shape = list(shape), list(shape)
-        h_shape[axis], t_shape[axis] = k, shape[axis] - k
-        h = relax.Var(head(name), relax.TensorType(h_shape, var.ty.dtype))
-        t = relax.Var(tail(name), relax.TensorType(t_shape, var.ty.dtype))
-        new_params += [h, t]
-        concat.append((len(args), h, t, axis))
-        args.append(None)
-    mod = tvm.IRModule({"imported": func})
-    gv = mod.get_global_var("imported")
-    relax.expr._update_type(gv, func.ty)
-    bb = relax.BlockBuilder(mod)
-    with bb.function("split", new_params):
-        with bb.dataflow():
-            for i, h, t, axis in concat:
-                args[i] = bb.emit(relax.op.concat([h, t], axis=axis))
-            out = bb.emit_output(relax.Call(gv, [new_params[0], *args]))
-        bb.emit_func_output(out)
-    return bb.get()["split"].inline_functions({"imported": func})
+        if name in splits:
+            axis, k = splits[name]
+            h_shape, t_shape = list(shape), list(shape)
+            h_shape[axis], t_shape[axis] = k, shape[axis] - k
+            h = relax.Var(head(name), relax.TensorType(h_shape, var.ty.dtype))
+            t = relax.Var(tail(name), relax.TensorType(t_shape, var.ty.dtype))
+            new_params += [h, t]
+            rebuild[var] = lambda h=h, t=t, axis=axis: relax.op.concat([h, t], axis=axis)
+        elif name in quantized:
+            q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
+            s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, quantized[name]), var.ty.dtype))
+            new_params += [q, s]
+            rebuild[var] = lambda q=q, s=s, dtype=var.ty.dtype: relax.op.astype(q, dtype) * s
+        else:
+            new_params.append(var)
+    body = _RebuildAtUse(rebuild).visit_expr(func.body)
+    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs)
 
 
 def _fused_step(trainer: tvm.IRModule, n_trainable: int, accum: int = 1) -> tuple[relax.Function, list[relax.TensorType]]:

@@ -65,6 +65,7 @@ class Choice(BaseModel):
     precision: str
     batch_size: int  # micro-batch: samples per forward/backward
     grad_accum: int = 1  # micro-batches per update
+    frozen_weights: str = "fp32"  # int8: frozen Conv/Gemm/MatMul weights stored quantized
     optimizer: dict  # {name, lr}
 
 
@@ -104,6 +105,7 @@ class Plan(BaseModel):
             optimizer=c.optimizer["name"],
             lr=float(c.optimizer["lr"]),
             precision=c.precision,
+            frozen_weights=c.frozen_weights,
         )
 
 
@@ -138,6 +140,7 @@ def choice_json(model: Model, cand: Candidate) -> dict:
         "precision": cand.precision,
         "batch_size": cand.batch_size,
         "grad_accum": cand.grad_accum,
+        "frozen_weights": cand.frozen_weights,
         "optimizer": {"name": cand.optimizer, "lr": cand.lr},
     }
 

@@ -5,7 +5,8 @@
         mode: ratio           # full | bias | weight | ratio
         ratio: 0.25           # ratio: the first quarter of the output channels train
       - params: [classifier.weight, classifier.bias]
-    precision: fp32
+    precision: fp32                    # fp32 | fp16 | bf16
+    frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
     batch_size: 8
     grad_accum: 1
     optimizer: {name: sgd, lr: 0.05}   # sgd (plain) | momentum | adam
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import BadInput
 from .model import Model
-from .space import Candidate
+from .space import Candidate, Precision
 from .spec import load_spec
 
 
@@ -53,7 +54,8 @@ class Optimizer(_Strict):
 class Scheme(_Strict):
     name: str
     trainable: list[Entry] = Field(min_length=1)
-    precision: Literal["fp32", "fp16"] = "fp32"
+    precision: Precision = "fp32"
+    frozen_weights: Literal["fp32", "int8"] = "fp32"
     batch_size: int = Field(gt=0)
     grad_accum: int = Field(default=1, ge=1)
     optimizer: Optimizer
@@ -92,6 +94,7 @@ class Scheme(_Strict):
             lr=self.optimizer.lr,
             precision=self.precision,
             grad_accum=self.grad_accum,
+            frozen_weights=self.frozen_weights,
         )
 
 

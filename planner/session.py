@@ -13,7 +13,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC, StepSignature, head, tail
+from .graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC, StepSignature
+from .storage import from_step, to_step
 
 
 class TrainingSession:
@@ -24,7 +25,7 @@ class TrainingSession:
         self.device = device or tvm.cpu()
         lib = tvm.runtime.load_module(str(library)) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
-        weights = _split(weights, sig.splits)
+        weights = to_step(weights, sig.splits, sig.quantized)
         missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]
         if missing:
             raise KeyError(f"weights lack {', '.join(missing)}")
@@ -76,17 +77,4 @@ class TrainingSession:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""
         names = (*self.sig.frozen, *self.sig.trainable)
         parts = {n: t.numpy() for n, t in zip(names, (*self.frozen, *self.trainable))}
-        for name, (axis, _) in self.sig.splits.items():
-            parts[name] = np.concatenate([parts.pop(head(name)), parts.pop(tail(name))], axis=axis)
-        return parts
-
-
-def _split(weights: dict[str, np.ndarray], splits: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
-    """Ratio-updated weights as the step takes them: first k output channels, and the rest."""
-    if not splits:
-        return weights
-    out = dict(weights)
-    for name, (axis, k) in splits.items():
-        if name in out:
-            out[head(name)], out[tail(name)] = np.split(out.pop(name), [k], axis=axis)
-    return out
+        return from_step(parts, self.sig.splits, self.sig.quantized)

@@ -23,6 +23,7 @@ SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 DEFAULT_SPACE = "per-layer"
 
 Mode = Literal["frozen", "bias", "full", "ratio"]
+Precision = Literal["fp32", "fp16", "bf16"]
 
 
 def split_mode(mode: str) -> tuple[str, float | None]:
@@ -41,6 +42,7 @@ class Candidate:
     lr: float
     precision: str = "fp32"
     grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
+    frozen_weights: str = "fp32"  # int8: frozen Conv/Gemm/MatMul weights stored quantized per channel
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -56,6 +58,7 @@ class Candidate:
             lr=float(d["lr"]),
             precision=str(d.get("precision", "fp32")),
             grad_accum=int(d.get("grad_accum", 1)),
+            frozen_weights=str(d.get("frozen_weights", "fp32")),
         )
 
     def key(self) -> str:
@@ -101,7 +104,25 @@ class SearchSpace(_Strict):
     grad_accum: list[int] = [1]
     optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
     lr: LrRange = LrRange(low=0.01, high=0.1)
-    precision: list[Literal["fp32", "fp16"]] = ["fp32"]
+    precision: list[Precision] = ["fp32"]
+    frozen_weights: list[Literal["fp32", "int8"]] = ["fp32"]
+
+    @field_validator("precision", "frozen_weights")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("must list at least one value")
+        return v
+
+    def for_target(self, precisions: list[str]) -> SearchSpace:
+        """This space restricted to the precisions a target lists: others are never proposed."""
+        allowed = [p for p in self.precision if p in precisions]
+        if not allowed:
+            raise BadInput(
+                f"search space '{self.name}' proposes precision {', '.join(self.precision)}; "
+                f"the target supports only {', '.join(precisions)}"
+            )
+        return self.model_copy(update={"precision": allowed})
 
     @field_validator("batch_size", "grad_accum")
     @classmethod
@@ -170,6 +191,7 @@ class SearchSpace(_Strict):
             lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
             precision=str(trial.suggest_categorical("precision", list(self.precision))),
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
+            frozen_weights=str(trial.suggest_categorical("frozen_weights", list(self.frozen_weights))),
         )
 
 

@@ -73,7 +73,7 @@ class HardwareTarget(BaseModel):
     ram_budget_bytes: int = Field(gt=0)
     latency_budget_ms: float | None = Field(default=None, gt=0)
     flash_budget_bytes: int | None = Field(default=None, gt=0)
-    precisions: list[Literal["fp32", "fp16"]] = ["fp32"]
+    precisions: list[Literal["fp32", "fp16", "bf16"]] = ["fp32"]
     runner: Literal["local", "rpc"] = "local"
     rpc: RpcRunner | None = None
 

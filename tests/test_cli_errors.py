@@ -24,6 +24,8 @@ def _cases(tmp, tiny_model, tiny_data):
     bad_target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: lots\n")
     bad_space = tmp / "bad-space.yaml"
     bad_space.write_text("batch_size: [8]\nlayerz: [c1]\n")
+    fp16_space = tmp / "fp16-space.yaml"
+    fp16_space.write_text("precision: [fp16]\n")
     return {
         "missing model": (["--model", str(tmp / "nope.onnx"), "--data", str(tiny_data)], "model file not found"),
         "corrupt model": (["--model", str(corrupt), "--data", str(tiny_data)], "not a valid ONNX model"),
@@ -33,6 +35,7 @@ def _cases(tmp, tiny_model, tiny_data):
         "unknown target": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", "toaster"], "unknown target 'toaster'"),
         "target with a bad size": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", str(bad_target)], "ram_budget_bytes"),
         "space with an unknown key": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(bad_space)], "layerz: Extra inputs are not permitted"),
+        "precision the target lacks": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(fp16_space)], "proposes precision fp16; the target supports only"),
     }
 
 
@@ -40,7 +43,7 @@ def _cases(tmp, tiny_model, tiny_data):
     "case",
     [
         "missing model", "corrupt model", "op without gradient", "data shape", "labels out of range",
-        "unknown target", "target with a bad size", "space with an unknown key",
+        "unknown target", "target with a bad size", "space with an unknown key", "precision the target lacks",
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_model, tiny_data):

@@ -21,6 +21,8 @@ trainable:
   - params: [fc.b]
 batch_size: 4
 optimizer: {name: momentum, lr: 0.05}
+precision: bf16
+frozen_weights: int8
 """
 
 
@@ -39,6 +41,8 @@ def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     ]
     assert plan["choice"]["trainable"][0]["ratio"] == 0.5
     assert plan["step"]["signature"]["splits"] == {"c1.w": [0, 2]}
+    assert plan["choice"]["precision"] == "bf16" and plan["choice"]["frozen_weights"] == "int8"
+    assert plan["step"]["signature"]["quantized"] == {"fc.w": 0}  # the one frozen Conv/Gemm weight
     assert plan["choice"]["optimizer"] == {"name": "momentum", "lr": 0.05} and plan["choice"]["batch_size"] == 4
     assert plan["selection"]["policy"] == "scheme" and plan["selection"]["feasible"] is True
     assert plan["metrics"]["step_latency_ms"]["repeats"] >= 5
@@ -50,7 +54,7 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
     scheme = tmp_path / "s.yaml"
     scheme.write_text(SCHEME)
     target = tmp_path / "tiny.yaml"
-    target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: 1KiB\n")
+    target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: 1KiB\nprecisions: [fp32, bf16]\n")
     result = api.measure(tiny_model, scheme, tiny_data, str(target), tmp_path / "m", accuracy_steps=5, latency_repeats=3)
     assert result.plan.selection["feasible"] is False and "ram_budget" in result.plan.selection["over_budget"]
     assert (tmp_path / "m" / "plan.json").is_file()
@@ -65,6 +69,7 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
         ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\ngrad_accum: 0\n", "grad_accum"),
         ("trainable: [{layer: c1, mode: ratio}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "goes with `ratio: R`"),
         ("trainable: [{layer: bn, mode: ratio, ratio: 0.5}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "need a Conv, Gemm or MatMul"),
+        ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\nprecision: fp16\n", "target host supports only fp32, bf16"),
     ],
 )
 def test_bad_schemes_are_refused_before_any_compile(body, message, tiny_model, tiny_data, tmp_path):

@@ -13,7 +13,7 @@ from planner.space import SPACES_DIR, load_space, split_mode
 def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
     model = load_model(tiny_model)
     space = load_space("last-k")
-    trial = optuna.trial.FixedTrial({"last_k": 2, "mode": "full", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1})
+    trial = optuna.trial.FixedTrial({"last_k": 2, "mode": "full", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"})
     cand = space.sample(trial, model)
     assert cand.trainable == (("c2", "full"), ("fc", "full"))
 
@@ -21,7 +21,7 @@ def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
 def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
     model = load_model(tiny_model)
     cand = load_space("bias-only").sample(
-        optuna.trial.FixedTrial({"mode": "bias", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1}), model
+        optuna.trial.FixedTrial({"mode": "bias", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}), model
     )
     assert cand.trainable == tuple((layer.name, "bias") for layer in model.layers)
 
@@ -29,7 +29,7 @@ def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
 def test_full_trains_everything(tiny_model):
     model = load_model(tiny_model)
     cand = load_space("full").sample(
-        optuna.trial.FixedTrial({"mode": "full", "batch_size": 8, "optimizer": "adam", "lr": 0.01, "precision": "fp32", "grad_accum": 1}), model
+        optuna.trial.FixedTrial({"mode": "full", "batch_size": 8, "optimizer": "adam", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}), model
     )
     assert cand.trainable == tuple((layer.name, "full") for layer in model.layers) and cand.optimizer == "adam"
 
@@ -59,6 +59,14 @@ def test_a_space_without_a_training_mode_is_refused(tmp_path):
 def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
     model = load_model(tiny_model)
     params = {"depth": 2, "mode:c2": "ratio", "ratio:c2": 0.5, "mode:fc": "bias",
-              "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1}
+              "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}
     cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
     assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))
+
+
+def test_a_precision_the_target_does_not_list_is_never_proposed(tiny_model):
+    model = load_model(tiny_model)
+    space = load_space("per-layer").model_copy(update={"precision": ["fp32", "fp16", "bf16"]}).for_target(["fp32", "bf16"])
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    proposed = {space.sample(study.ask(), model).precision for _ in range(40)}
+    assert proposed == {"fp32", "bf16"}

@@ -65,23 +65,49 @@ def test_gradients_match_float64_finite_differences(tiny_model, trainable):
     assert all(e < 1e-3 for e in errors.values()), errors
 
 
-def test_fp16_step_tracks_the_fp32_step(tiny_model):
-    """Mixed precision: fp16 convolutions/matmuls, fp32 master weights, loss scaled and unscaled."""
+@pytest.mark.parametrize("precision, scaled", [("fp16", True), ("bf16", False)])
+def test_low_precision_step_tracks_the_fp32_step(tiny_model, precision, scaled):
+    """Mixed precision: low-precision convolutions/matmuls, fp32 master weights; fp16's loss is
+    scaled (and reported unscaled), bf16 has fp32's range and needs no scaling."""
     model = load_model(tiny_model)
     x, y = _batch(model)
     results = {}
-    for precision in ("fp32", "fp16"):
-        cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1, precision)
+    for p in ("fp32", precision):
+        cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1, p)
         step = compile_candidate(model, cand, HOST)
         session = TrainingSession(step.library, step.signature, model.initializers)
-        results[precision] = (session.step(x, y), session.weights(), step.signature)
-    (loss32, w32, _), (loss16, w16, sig16) = results["fp32"], results["fp16"]
-    assert sig16.loss_scale > 1
-    assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)  # reported unscaled
+        results[p] = (session.step(x, y), session.weights(), step.signature)
+    (loss32, w32, _), (loss_lp, w_lp, sig_lp) = results["fp32"], results[precision]
+    assert (sig_lp.loss_scale > 1) == scaled
+    assert abs(loss_lp - loss32) <= 2e-2 * abs(loss32)
     for name in ("c1.w", "c2.w", "fc.w", "fc.b"):
-        assert w16[name].dtype == np.float32  # master weights stay fp32
-        d32, d16 = model.initializers[name] - w32[name], model.initializers[name] - w16[name]
-        assert np.linalg.norm(d16 - d32) <= 0.1 * np.linalg.norm(d32), name
+        assert w_lp[name].dtype == np.float32  # master weights stay fp32
+        d32, d_lp = model.initializers[name] - w32[name], model.initializers[name] - w_lp[name]
+        assert np.linalg.norm(d_lp - d32) <= 0.1 * np.linalg.norm(d32), name
+
+
+def test_int8_frozen_weights_quarter_their_memory_and_train_like_fp32(tiny_model):
+    """Frozen conv/linear weights stored int8 (per-channel scales): 1/4 of their bytes, the same
+    update to within quantization error, and trainable weights untouched by quantization."""
+    model = load_model(tiny_model)
+    x, y = _batch(model)
+    out = {}
+    for storage in ("fp32", "int8"):
+        cand = Candidate((("bn", "full"), ("fc", "full")), 4, "sgd", 0.1, frozen_weights=storage)
+        step = compile_candidate(model, cand, HOST)
+        session = TrainingSession(step.library, step.signature, model.initializers)
+        out[storage] = (step, session.step(x, y), session.weights())
+    (s32, loss32, w32), (s8, loss8, w8) = out["fp32"], out["int8"]
+    assert s8.signature.quantized == {"c1.w": 0, "c2.w": 0}  # frozen conv weights; fc trains
+    conv_bytes = sum(model.initializers[n].nbytes for n in ("c1.w", "c2.w"))
+    assert s32.memory.frozen_params - s8.memory.frozen_params >= 0.7 * conv_bytes
+    for name in ("c1.w", "c2.w"):  # what the step used: within half a quantization step
+        w = model.initializers[name]
+        step_size = np.abs(w).max(axis=(1, 2, 3), keepdims=True) / 127
+        assert (np.abs(w8[name] - w) <= step_size / 2 + 1e-7).all() and not np.array_equal(w8[name], w)
+    assert abs(loss8 - loss32) <= 1e-2 * abs(loss32)
+    d32, d8 = model.initializers["fc.w"] - w32["fc.w"], model.initializers["fc.w"] - w8["fc.w"]
+    assert np.linalg.norm(d8 - d32) <= 0.05 * np.linalg.norm(d32)
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_model):

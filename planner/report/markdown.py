@@ -42,6 +42,7 @@ def render(plan: Plan, model: Model) -> str:
         f"| batch size | {c.batch_size} |",
         f"| optimizer | {c.optimizer['name']} (lr {c.optimizer['lr']:.4g}) |",
         f"| precision | {c.precision} |",
+        f"| frozen weights stored | {c.frozen_weights} |",
         f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
         f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms |",
         f"| peak memory | {_kib(mem['total'])} (budget {_kib(plan.measurement['ram_budget_bytes'])}) |",
@@ -52,10 +53,11 @@ def render(plan: Plan, model: Model) -> str:
         "|---|---|---|---|---|",
     ]
     modes = {t["layer"]: t for t in c.trainable}
+    frozen = "frozen" if c.frozen_weights == "fp32" else f"frozen ({c.frozen_weights} weights)"
     for layer in model.layers:
         t = modes.get(layer.name)
         lines.append(
-            f"| {layer.name} | {layer.op} | {_mode(t) if t else 'frozen'} | "
+            f"| {layer.name} | {layer.op} | {_mode(t) if t else frozen} | "
             f"{', '.join(t['params']) if t else '—'} | {layer.param_bytes:,} |"
         )
     lines += ["", "## Memory at the step's peak", "", "| part | bytes | share |", "|---|---|---|"]
