@@ -25,7 +25,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 from . import __version__
 from .errors import CandidateFailed
 from .graph import STEP_FUNC, StepSignature, build_training_module
-from .memory import MemoryBreakdown, step_peak
+from .memory import MemoryBreakdown, kernel_workspaces, step_peak
 from .model import Model
 from .space import Candidate
 
@@ -102,6 +102,12 @@ def _finish(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
     return relax.build(mod, target, relax_pipeline=None)
 
 
+def _workspaces(executable: relax.VMExecutable) -> dict[str, list[int]]:
+    """The kernels' workspace allocations, read from the compiled LLVM module (none for others)."""
+    llvm = [m for m in executable.mod.imports if m.kind == "llvm"]
+    return kernel_workspaces(llvm[0].inspect_source("ll")) if llvm else {}
+
+
 def compile_candidate(
     model: Model,
     candidate: Candidate,
@@ -123,8 +129,8 @@ def compile_candidate(
     mod, sig = build_training_module(model, candidate)
     try:
         lowered = _lower(mod, target)
-        memory = step_peak(lowered[STEP_FUNC], sig)
         executable = _finish(lowered, target)
+        memory = step_peak(lowered[STEP_FUNC], sig, _workspaces(executable))
     except Exception as exc:
         raise CandidateFailed(f"TVM compile failed: {str(exc).strip().splitlines()[-1]}") from None
     seconds = time.perf_counter() - t0

@@ -11,12 +11,16 @@ pool never returns memory. What the process holds is therefore the pool's high-w
 sits between the ideal liveness peak and the plain sum; that is the number reported, because it
 is what the board must have (tests/test_memory.py checks it against the allocator's real use).
 
-Not modelled yet: scratch that kernels allocate for themselves (a dilated, padded gradient in a
-transposed convolution), served by TVM's workspace pool; tests/test_memory.py records the gap.
+Kernels also allocate scratch of their own — an unscheduled fused kernel keeps each intermediate
+stage in a buffer, a transposed convolution dilates and pads its input — from TVM's workspace
+pool, a second allocator that also never returns memory. Its sizes are constants in the compiled
+code; `kernel_workspaces` reads them from the LLVM IR, and the replay runs the workspace pool's
+own policy over the step's kernel calls (`scratch` in the breakdown).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -36,12 +40,62 @@ class MemoryBreakdown:
     gradients: int  # gradient buffers alive at the peak (fused updates never materialise theirs)
     optimizer_state: int
     frozen_params: int
+    scratch: int = 0  # kernels' own workspace (TVM's workspace pool), held from first use on
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-PAGE = 4096  # TVM's pooled allocator rounds every allocation up to whole pages
+PAGE = 4096  # TVM's pooled allocator (and its workspace pool) rounds every allocation up to whole pages
+_WORKSPACE_CALL = re.compile(r"call ptr %[\w.]+\(i32 \d+, i32 %[\w.]+, i64 (\d+), i32 \d+, i32 \d+\)")
+_DEFINE = re.compile(r"^define [^@]*@\"?([\w.$]+?)(?:_compute_)?\"?\(", re.M)
+
+
+def kernel_workspaces(llvm_ir: str) -> dict[str, list[int]]:
+    """kernel name -> bytes of each workspace it allocates, in order, from the module's LLVM IR.
+
+    TVM calls `TVMBackendAllocWorkspace` through a function pointer with constant sizes (static
+    shapes); a kernel's body lives in `<name>_compute_`.
+    """
+    out: dict[str, list[int]] = {}
+    starts = list(_DEFINE.finditer(llvm_ir))
+    for m, nxt in zip(starts, starts[1:] + [None]):
+        body = llvm_ir[m.end() : nxt.start() if nxt else len(llvm_ir)]
+        sizes = [int(n) for n in _WORKSPACE_CALL.findall(body)]
+        if sizes:
+            out.setdefault(m.group(1), []).extend(sizes)
+    return out
+
+
+def _round(nbytes: int) -> int:
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+
+def workspace_held(calls: list[str], workspaces: dict[str, list[int]]) -> int:
+    """Bytes TVM's workspace pool holds after running `calls` (kernel names, in order).
+
+    The pool's policy (src/runtime/workspace_pool.cc): take the smallest free block that fits,
+    else grow the largest free block (freeing it and allocating anew), else allocate; a kernel
+    frees its workspaces in reverse order and the blocks stay in the pool.
+    """
+    free: list[int] = []  # sizes of free blocks, ascending
+    held = 0
+    for name in calls:
+        taken = []
+        for need in map(_round, workspaces.get(name, ())):
+            fit = next((i for i, size in enumerate(free) if size >= need), None)
+            if fit is not None:
+                taken.append(free.pop(fit))
+            elif free:
+                held += need - free.pop()
+                taken.append(need)
+            else:
+                held += need
+                taken.append(need)
+        for size in reversed(taken):
+            free.append(size)
+            free.sort()
+    return held
 
 
 def tensor_bytes(shape, dtype: str) -> int:
@@ -80,8 +134,11 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
     return grads
 
 
-def step_peak(planned: relax.Function, sig: StepSignature) -> MemoryBreakdown:
-    """Replay `planned` (the lowered `train_step`) and report its peak with a breakdown."""
+def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str, list[int]] | None = None) -> MemoryBreakdown:
+    """Replay `planned` (the lowered `train_step`) and report its peak with a breakdown.
+
+    `workspaces` (from `kernel_workspaces`) adds the kernels' own scratch.
+    """
     params = list(planned.params)
     # Inputs to the step: x, frozen..., trainable..., states..., labels
     n_frozen, n_train, n_state = len(sig.frozen), len(sig.trainable), len(sig.optim_states)
@@ -98,6 +155,7 @@ def step_peak(planned: relax.Function, sig: StepSignature) -> MemoryBreakdown:
     holders: dict[relax.Var, set[relax.Var]] = {}  # storage -> vars keeping it alive
     owner: dict[relax.Var, relax.Var] = {}  # tensor or view -> its storage
     live = peak = peak_grad = 0
+    calls: list[str] = []  # kernels in call order, for the workspace pool
 
     def allocate(storage: relax.Var, size: int) -> None:
         nonlocal live, held
@@ -134,6 +192,8 @@ def step_peak(planned: relax.Function, sig: StepSignature) -> MemoryBreakdown:
                 continue
             if not isinstance(value, relax.Call):
                 continue
+            if isinstance(value.op, relax.GlobalVar):
+                calls.append(value.op.name_hint)
             name = _call_name(value)
             if name == "relax.memory.alloc_storage":
                 allocate(var, int(value.args[0].values[0]))
@@ -151,11 +211,13 @@ def step_peak(planned: relax.Function, sig: StepSignature) -> MemoryBreakdown:
                     size for s, size in storage_size.items() if any(h in grad_vars for h in holders[s])
                 )
     activations = max(held, peak) - peak_grad + batch_b
+    scratch = workspace_held(calls, workspaces or {})
     return MemoryBreakdown(
-        total=activations + peak_grad + train_b + state_b + frozen_b,
+        total=activations + peak_grad + train_b + state_b + frozen_b + scratch,
         activations=activations,
         trainable_params=train_b,
         gradients=peak_grad,
         optimizer_state=state_b,
         frozen_params=frozen_b,
+        scratch=scratch,
     )

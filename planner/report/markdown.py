@@ -61,8 +61,8 @@ def render(plan: Plan, model: Model) -> str:
             f"{', '.join(t['params']) if t else '—'} | {layer.param_bytes:,} |"
         )
     lines += ["", "## Memory at the step's peak", "", "| part | bytes | share |", "|---|---|---|"]
-    for part in ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params"):
-        lines.append(f"| {part} | {mem[part]:,} | {mem[part] / mem['total']:.0%} |")
+    for part in ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch"):
+        lines.append(f"| {part} | {mem.get(part, 0):,} | {mem.get(part, 0) / mem['total']:.0%} |")
     lines.append(f"| **total** | **{mem['total']:,}** | |")
     lines += [
         "",
