@@ -27,6 +27,7 @@ from .errors import CandidateFailed
 from .graph import STEP_FUNC, StepSignature, build_training_module
 from .memory import MemoryBreakdown, kernel_workspaces, step_peak
 from .model import Model
+from .schedule import default_schedule
 from .space import Candidate
 
 LIB_NAME = "train_step.so"
@@ -79,10 +80,12 @@ def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, too
 
 
 def _lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """TVM's CPU pipeline up to memory planning, where the step's allocations become explicit."""
+    """TVM's CPU pipeline, with every kernel scheduled, up to memory planning, where the step's
+    allocations become explicit."""
     passes = (
         cpu.library_dispatch_passes(target)
         + cpu.legalize_passes(target)
+        + [default_schedule()]
         + cpu.dataflow_lower_passes(target)
         + [relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()]
     )

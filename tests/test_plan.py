@@ -43,7 +43,7 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     lat = plan["metrics"]["step_latency_ms"]
     assert lat["repeats"] >= 5 and 0 < lat["median"] <= lat["p90"]
     mem = plan["metrics"]["peak_memory_bytes"]
-    parts = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params")
+    parts = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
     assert mem["total"] == sum(mem[p] for p in parts)
     assert plan["pareto"] and all({"trial", "choice", "metrics"} <= set(p) for p in plan["pareto"])
     # the board starts from the model's own weights, not from an accuracy run's leftovers
