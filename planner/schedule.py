@@ -35,33 +35,86 @@ def _lanes(extent: int | None) -> int:
     return lanes if extent else 1
 
 
-def _schedule_block(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str, vectorize: bool) -> None:
-    """Spatial loops fused, outermost and parallel; with `vectorize`, its innermost `lanes`
-    iterations become one vector, under any reduction loops."""
-    loops = sch.get_loops(block)
-    spatial = [loop for loop, k in zip(loops, kinds) if k == "S"]
-    reduce = [loop for loop, k in zip(loops, kinds) if k == "R"]
-    sch.reorder(*spatial, *reduce)
+def _loops(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str):
+    loops = sch.get_loops(block)[-len(kinds):]
+    return [l for l, k in zip(loops, kinds) if k == "S"], [l for l, k in zip(loops, kinds) if k == "R"]
+
+
+def _vector_tail(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> None:
+    """Vectorise the innermost `lanes` iterations of `loop` (when its extent allows)."""
+    lanes = _lanes(_extent(sch, loop))
+    if lanes > 1:
+        sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
+
+
+def _spatial(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> s_tir.schedule.LoopRV:
+    """An elementwise block: all outputs in one parallel loop, vectorised innermost."""
+    spatial, _ = _loops(sch, block, kinds)
     fused = sch.fuse(*spatial)
-    lanes = _lanes(_extent(sch, fused)) if vectorize else 1
+    lanes = _lanes(_extent(sch, fused))
     if lanes == 1:
         sch.parallel(fused)
-        if reduce:
-            sch.decompose_reduction(block, reduce[0])
-        return
+        return fused
     outer, inner = sch.split(fused, factors=[None, lanes])
     sch.parallel(outer)
-    if reduce:
-        sch.reorder(outer, *reduce, inner)
-        sch.decompose_reduction(block, reduce[0])
     sch.vectorize(inner)
+    return outer
+
+
+def _rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> s_tir.schedule.LoopRV:
+    """Rows of the output (every spatial axis but the last) in one parallel loop; returns it.
+    Reduction loops go inside, after the row's last spatial loop."""
+    spatial, reduce = _loops(sch, block, kinds)
+    sch.reorder(*spatial, *reduce)
+    outer = sch.fuse(*spatial[:-1]) if len(spatial) > 1 else sch.add_unit_loop(spatial[0])
+    sch.parallel(outer)
+    return outer
+
+
+def _reduction_row(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> None:
+    """Within a row: the reduction loops outside, the row's outputs innermost as a vector, so
+    every reduction step updates a vector of independent outputs."""
+    loops = sch.get_loops(block)
+    n_reduce = kinds.count("R")
+    reduce, last = loops[-n_reduce:], loops[-n_reduce - 1]
+    sch.reorder(*reduce, last)
+    _vector_tail(sch, last)  # before decomposing: vectorize needs the block's init still attached
+    sch.decompose_reduction(block, reduce[0])
+
+
+def _reduction(sch, block, kinds) -> None:
+    _rows(sch, block, kinds)
+    _reduction_row(sch, block, kinds)
+
+
+def _reduction_into_epilogue(sch, block, kinds, epilogue, epilogue_kinds) -> None:
+    """The reduction computed row by row inside its elementwise consumer's parallel loop: its
+    output shrinks from a whole tensor of scratch to one row on the stack."""
+    spatial, _ = _loops(sch, epilogue, epilogue_kinds)
+    outer = _rows(sch, epilogue, epilogue_kinds)
+    _vector_tail(sch, spatial[-1])
+    sch.compute_at(block, outer, preserve_unit_loops=True)
+    _reduction_row(sch, block, kinds)
+
+
+def _attempt(sch: s_tir.Schedule, plans) -> s_tir.Schedule:
+    """The schedule after the first plan that succeeds on a copy; unchanged if none does."""
+    for plan in plans:
+        trial = sch.copy()
+        try:
+            plan(trial)
+        except RuntimeError:  # ScheduleError, or an InternalError from TVM's loop analysis
+            continue
+        return trial
+    return sch
 
 
 class DefaultCPU(dlight.ScheduleRule):
-    """Inline what can be inlined; parallel outer spatial loop; vectorised inner spatial loop.
+    """Inline what can be inlined; reductions row by row (inside their epilogue when they have
+    one), rows in parallel, outputs of a row as vectors; elementwise blocks flat, in parallel.
 
-    Each block is scheduled on a copy, most ambitious first (vectorised, then parallel only); a
-    block no variant suits is left as TVM emitted it, so the rule never breaks a kernel.
+    Every plan runs on a copy of the schedule, the most ambitious first; a block no plan suits is
+    left as TVM emitted it, so the rule never breaks a kernel.
     """
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
@@ -71,19 +124,38 @@ class DefaultCPU(dlight.ScheduleRule):
         blocks = normalize_prim_func(sch)
         if blocks is None:
             return None
-        for info in try_inline(sch, blocks):
-            kinds = info.dom_kind()
-            if len(sch.get_loops(info.block_rv)) != len(kinds) or "S" not in kinds or set(kinds) - {"S", "R"}:
-                continue  # opaque iteration or nothing to parallelise: leave it as it is
-            for vectorize in (True, False):
-                trial = sch.copy()
-                try:
-                    _schedule_block(trial, info.block_rv, kinds, vectorize)
-                except s_tir.schedule.ScheduleError:
-                    continue
-                sch = trial
-                break
+        remaining = try_inline(sch, blocks)
+        kinds = {sch.get(b.block_rv).name_hint: b.dom_kind() for b in remaining}
+        done: set[str] = set()
+        for info in remaining:
+            block, name, k = info.block_rv, sch.get(info.block_rv).name_hint, info.dom_kind()
+            if name in done or "S" not in k or set(k) - {"S", "R"} or len(sch.get_loops(block)) != len(k):
+                continue  # scheduled with its reduction, opaque, or nothing to parallelise
+            if "R" not in k:
+                sch = _attempt(sch, [lambda t: _spatial(t, block, k), lambda t: t.parallel(t.fuse(*_loops(t, block, k)[0]))])
+                continue
+            plans = []
+            consumers = sch.get_consumers(block)
+            if len(consumers) == 1:
+                epi = consumers[0]
+                epi_name = sch.get(epi).name_hint
+                ek = kinds.get(epi_name, "R")
+                if set(ek) == {"S"} and len(sch.get_loops(epi)) == len(ek):
+                    plans.append(lambda t: _reduction_into_epilogue(t, block, k, epi, ek))
+            plans += [lambda t: _reduction(t, block, k), lambda t: _rows(t, block, k)]
+            sch = _attempt(sch, plans)
+            if _fused_epilogue(sch, block, consumers):
+                done.add(sch.get(consumers[0]).name_hint)
         return sch
+
+
+def _fused_epilogue(sch: s_tir.Schedule, block, consumers) -> bool:
+    """Whether `block` now runs inside its consumer's loops (so the consumer is scheduled too)."""
+    if len(consumers) != 1:
+        return False
+    outer = sch.get_loops(block)
+    inner = sch.get_loops(consumers[0])
+    return bool(outer) and bool(inner) and sch.get(outer[0]).same_as(sch.get(inner[0]))
 
 
 def default_schedule() -> tvm.transform.Pass:

@@ -70,7 +70,7 @@ class Suggester(Protocol):
 
     def suggest_categorical(self, name: str, choices: list) -> object: ...
     def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float: ...
-    def suggest_int(self, name: str, low: int, high: int) -> int: ...
+    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
 
 
 class _Strict(BaseModel):
@@ -88,7 +88,7 @@ class SearchSpace(_Strict):
 
     `strategy` says how the trainable set is drawn:
     - `per-layer`: each layer gets its own mode from `modes`;
-    - `sparse`: a depth k is drawn, then each of the last k layers gets its own mode — the
+    - `sparse`: a depth k is drawn (log-uniform), then each of the last k layers gets its own mode — the
       sparse-update search (updates concentrate where backpropagation is cheap);
     - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
     - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
@@ -166,7 +166,8 @@ class SearchSpace(_Strict):
         names = self.layer_names(model)
         if self.strategy in ("per-layer", "sparse"):
             if self.strategy == "sparse":
-                names = names[len(names) - int(trial.suggest_int("depth", 1, len(names))) :]
+                # log-uniform: most trials update few layers, where backpropagation is cheap
+                names = names[len(names) - int(trial.suggest_int("depth", 1, len(names), log=True)) :]
             modes = {}
             for n in names:
                 layer = model.layer(n)
