@@ -6,12 +6,15 @@ the workspace pool, one scalar loop nest after another on one core. On MobileNet
 alone rivals a sparse update's whole budget, and the step runs many times slower than it could.
 
 `DefaultCPU` does what any hand schedule would do first: inline every stage that can be inlined
-(producers into consumers, epilogues into their reduction), then run the remaining blocks'
-spatial loops in parallel across cores and vectorise the innermost spatial loop. dlight's CPU
-rules (GEMV, reductions) get the kernels they recognise first.
+(padding into the convolution, elementwise chains into one loop), compute each reduction row by
+row inside its elementwise consumer (so its output never exists whole), run rows in parallel
+across cores and a row's outputs as one vector. It is the floor under every kernel; tuned
+schedules (MetaSchedule) are what beats it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import tvm
 from tvm import s_tir, tirx
@@ -22,7 +25,7 @@ from tvm.s_tir.dlight.base import try_inline
 VECTOR_LANES = 8  # fp32 lanes of a 256-bit vector; LLVM splits or widens for the real ISA
 
 
-def _extent(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> int | None:
+def _extent(sch: s_tir.Schedule, loop: Loop) -> int | None:
     extent = sch.get(loop).extent
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
@@ -35,33 +38,36 @@ def _lanes(extent: int | None) -> int:
     return lanes if extent else 1
 
 
-def _loops(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str):
+Loop = s_tir.schedule.LoopRV
+Block = s_tir.schedule.SBlockRV
+
+
+def _loops(sch: s_tir.Schedule, block: Block, kinds: str) -> tuple[list[Loop], list[Loop]]:
+    """The block's (spatial, reduction) loops, given its iteration kinds ("S"/"R" per loop)."""
     loops = sch.get_loops(block)[-len(kinds):]
     return [l for l, k in zip(loops, kinds) if k == "S"], [l for l, k in zip(loops, kinds) if k == "R"]
 
 
-def _vector_tail(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> None:
+def _vector_tail(sch: s_tir.Schedule, loop: Loop) -> None:
     """Vectorise the innermost `lanes` iterations of `loop` (when its extent allows)."""
     lanes = _lanes(_extent(sch, loop))
     if lanes > 1:
         sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
 
 
-def _spatial(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> s_tir.schedule.LoopRV:
+def _spatial(sch: s_tir.Schedule, block: Block, kinds: str, vectorize: bool = True) -> None:
     """An elementwise block: all outputs in one parallel loop, vectorised innermost."""
-    spatial, _ = _loops(sch, block, kinds)
-    fused = sch.fuse(*spatial)
-    lanes = _lanes(_extent(sch, fused))
+    fused = sch.fuse(*_loops(sch, block, kinds)[0])
+    lanes = _lanes(_extent(sch, fused)) if vectorize else 1
     if lanes == 1:
         sch.parallel(fused)
-        return fused
+        return
     outer, inner = sch.split(fused, factors=[None, lanes])
     sch.parallel(outer)
     sch.vectorize(inner)
-    return outer
 
 
-def _rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> s_tir.schedule.LoopRV:
+def _rows(sch: s_tir.Schedule, block: Block, kinds: str) -> Loop:
     """Rows of the output (every spatial axis but the last) in one parallel loop; returns it.
     Reduction loops go inside, after the row's last spatial loop."""
     spatial, reduce = _loops(sch, block, kinds)
@@ -71,7 +77,7 @@ def _rows(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> s_
     return outer
 
 
-def _reduction_row(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: str) -> None:
+def _reduction_row(sch: s_tir.Schedule, block: Block, kinds: str) -> None:
     """Within a row: the reduction loops outside, the row's outputs innermost as a vector, so
     every reduction step updates a vector of independent outputs."""
     loops = sch.get_loops(block)
@@ -82,12 +88,12 @@ def _reduction_row(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, kinds: s
     sch.decompose_reduction(block, reduce[0])
 
 
-def _reduction(sch, block, kinds) -> None:
+def _reduction(sch: s_tir.Schedule, block: Block, kinds: str) -> None:
     _rows(sch, block, kinds)
     _reduction_row(sch, block, kinds)
 
 
-def _reduction_into_epilogue(sch, block, kinds, epilogue, epilogue_kinds) -> None:
+def _reduction_into_epilogue(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block, epilogue_kinds: str) -> None:
     """The reduction computed row by row inside its elementwise consumer's parallel loop: its
     output shrinks from a whole tensor of scratch to one row on the stack."""
     spatial, _ = _loops(sch, epilogue, epilogue_kinds)
@@ -97,7 +103,7 @@ def _reduction_into_epilogue(sch, block, kinds, epilogue, epilogue_kinds) -> Non
     _reduction_row(sch, block, kinds)
 
 
-def _attempt(sch: s_tir.Schedule, plans) -> s_tir.Schedule:
+def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]]) -> s_tir.Schedule:
     """The schedule after the first plan that succeeds on a copy; unchanged if none does."""
     for plan in plans:
         trial = sch.copy()
@@ -132,7 +138,7 @@ class DefaultCPU(dlight.ScheduleRule):
             if name in done or "S" not in k or set(k) - {"S", "R"} or len(sch.get_loops(block)) != len(k):
                 continue  # scheduled with its reduction, opaque, or nothing to parallelise
             if "R" not in k:
-                sch = _attempt(sch, [lambda t: _spatial(t, block, k), lambda t: t.parallel(t.fuse(*_loops(t, block, k)[0]))])
+                sch = _attempt(sch, [lambda t: _spatial(t, block, k), lambda t: _spatial(t, block, k, vectorize=False)])
                 continue
             plans = []
             consumers = sch.get_consumers(block)
@@ -149,7 +155,7 @@ class DefaultCPU(dlight.ScheduleRule):
         return sch
 
 
-def _fused_epilogue(sch: s_tir.Schedule, block, consumers) -> bool:
+def _fused_epilogue(sch: s_tir.Schedule, block: Block, consumers: list[Block]) -> bool:
     """Whether `block` now runs inside its consumer's loops (so the consumer is scheduled too)."""
     if len(consumers) != 1:
         return False
@@ -159,5 +165,5 @@ def _fused_epilogue(sch: s_tir.Schedule, block, consumers) -> bool:
 
 
 def default_schedule() -> tvm.transform.Pass:
-    """Schedules every unscheduled kernel: dlight's CPU rules where they apply, else `DefaultCPU`."""
+    """Schedules every kernel not scheduled yet with `DefaultCPU`."""
     return dlight.ApplyDefaultSchedule(DefaultCPU())
