@@ -123,7 +123,10 @@ class _ClipAsRelaxOps(relax.PyExprMutator):
 
 
 def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
+    """Clip as Relax ops, and its bounds' NaN guards (`where(isnan(c), inf, c)`) folded to the
+    constants they are — low-precision passes would otherwise retype them (bf16 has no isnan)."""
     mod["main"] = _ClipAsRelaxOps().visit_expr(mod["main"])
+    mod = relax.transform.FoldConstant()(mod)
     return relax.transform.DeadCodeElimination(["main"])(mod)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -30,9 +31,9 @@ def _extent(sch: s_tir.Schedule, loop: Loop) -> int | None:
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
-def _lanes(extent: int | None) -> int:
-    """The widest power-of-two vector (<= VECTOR_LANES) that divides `extent`: no tail predicate."""
-    lanes = VECTOR_LANES
+def _lanes(extent: int | None, cap: int) -> int:
+    """The widest power-of-two vector (<= cap) that divides `extent`: no tail predicate."""
+    lanes = cap
     while extent and lanes > 1 and extent % lanes:
         lanes //= 2
     return lanes if extent else 1
@@ -48,17 +49,17 @@ def _loops(sch: s_tir.Schedule, block: Block, kinds: str) -> tuple[list[Loop], l
     return [l for l, k in zip(loops, kinds) if k == "S"], [l for l, k in zip(loops, kinds) if k == "R"]
 
 
-def _vector_tail(sch: s_tir.Schedule, loop: Loop) -> None:
+def _vector_tail(sch: s_tir.Schedule, loop: Loop, cap: int) -> None:
     """Vectorise the innermost `lanes` iterations of `loop` (when its extent allows)."""
-    lanes = _lanes(_extent(sch, loop))
+    lanes = _lanes(_extent(sch, loop), cap)
     if lanes > 1:
         sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
 
 
-def _spatial(sch: s_tir.Schedule, block: Block, kinds: str, vectorize: bool = True) -> None:
+def _spatial(sch: s_tir.Schedule, block: Block, kinds: str, cap: int) -> None:
     """An elementwise block: all outputs in one parallel loop, vectorised innermost."""
     fused = sch.fuse(*_loops(sch, block, kinds)[0])
-    lanes = _lanes(_extent(sch, fused)) if vectorize else 1
+    lanes = _lanes(_extent(sch, fused), cap)
     if lanes == 1:
         sch.parallel(fused)
         return
@@ -77,30 +78,32 @@ def _rows(sch: s_tir.Schedule, block: Block, kinds: str) -> Loop:
     return outer
 
 
-def _reduction_row(sch: s_tir.Schedule, block: Block, kinds: str) -> None:
+def _reduction_row(sch: s_tir.Schedule, block: Block, kinds: str, cap: int) -> None:
     """Within a row: the reduction loops outside, the row's outputs innermost as a vector, so
     every reduction step updates a vector of independent outputs."""
     loops = sch.get_loops(block)
     n_reduce = kinds.count("R")
     reduce, last = loops[-n_reduce:], loops[-n_reduce - 1]
     sch.reorder(*reduce, last)
-    _vector_tail(sch, last)  # before decomposing: vectorize needs the block's init still attached
+    _vector_tail(sch, last, cap)  # before decomposing: vectorize needs the block's init still attached
     sch.decompose_reduction(block, reduce[0])
 
 
-def _reduction(sch: s_tir.Schedule, block: Block, kinds: str) -> None:
+def _reduction(sch: s_tir.Schedule, block: Block, kinds: str, cap: int) -> None:
     _rows(sch, block, kinds)
-    _reduction_row(sch, block, kinds)
+    _reduction_row(sch, block, kinds, cap)
 
 
-def _reduction_into_epilogue(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block, epilogue_kinds: str) -> None:
+def _reduction_into_epilogue(
+    sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block, epilogue_kinds: str, cap: int
+) -> None:
     """The reduction computed row by row inside its elementwise consumer's parallel loop: its
     output shrinks from a whole tensor of scratch to one row on the stack."""
     spatial, _ = _loops(sch, epilogue, epilogue_kinds)
     outer = _rows(sch, epilogue, epilogue_kinds)
-    _vector_tail(sch, spatial[-1])
+    _vector_tail(sch, spatial[-1], cap)
     sch.compute_at(block, outer, preserve_unit_loops=True)
-    _reduction_row(sch, block, kinds)
+    _reduction_row(sch, block, kinds, cap)
 
 
 def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]]) -> s_tir.Schedule:
@@ -130,6 +133,7 @@ class DefaultCPU(dlight.ScheduleRule):
         blocks = normalize_prim_func(sch)
         if blocks is None:
             return None
+        cap = 1 if _stores_bf16(func) else VECTOR_LANES  # TVM's bf16 storage lowering is scalar-only
         remaining = try_inline(sch, blocks)
         kinds = {sch.get(b.block_rv).name_hint: b.dom_kind() for b in remaining}
         done: set[str] = set()
@@ -138,7 +142,7 @@ class DefaultCPU(dlight.ScheduleRule):
             if name in done or "S" not in k or set(k) - {"S", "R"} or len(sch.get_loops(block)) != len(k):
                 continue  # scheduled with its reduction, opaque, or nothing to parallelise
             if "R" not in k:
-                sch = _attempt(sch, [lambda t: _spatial(t, block, k), lambda t: _spatial(t, block, k, vectorize=False)])
+                sch = _attempt(sch, [lambda t: _spatial(t, block, k, cap), lambda t: _spatial(t, block, k, 1)])
                 continue
             plans = []
             consumers = sch.get_consumers(block)
@@ -147,12 +151,23 @@ class DefaultCPU(dlight.ScheduleRule):
                 epi_name = sch.get(epi).name_hint
                 ek = kinds.get(epi_name, "R")
                 if set(ek) == {"S"} and len(sch.get_loops(epi)) == len(ek):
-                    plans.append(lambda t: _reduction_into_epilogue(t, block, k, epi, ek))
-            plans += [lambda t: _reduction(t, block, k), lambda t: _rows(t, block, k)]
+                    plans.append(lambda t: _reduction_into_epilogue(t, block, k, epi, ek, cap))
+            plans += [lambda t: _reduction(t, block, k, cap), lambda t: _rows(t, block, k)]
             sch = _attempt(sch, plans)
             if _fused_epilogue(sch, block, consumers):
                 done.add(sch.get(consumers[0]).name_hint)
         return sch
+
+
+def _stores_bf16(func: tirx.PrimFunc) -> bool:
+    found = False
+
+    def visit(store: tirx.BufferStore) -> None:
+        nonlocal found
+        found = found or str(store.buffer.dtype) == "bfloat16"
+
+    tvm_ffi.structural_walk(func.body, [(tirx.BufferStore, visit)], order="post")
+    return found
 
 
 def _fused_epilogue(sch: s_tir.Schedule, block: Block, consumers: list[Block]) -> bool:

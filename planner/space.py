@@ -88,8 +88,9 @@ class SearchSpace(_Strict):
 
     `strategy` says how the trainable set is drawn:
     - `per-layer`: each layer gets its own mode from `modes`;
-    - `sparse`: a depth k is drawn (log-uniform), then each of the last k layers gets its own mode — the
-      sparse-update search (updates concentrate where backpropagation is cheap);
+    - `sparse`: a depth k is drawn (log-uniform), the k-th layer from the end trains, and each
+      layer after it gets its own mode — the sparse-update search (updates concentrate where
+      backpropagation is cheap);
     - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
     - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
     """
@@ -169,13 +170,18 @@ class SearchSpace(_Strict):
                 # log-uniform: most trials update few layers, where backpropagation is cheap
                 names = names[len(names) - int(trial.suggest_int("depth", 1, len(names), log=True)) :]
             modes = {}
-            for n in names:
+            for i, n in enumerate(names):
                 layer = model.layer(n)
                 allowed = [
                     m for m in self.modes
                     if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
                 ]
-                modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
+                if self.strategy == "sparse" and i == 0:
+                    # the depth is how far back the update reaches: the deepest layer of the window
+                    # trains (its own parameter name, so every name keeps one set of choices)
+                    modes[n] = str(trial.suggest_categorical(f"deepest_mode:{n}", [m for m in allowed if m != "frozen"]))
+                else:
+                    modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
                 if modes[n] == "ratio":
                     modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"
         else:

@@ -58,10 +58,22 @@ def test_a_space_without_a_training_mode_is_refused(tmp_path):
 
 def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
     model = load_model(tiny_model)
-    params = {"depth": 2, "mode:c2": "ratio", "ratio:c2": 0.5, "mode:fc": "bias",
+    params = {"depth": 2, "deepest_mode:c2": "ratio", "ratio:c2": 0.5, "mode:fc": "bias",
               "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}
     cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
     assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))
+
+
+def test_sparse_update_reaches_exactly_its_depth(tiny_model):
+    """The depth is how far back the update goes: the deepest layer of the window always trains."""
+    model = load_model(tiny_model)
+    space = load_space("sparse-update")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    names = space.layer_names(model)
+    for _ in range(40):
+        trial = study.ask()
+        cand = space.sample(trial, model)
+        assert cand.trainable and cand.trainable[0][0] == names[len(names) - trial.params["depth"]]
 
 
 def test_a_precision_the_target_does_not_list_is_never_proposed(tiny_model):
