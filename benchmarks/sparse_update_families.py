@@ -43,14 +43,14 @@ def main() -> None:
         p, m = result.plan, result.plan.metrics
         rows.append((
             name, sum(t.complete for t in result.trials), sum(t.state == "FAIL" for t in result.trials), len(p.pareto),
-            len(p.choice.trainable), m["accuracy"]["after"], m["step_latency_ms"]["median"],
+            len(p.choice.trainable), f"{p.choice.precision}/{p.choice.frozen_weights}", m["accuracy"]["after"], m["step_latency_ms"]["median"],
             m["peak_memory_bytes"]["total"] / 1024, time.perf_counter() - t0,
         ))
         print(f"{name}: done in {rows[-1][-1]:.0f} s", flush=True)
-    print("\n| family | complete | failed | Pareto | layers trained | val acc (proxy) | step ms | peak KiB | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| family | complete | failed | Pareto | layers trained | precision / frozen weights | val acc (proxy) | step ms | peak KiB | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:,.0f} | {r[8]:.0f} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3f} | {r[7]:.2f} | {r[8]:,.0f} | {r[9]:.0f} |")
 
 
 if __name__ == "__main__":
