@@ -1,7 +1,8 @@
 """Edge architectures built in code with `onnx.helper` — nothing is downloaded.
 
 MobileNetV2, a CIFAR-style ResNet, an MCUNet-style net (MobileNetV2 blocks with mixed kernel
-sizes and expansion ratios) and a small vision transformer block. Weights are random (He init,
+sizes and expansion ratios), a small vision transformer block, and the tiny CNN of the first
+baseline measurements. Weights are random (He init,
 BN with real-looking statistics); they exist so planner's op coverage, gradients, memory and
 speed are exercised on the graphs users bring. Node names follow `block.part` (e.g. `b2.dw`), the
 names a scheme file or `planner inspect` uses.
@@ -132,6 +133,16 @@ def mcunet(resolution: int = 64, classes: int = 10, seed: int = 0) -> onnx.Model
         c = out
     g.head(x, c, classes)
     return g.model(f"mcunet_{resolution}", (3, resolution, resolution), classes)
+
+
+def tiny_cnn(resolution: int = 28, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    """Conv(1→16, 3×3) ReLU Conv(16→32, 3×3, stride 2) ReLU, global average pool, Gemm(32→10):
+    the tiny CNN of planner's first baseline measurements (MNIST-sized input)."""
+    g = _Graph(seed)
+    x = g.node("Relu", [g.conv("input", "conv1", 1, 16, 3, bias=True)], "relu1")
+    x = g.node("Relu", [g.conv(x, "conv2", 16, 32, 3, stride=2, bias=True)], "relu2")
+    g.head(x, 32, classes)
+    return g.model(f"tiny_cnn_{resolution}", (1, resolution, resolution), classes)
 
 
 def resnet(depth: int = 8, resolution: int = 32, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
