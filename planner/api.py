@@ -73,6 +73,7 @@ def plan(
     tracker: str | None = None,
     key: str | None = None,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
+    tune_trials: int = 0,
 ) -> PlanResult:
     """Search the space for the best training plan of `model` on `target`; write it to `out`.
 
@@ -82,6 +83,8 @@ def plan(
     """
     if trials < 1:
         raise BadInput("--trials must be at least 1")
+    if tune_trials < 0:
+        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
     hw = resolve_target(target, tracker, key)
@@ -100,18 +103,20 @@ def plan(
         "target": hw.identity(),
         "space": sp.model_dump(),
         "accuracy_steps": accuracy_steps,
+        "tune_trials": tune_trials,
     }
     st = open_study(storage_url, study_name, seed, config)
-    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir())
+    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 
     chosen = select(records, policy, accuracy_tolerance)
-    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain)
+    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials)
     result = assemble(
-        m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled.signature,
+        m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled,
         selection={"policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names},
         study={"storage": storage_url, "name": study_name},
         accuracy_seed=seed,
+        tune_trials=tune_trials,
     )
     _write(out, result, compiled, m)
     return PlanResult(result, out, records)
@@ -129,6 +134,7 @@ def measure(
     cache_dir: Path | None = None,
     tracker: str | None = None,
     key: str | None = None,
+    tune_trials: int = 0,
 ) -> PlanResult:
     """Measure one explicit scheme (no search) and write a plan directory like `plan` does.
 
@@ -146,27 +152,32 @@ def measure(
         )
     check_importable(m)
     capacity(hw)
-    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir())
+    if tune_trials < 0:
+        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     attrs: dict = {}
     try:
         constraints = Evaluator(m, dataset, hw, evaluation).evaluate(candidate, attrs.__setitem__)
     except CandidateFailed as exc:
         raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
     rec = TrialRecord.from_attrs(0, "COMPLETE", attrs, constraints)
-    compiled = compile_candidate(m, candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain)
+    compiled = compile_candidate(m, candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials)
     result = assemble(
-        m, dataset, hw, [rec], rec, {0}, compiled.signature,
+        m, dataset, hw, [rec], rec, {0}, compiled,
         selection={"policy": "scheme", "scheme": str(Path(scheme).resolve()), "feasible": rec.feasible,
                    "accuracy_tolerance": None, "over_budget": {k: v for k, v in constraints.items() if v > 0}},
         study={"storage": None, "name": None},
         accuracy_seed=seed,
+        tune_trials=tune_trials,
     )
     out = Path(out)
     _write(out, result, compiled, m)
     return PlanResult(result, out, [rec])
 
 
-def compile_plan(plan_dir: str | Path, target: str, out: str | Path, cache_dir: Path | None = None) -> Plan:
+def compile_plan(
+    plan_dir: str | Path, target: str, out: str | Path, cache_dir: Path | None = None, tune_trials: int = 0
+) -> Plan:
     """Re-target a plan: compile its chosen candidate for `target` into a new plan directory.
 
     The new plan keeps the choice and the metrics measured for the original target (their
@@ -176,7 +187,9 @@ def compile_plan(plan_dir: str | Path, target: str, out: str | Path, cache_dir: 
     original = read_plan(plan_dir)
     m = load_model(plan_dir / MODEL_FILE)
     hw = resolve_target(target)
-    compiled = compile_candidate(m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain)
+    if tune_trials < 0:
+        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+    compiled = compile_candidate(m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain, tune_trials)
     data = original.model_dump()
     data["target"] = {"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device, "toolchain": hw.toolchain}
     data["metrics"]["peak_memory_bytes"] = compiled.memory.to_json()
@@ -185,7 +198,10 @@ def compile_plan(plan_dir: str | Path, target: str, out: str | Path, cache_dir: 
         f"{original.target.name}: latency and accuracy were measured there; re-plan with "
         f"`planner plan --target {hw.name}` to measure on this target"
     )
-    data["step"]["signature"] = compiled.signature.to_json()
+    data["step"].update(
+        signature=compiled.signature.to_json(), kernels=compiled.kernels,
+        tuned_kernels=list(compiled.tuned_kernels), tune_trials=tune_trials,
+    )
     result = Plan.model_validate(data)
     _write(Path(out), result, compiled, m)
     return result

@@ -49,6 +49,7 @@ def _guard(fn):
 
 TrackerOpt = Annotated[str | None, typer.Option(help="HOST:PORT of a TVM RPC tracker: measure on its boards instead of the target's runner")]
 KeyOpt = Annotated[str | None, typer.Option(help="board key at the tracker (with --tracker)")]
+TuneOpt = Annotated[int, typer.Option(help="MetaSchedule trials spent on each compiled step, into one tuning database shared by every candidate and plan (0: planner's default schedules only; about 3-20 s per trial on 2 cores)")]
 
 
 def _kib(n: float) -> str:
@@ -70,6 +71,7 @@ def plan(
     select: Annotated[Literal["memory", "latency", "accuracy"], typer.Option(help="pick the least memory / least latency among trials within --accuracy-tolerance of the best, or the most accurate")] = "memory",
     accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
     accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = DEFAULT_ACCURACY_STEPS,
+    tune_trials: TuneOpt = 0,
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
@@ -98,7 +100,7 @@ def plan(
     result = _guard(
         lambda: api.plan(
             model, data, target, space, out, trials, timeout, seed, storage, study, select,
-            accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress,
+            accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress, tune_trials=tune_trials,
         )
     )
     if json_out:
@@ -130,6 +132,7 @@ def measure(
     out: Annotated[Path, typer.Option(help="plan directory to write")] = Path("plan"),
     seed: Annotated[int, typer.Option(help="fine-tuning seed")] = 0,
     accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps for the accuracy")] = DEFAULT_ACCURACY_STEPS,
+    tune_trials: TuneOpt = 0,
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
@@ -141,7 +144,9 @@ def measure(
     """
     from . import api
 
-    result = _guard(lambda: api.measure(model, scheme, data, target, out, seed, accuracy_steps, tracker=tracker, key=key))
+    result = _guard(lambda: api.measure(
+        model, scheme, data, target, out, seed, accuracy_steps, tracker=tracker, key=key, tune_trials=tune_trials
+    ))
     if json_out:
         print(json.dumps(result.plan.model_dump(), indent=2))
         return
@@ -220,12 +225,13 @@ def compile_(
     plan_dir: Annotated[Path, typer.Argument(help="a plan directory")],
     target: Annotated[str, typer.Option(help="target to compile for: a name in hw_targets/ or a YAML path")],
     out_dir: Annotated[Path, typer.Option("--out", help="the re-targeted plan directory")],
+    tune_trials: TuneOpt = 0,
     json_out: Annotated[bool, typer.Option("--json", help="print the new plan.json")] = False,
 ) -> None:
     """Re-target a plan: compile its chosen training step for another board (cross-compiling)."""
     from . import api
 
-    result = _guard(lambda: api.compile_plan(plan_dir, target, out_dir))
+    result = _guard(lambda: api.compile_plan(plan_dir, target, out_dir, tune_trials=tune_trials))
     if json_out:
         print(json.dumps(result.model_dump(), indent=2))
         return

@@ -27,6 +27,7 @@ from .errors import CandidateFailed
 from .graph import STEP_FUNC, StepSignature, build_training_module
 from .memory import MemoryBreakdown, kernel_workspaces, step_peak
 from .model import Model
+from . import tune
 from .schedule import default_schedule
 from .space import Candidate
 
@@ -49,6 +50,8 @@ class CompiledStep:
     memory: MemoryBreakdown
     compile_seconds: float
     cached: bool
+    kernels: int = 0  # compiled kernels (TIR functions) in the step
+    tuned_kernels: tuple[str, ...] = ()  # those scheduled from the tuning database
 
     @property
     def library(self) -> Path:
@@ -65,13 +68,16 @@ def code_id() -> str:
     return h.hexdigest()[:16]
 
 
-def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None) -> str:
+def cache_key(
+    model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None, tune_trials: int = 0
+) -> str:
     blob = json.dumps(
         {
             "model": model.sha256,
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
+            "tune_trials": tune_trials,
             "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},
         },
         sort_keys=True,
@@ -79,18 +85,22 @@ def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, too
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def _lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """TVM's CPU pipeline, with every kernel scheduled, up to memory planning, where the step's
-    allocations become explicit."""
+def _fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
+    with target:
+        return tvm.transform.Sequential(cpu.library_dispatch_passes(target) + cpu.legalize_passes(target))(mod)
+
+
+def _lower(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The rest of the CPU pipeline, every kernel not tuned yet given planner's default schedule,
+    up to memory planning, where the step's allocations become explicit."""
     passes = (
-        cpu.library_dispatch_passes(target)
-        + cpu.legalize_passes(target)
-        + [default_schedule()]
+        [default_schedule()]
         + cpu.dataflow_lower_passes(target)
         + [relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()]
     )
     with target:
-        return tvm.transform.Sequential(passes)(mod)
+        return tvm.transform.Sequential(passes)(fused)
 
 
 def _finish(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
@@ -117,21 +127,32 @@ def compile_candidate(
     target: tvm.target.Target,
     cache_dir: Path | None = None,
     toolchain: str | None = None,
+    tune_trials: int = 0,
 ) -> CompiledStep:
     """The candidate's compiled step, from the cache when it is there.
 
     `toolchain` is the C++ (cross) compiler that links the library, e.g. `aarch64-linux-gnu-g++`
-    for a Raspberry Pi; None links with the host's default compiler.
+    for a Raspberry Pi; None links with the host's default compiler. `tune_trials` > 0 first
+    spends that many MetaSchedule trials on the step's kernels, then schedules every kernel the
+    target's shared tuning database has a record for (found now or by any earlier tuning); 0
+    uses planner's default schedule only.
     """
     cache_dir = cache_dir or default_cache_dir()
-    entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain)
+    entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
     if (entry / META_NAME).is_file() and (entry / LIB_NAME).is_file():
         return _load(entry, cached=True)
 
     t0 = time.perf_counter()
     mod, sig = build_training_module(model, candidate)
     try:
-        lowered = _lower(mod, target)
+        fused = _fuse(mod, target)
+        tuned: tuple[str, ...] = ()
+        if tune_trials > 0:
+            db = tune.database_dir(cache_dir, target)
+            tune.tune(fused, target, tune_trials, db)
+            fused, tuned = tune.apply(fused, target, db)
+        kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
+        lowered = _lower(fused, target)
         executable = _finish(lowered, target)
         memory = step_peak(lowered[STEP_FUNC], sig, _workspaces(executable))
     except Exception as exc:
@@ -150,6 +171,8 @@ def compile_candidate(
             "signature": sig.to_json(),
             "memory": memory.to_json(),
             "compile_seconds": seconds,
+            "kernels": kernels,
+            "tuned_kernels": list(tuned),
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
@@ -174,4 +197,6 @@ def _load(entry: Path, cached: bool) -> CompiledStep:
         memory=MemoryBreakdown(**meta["memory"]),
         compile_seconds=float(meta["compile_seconds"]),
         cached=cached,
+        kernels=int(meta.get("kernels", 0)),
+        tuned_kernels=tuple(meta.get("tuned_kernels", ())),
     )

@@ -35,6 +35,7 @@ class EvalSettings:
     accuracy_steps: int
     latency_repeats: int
     cache_dir: Path
+    tune_trials: int = 0  # MetaSchedule trials per candidate build for the target (0: default schedules)
 
 
 @dataclass
@@ -90,9 +91,9 @@ class Evaluator:
         self._host_target = tvm.target.Target(HOST_TARGET)
         self._compile_lock = threading.Lock()  # TVM compiles one candidate at a time
 
-    def _build(self, candidate: Candidate, tvm_target, toolchain: str | None):
+    def _build(self, candidate: Candidate, tvm_target, toolchain: str | None, tune_trials: int = 0):
         with self._compile_lock:
-            return compile_candidate(self.model, candidate, tvm_target, self.settings.cache_dir, toolchain)
+            return compile_candidate(self.model, candidate, tvm_target, self.settings.cache_dir, toolchain, tune_trials)
 
     def evaluate(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float]:
         """Measure `candidate`; returns its budget constraints (feasible when all are <= 0).
@@ -102,9 +103,10 @@ class Evaluator:
         target, settings = self.target, self.settings
         record("candidate", candidate.to_json())
         try:
-            compiled = self._build(candidate, self._board_target, target.toolchain)
+            compiled = self._build(candidate, self._board_target, target.toolchain, settings.tune_trials)
             record("memory", compiled.memory.to_json())
             record("library_bytes", compiled.library.stat().st_size)
+            record("tuned_kernels", len(compiled.tuned_kernels))
             record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds)
             t0 = time.perf_counter()
             measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)

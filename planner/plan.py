@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import __version__
 from .errors import BadInput, NoFeasiblePlan
+from .compile import CompiledStep
 from .graph import StepSignature
 from .data import Dataset
 from .model import Model
@@ -165,10 +166,11 @@ def assemble(
     trials: list[TrialRecord],
     chosen: TrialRecord,
     pareto: set[int],
-    signature: StepSignature,
+    compiled: CompiledStep,
     selection: dict,
     study: dict,
     accuracy_seed: int,
+    tune_trials: int = 0,
 ) -> Plan:
     """The plan for `chosen`, with the Pareto front and how every number was measured."""
     lat = chosen.latency
@@ -190,7 +192,11 @@ def assemble(
             f"{lat.min:.3f}-{lat.max:.3f} ms",
             "memory": "liveness over the compiled step after TVM static memory planning, replaying TVM's "
             "pooled allocator (page-rounded blocks reused by size, never returned), plus resident weights, "
-            "optimizer state and the batch; kernels' own scratch is not included",
+            "optimizer state, the batch and the kernels' own workspace scratch (sizes read from the "
+            "compiled code, replayed through TVM's workspace pool)",
+            "schedules": f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
+            f"MetaSchedule database ({tune_trials} tuning trials for this step), the rest by planner's default "
+            "CPU schedule",
             "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed {accuracy_seed}) "
             "with a host build of the candidate's step; accuracy does not depend on the board",
             "ram_budget_bytes": target.ram_budget_bytes,
@@ -203,7 +209,13 @@ def assemble(
             if t.number in pareto
         ],
         selection={**selection, "trial": chosen.number, "n_feasible": sum(t.feasible for t in trials)},
-        step={"library": STEP_LIBRARY, "signature": signature.to_json()},
+        step={
+            "library": STEP_LIBRARY,
+            "signature": compiled.signature.to_json(),
+            "kernels": compiled.kernels,
+            "tuned_kernels": list(compiled.tuned_kernels),
+            "tune_trials": tune_trials,
+        },
         versions=versions(),
         study={
             **study,

@@ -1,0 +1,84 @@
+"""Kernel tuning with MetaSchedule, in one database per target shared by every candidate and plan.
+
+Candidates of one model share most of their kernels (the forward pass, the backward of the last
+layers), and MetaSchedule keys a workload by its structure, so what one candidate's tuning finds
+serves every later candidate, plan and run with the same kernel. The database lives in the
+compile cache (`tuning/<target hash>/`); a lock file serialises writers across processes.
+
+Tuning is opt-in (`--tune-trials N`): on this 2-core host MetaSchedule needs about 3-7 s per
+trial, and a training step has tens of kernels. Kernels without a record keep planner's default
+schedule (`planner.schedule`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.s_tir import meta_schedule as ms
+
+
+def _with_cores(target: tvm.target.Target) -> tvm.target.Target:
+    """MetaSchedule needs the core count; a target that does not say is this machine."""
+    if "num-cores" in target.attrs:
+        return target
+    return tvm.target.Target({**target.export(), "num-cores": os.cpu_count() or 1})
+
+
+def database_dir(cache_dir: Path, target: tvm.target.Target) -> Path:
+    return cache_dir / "tuning" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _database(directory: Path) -> ms.database.JSONDatabase:
+    return ms.database.JSONDatabase(work_dir=str(directory), module_equality="structural")
+
+
+def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path) -> None:
+    """Spend `trials` MetaSchedule trials on the kernels of `fused` (after FuseOps/FuseTIR),
+    adding what it finds to the shared database. The cost model is XGBoost when installed
+    (`pip install -e '.[tune]'`), else random search."""
+    cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
+    target = _with_cores(target)
+    with _locked(directory), tempfile.TemporaryDirectory(prefix="planner-tune-") as logs:
+        logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+        ms.relax_integration.tune_relax(
+            fused, {}, target, work_dir=logs, max_trials_global=trials,
+            num_trials_per_iter=min(16, trials), database=_database(directory), cost_model=cost_model,
+        )
+
+
+def apply(fused: tvm.IRModule, target: tvm.target.Target, directory: Path) -> tuple[tvm.IRModule, tuple[str, ...]]:
+    """`fused` with every kernel the database has a record for scheduled by its best record;
+    returns the module and the names of the kernels that got one."""
+    if not (directory / "database_tuning_record.json").is_file():
+        return fused, ()
+    with _locked(directory), _with_cores(target), _database(directory):
+        scheduled = relax.transform.MetaScheduleApplyDatabase()(fused)
+    tuned = tuple(
+        sorted(
+            gv.name_hint
+            for gv, func in scheduled.functions_items()
+            if isinstance(func, tvm.tirx.PrimFunc) and not func.same_as(fused[gv.name_hint])
+        )
+    )
+    return scheduled, tuned

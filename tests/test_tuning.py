@@ -1,0 +1,45 @@
+"""MetaSchedule tuning: one database per target, shared by every candidate and plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+
+from planner import api
+from planner.compile import compile_candidate
+from planner.model import load_model
+from planner.session import TrainingSession
+from planner.space import Candidate
+
+SCHEME = "trainable: [{layer: c2}, {layer: fc}]\nbatch_size: 4\noptimizer: {name: sgd, lr: 0.1}\n"
+
+
+def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_model, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    scheme = tmp_path / "s.yaml"
+    scheme.write_text(SCHEME)
+    result = api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
+                         cache_dir=cache, tune_trials=2)
+    step = result.plan.step
+    assert step["tune_trials"] == 2 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
+    assert f"{len(step['tuned_kernels'])} of {step['kernels']} kernels" in result.plan.measurement["schedules"]
+
+    # another candidate, one trial of its own: it gets more tuned kernels than that trial can
+    # give, because the forward kernels it shares with the first were tuned already
+    model = load_model(tiny_model)
+    cand = Candidate((("c1", "bias"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1)
+    host = tvm.target.Target({"kind": "llvm"})
+    tuned = compile_candidate(model, cand, host, cache, tune_trials=1)
+    assert len(tuned.tuned_kernels) >= 2, tuned.tuned_kernels
+
+    default = compile_candidate(model, cand, host, cache)
+    assert default.tuned_kernels == ()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)
+    after = []
+    for compiled in (tuned, default):
+        session = TrainingSession(compiled.library, compiled.signature, model.initializers)
+        session.step(x, y)
+        after.append(session.weights())
+    for name in after[0]:
+        np.testing.assert_allclose(after[0][name], after[1][name], rtol=1e-5, atol=1e-6)
