@@ -48,10 +48,11 @@ class CompiledStep:
     directory: Path
     signature: StepSignature
     memory: MemoryBreakdown
-    compile_seconds: float
+    compile_seconds: float  # including tuning
     cached: bool
     kernels: int = 0  # compiled kernels (TIR functions) in the step
     tuned_kernels: tuple[str, ...] = ()  # those scheduled from the tuning database
+    tune_seconds: float = 0.0  # MetaSchedule time within compile_seconds
 
     @property
     def library(self) -> Path:
@@ -147,9 +148,12 @@ def compile_candidate(
     try:
         fused = _fuse(mod, target)
         tuned: tuple[str, ...] = ()
+        tune_seconds = 0.0
         if tune_trials > 0:
             db = tune.database_dir(cache_dir, target)
+            t_tune = time.perf_counter()
             tune.tune(fused, target, tune_trials, db)
+            tune_seconds = time.perf_counter() - t_tune
             fused, tuned = tune.apply(fused, target, db)
         kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
         lowered = _lower(fused, target)
@@ -173,6 +177,7 @@ def compile_candidate(
             "compile_seconds": seconds,
             "kernels": kernels,
             "tuned_kernels": list(tuned),
+            "tune_seconds": tune_seconds,
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
@@ -199,4 +204,5 @@ def _load(entry: Path, cached: bool) -> CompiledStep:
         cached=cached,
         kernels=int(meta.get("kernels", 0)),
         tuned_kernels=tuple(meta.get("tuned_kernels", ())),
+        tune_seconds=float(meta.get("tune_seconds", 0.0)),
     )

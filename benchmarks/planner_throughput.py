@@ -1,0 +1,50 @@
+"""How fast planner plans, and where the time goes.
+
+    python benchmarks/planner_throughput.py [--trials 20] [--tune-trials 0]
+
+Plans the bundled example twice over one fresh cache directory: cold (empty compile and accuracy
+caches), then warm (a new study with the same seed over the same caches, so every candidate it
+proposes was compiled and fine-tuned before and is neither again). Prints trials per hour and the
+share of wall time spent compiling, tuning, measuring latency, fine-tuning for accuracy, and the
+rest (the sampler, storage, process start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from planner import api
+
+PARTS = ("compile_s", "tune_s", "measure_s", "accuracy_s")
+
+
+def run(out: Path, cache: Path, trials: int, tune_trials: int) -> tuple[float, dict[str, float], int]:
+    t0 = time.perf_counter()
+    result = api.plan(out=out, trials=trials, cache_dir=cache, tune_trials=tune_trials)
+    wall = time.perf_counter() - t0
+    spent = {p: sum(t.seconds.get(p, 0.0) for t in result.trials) for p in PARTS}
+    return wall, spent, len(result.trials)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--tune-trials", type=int, default=0)
+    args = parser.parse_args()
+    print("| run | trials | wall s | trials/hour | compile | tune | measure | accuracy | other |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "cache"
+        for label in ("cold cache", "warm cache"):
+            wall, spent, n = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, args.tune_trials)
+            other = max(0.0, wall - sum(spent.values()))
+            shares = " | ".join(f"{spent[p]:.1f} s ({spent[p] / wall:.0%})" for p in PARTS)
+            print(f"| {label} | {n} | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
