@@ -23,7 +23,7 @@ from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
 from .evaluate import EvalSettings, Evaluator, TrialRecord
-from .search import SearchSettings, open_study, pareto_numbers, run_study
+from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study
 from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
@@ -74,6 +74,7 @@ def plan(
     key: str | None = None,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
     tune_trials: int = 0,
+    sampler: str = "tpe",
 ) -> PlanResult:
     """Search the space for the best training plan of `model` on `target`; write it to `out`.
 
@@ -85,6 +86,7 @@ def plan(
         raise BadInput("--trials must be at least 1")
     if tune_trials < 0:
         raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+    make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
     hw = resolve_target(target, tracker, key)
@@ -105,7 +107,7 @@ def plan(
         "accuracy_steps": accuracy_steps,
         "tune_trials": tune_trials,
     }
-    st = open_study(storage_url, study_name, seed, config)
+    st = open_study(storage_url, study_name, seed, config, sampler)
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 

@@ -72,6 +72,7 @@ def plan(
     accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
     accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = DEFAULT_ACCURACY_STEPS,
     tune_trials: TuneOpt = 0,
+    sampler: Annotated[Literal["tpe", "random"], typer.Option(help="Optuna sampler: multivariate TPE, or random search (a baseline)")] = "tpe",
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
@@ -101,6 +102,7 @@ def plan(
         lambda: api.plan(
             model, data, target, space, out, trials, timeout, seed, storage, study, select,
             accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress, tune_trials=tune_trials,
+            sampler=sampler,
         )
     )
     if json_out:

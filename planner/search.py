@@ -46,10 +46,24 @@ def _storage(url: str) -> optuna.storages.BaseStorage:
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
 
 
-def open_study(storage_url: str, name: str, seed: int, config: dict) -> optuna.Study:
+SAMPLERS = ("tpe", "random")
+
+
+def make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
+    """`tpe`: multivariate TPE after 8 random trials, which learns the budgets from the trials'
+    constraints (the default); `random`: independent uniform draws, the baseline
+    `benchmarks/search_quality.py` compares with."""
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise BadInput(f"unknown sampler {name!r} (one of {', '.join(SAMPLERS)})")
+
+
+def open_study(storage_url: str, name: str, seed: int, config: dict, sampler: str = "tpe") -> optuna.Study:
     """Create the study, or load it when it exists — for the same model, data, target and space."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported via on_trial
-    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+    sampler = make_sampler(sampler, seed)
     try:
         study = optuna.create_study(
             storage=_storage(storage_url), study_name=name, directions=list(DIRECTIONS),
