@@ -55,8 +55,14 @@ def batches(n: int, batch_size: int, steps: int, seed: int | None):
 
 
 def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | None) -> list[float]:
-    """Train `steps` steps on the train split; returns the loss of each step."""
-    return [session.step(data.x_train[i], data.y_train[i]) for i in batches(len(data.y_train), session.sig.batch_size, steps, seed)]
+    """Train `steps` steps on the train split; returns the loss of each step. Stops at the first
+    non-finite loss: a diverged run cannot recover, and its remaining steps are wasted time."""
+    losses = []
+    for i in batches(len(data.y_train), session.sig.batch_size, steps, seed):
+        losses.append(session.step(data.x_train[i], data.y_train[i]))
+        if not np.isfinite(losses[-1]):
+            break
+    return losses
 
 
 def measure_accuracy(
@@ -74,7 +80,7 @@ def measure_accuracy(
     loss_before, before = session.evaluate(data.x_val, data.y_val)
     losses = finetune(session, data, steps, seed)
     if not np.isfinite(losses[-1]):
-        raise CandidateFailed(f"training diverged (loss {losses[-1]}) at lr {candidate.lr:g}")
+        raise CandidateFailed(f"training diverged (loss {losses[-1]} at step {len(losses)}) at lr {candidate.lr:g}")
     loss_after, after = session.evaluate(data.x_val, data.y_val)
     result = AccuracyResult(before, after, loss_before, loss_after, steps, time.perf_counter() - t0)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from .accuracy import finetune
 from .compile import compile_candidate, default_cache_dir
 from .data import Dataset, load_dataset
 from .defaults import DEFAULT_RUN_STEPS
-from .errors import BadInput
+from .errors import BadInput, MeasureFailed
 from .model import load_model, save_onnx
 from .plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, Plan, read_plan
 from .session import TrainingSession
@@ -38,7 +38,9 @@ class RunResult:
 
 def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None):
     loss0, acc0 = session.evaluate(data.x_val, data.y_val)
-    finetune(session, data, steps, seed)
+    losses = finetune(session, data, steps, seed)
+    if not np.isfinite(losses[-1]):
+        raise MeasureFailed(f"training diverged at step {len(losses)} (loss {losses[-1]}); no weights written")
     loss1, acc1 = session.evaluate(data.x_val, data.y_val)
     return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
 

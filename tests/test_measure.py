@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from planner import api
-from planner.errors import BadInput
+from planner.errors import BadInput, MeasureFailed
 
 SCHEME = """
 trainable:
@@ -78,3 +79,17 @@ def test_bad_schemes_are_refused_before_any_compile(body, message, tiny_model, t
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace("[", r"\[").replace("`", "`")):
         api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+def test_a_diverging_run_fails_clearly_and_writes_no_weights(tiny_model, tiny_data, tmp_path):
+    """`planner run` on data that blows the loss up: it stops at the first non-finite loss with a
+    clear error, and leaves no NaN weights behind."""
+    scheme = tmp_path / "s.yaml"
+    scheme.write_text(SCHEME)
+    api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3)
+    with np.load(tiny_data) as d:
+        arrays = {k: d[k] * 1e30 if k.startswith("x") else d[k] for k in d.files}
+    np.savez(tmp_path / "huge.npz", **arrays)
+    with pytest.raises(MeasureFailed, match="diverged at step"):
+        api.run_plan(tmp_path / "m", data=tmp_path / "huge.npz", steps=50, out=tmp_path / "ft")
+    assert not (tmp_path / "ft" / "weights.npz").exists()

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
 from ..compile import CompiledStep
-from ..errors import BoardLost, BoardUnreachable
+from ..errors import BoardLost, BoardUnreachable, PlannerError
 from ..session import TrainingSession
 from . import Measurement
 from .latency import time_step
@@ -81,6 +81,8 @@ class BoardPool:
                     return fn(remote, remote.load_module(_remote_name(library)), remote.cpu())
                 finally:
                     del remote
+            except PlannerError:  # the work itself failed (e.g. training diverged): no retry
+                raise
             except Exception as exc:  # a dropped connection or a timeout surfaces as TVM errors
                 if attempt:
                     raise BoardLost(f"board lost: {_last_line(exc)}") from None
