@@ -195,7 +195,7 @@ def assemble(
             "optimizer state, the batch and the kernels' own workspace scratch (sizes read from the "
             "compiled code, replayed through TVM's workspace pool)",
             "schedules": f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
-            f"MetaSchedule database ({tune_trials} tuning trials for this step), the rest by planner's default "
+            f"MetaSchedule database (tuning trials for this step: {tune_trials}), the rest by planner's default "
             "CPU schedule",
             "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed {accuracy_seed}) "
             "with a host build of the candidate's step; accuracy does not depend on the board",
