@@ -54,6 +54,11 @@ def resolve_target(name: str, tracker: str | None = None, key: str | None = None
     return target
 
 
+def _check_tune_trials(n: int) -> None:
+    if n < 0:
+        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+
+
 def plan(
     model: str | Path | None = None,
     data: str | Path | None = None,
@@ -84,8 +89,7 @@ def plan(
     """
     if trials < 1:
         raise BadInput("--trials must be at least 1")
-    if tune_trials < 0:
-        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+    _check_tune_trials(tune_trials)
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
@@ -154,8 +158,7 @@ def measure(
         )
     check_importable(m)
     capacity(hw)
-    if tune_trials < 0:
-        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+    _check_tune_trials(tune_trials)
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     attrs: dict = {}
     try:
@@ -189,8 +192,7 @@ def compile_plan(
     original = read_plan(plan_dir)
     m = load_model(plan_dir / MODEL_FILE)
     hw = resolve_target(target)
-    if tune_trials < 0:
-        raise BadInput("--tune-trials must be 0 (default schedules only) or more")
+    _check_tune_trials(tune_trials)
     compiled = compile_candidate(m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain, tune_trials)
     data = original.model_dump()
     data["target"] = {"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device, "toolchain": hw.toolchain}
