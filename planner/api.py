@@ -23,7 +23,7 @@ from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
 from .evaluate import EvalSettings, Evaluator, TrialRecord
-from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study
+from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study, start_from_anchors
 from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
@@ -80,12 +80,14 @@ def plan(
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
     tune_trials: int = 0,
     sampler: str = "tpe",
+    anchors: bool = True,
 ) -> PlanResult:
     """Search the space for the best training plan of `model` on `target`; write it to `out`.
 
     With no model and data, plans the bundled example (examples/digits). Inputs (and the tracker,
     for an RPC target) are checked before anything is written. Rerunning with the same storage
-    and study resumes the study.
+    and study resumes the study. `anchors=False` leaves out the hand-made starting schemes (to
+    measure what they bring).
     """
     if trials < 1:
         raise BadInput("--trials must be at least 1")
@@ -112,6 +114,8 @@ def plan(
         "tune_trials": tune_trials,
     }
     st = open_study(storage_url, study_name, seed, config, sampler)
+    if anchors and sampler == "tpe":  # random search stays the blind baseline
+        start_from_anchors(st, sp, m, trials)
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 
@@ -205,6 +209,7 @@ def compile_plan(
     data["step"].update(
         signature=compiled.signature.to_json(), kernels=compiled.kernels,
         tuned_kernels=list(compiled.tuned_kernels), tune_trials=tune_trials,
+        in_place_updates=compiled.in_place_updates,
     )
     result = Plan.model_validate(data)
     _write(Path(out), result, compiled, m)

@@ -72,7 +72,7 @@ def plan(
     accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
     accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps per candidate for its accuracy")] = DEFAULT_ACCURACY_STEPS,
     tune_trials: TuneOpt = 0,
-    sampler: Annotated[Literal["tpe", "random"], typer.Option(help="Optuna sampler: multivariate TPE, or random search (a baseline)")] = "tpe",
+    sampler: Annotated[Literal["tpe", "random"], typer.Option(help="tpe: the space's hand-made schemes (last layer, all biases, all layers) first, then multivariate TPE; random: random search, a baseline")] = "tpe",
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,

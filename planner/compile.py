@@ -25,6 +25,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 from . import __version__
 from .errors import CandidateFailed
 from .graph import STEP_FUNC, StepSignature, build_training_module
+from .inplace import in_place_candidates, update_in_place
 from .memory import MemoryBreakdown, kernel_workspaces, step_peak
 from .model import Model
 from . import tune
@@ -53,6 +54,7 @@ class CompiledStep:
     kernels: int = 0  # compiled kernels (TIR functions) in the step
     tuned_kernels: tuple[str, ...] = ()  # those scheduled from the tuning database
     tune_seconds: float = 0.0  # MetaSchedule time within compile_seconds
+    in_place_updates: int = 0  # updated weights and states written over their old buffers
 
     @property
     def library(self) -> Path:
@@ -92,16 +94,20 @@ def _fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
         return tvm.transform.Sequential(cpu.library_dispatch_passes(target) + cpu.legalize_passes(target))(mod)
 
 
-def _lower(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """The rest of the CPU pipeline, every kernel not tuned yet given planner's default schedule,
-    up to memory planning, where the step's allocations become explicit."""
-    passes = (
-        [default_schedule()]
-        + cpu.dataflow_lower_passes(target)
-        + [relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()]
-    )
+def _schedule(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Every kernel not tuned yet given planner's default schedule."""
     with target:
-        return tvm.transform.Sequential(passes)(fused)
+        return default_schedule()(fused)
+
+
+def _lower(scheduled: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The rest of the CPU pipeline, up to memory planning, where the step's allocations become
+    explicit."""
+    passes = cpu.dataflow_lower_passes(target) + [
+        relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()
+    ]
+    with target:
+        return tvm.transform.Sequential(passes)(scheduled)
 
 
 def _finish(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
@@ -144,9 +150,13 @@ def compile_candidate(
         return _load(entry, cached=True)
 
     t0 = time.perf_counter()
+    if candidate.updates not in ("in-place", "copy"):
+        raise CandidateFailed(f"updates {candidate.updates!r} is not supported (in-place, copy)")
     mod, sig = build_training_module(model, candidate)
     try:
         fused = _fuse(mod, target)
+        # judged before tuning and scheduling rewrite the kernels
+        in_place_ok = in_place_candidates(fused, sig) if candidate.updates == "in-place" else set()
         tuned: tuple[str, ...] = ()
         tune_seconds = 0.0
         if tune_trials > 0:
@@ -156,7 +166,9 @@ def compile_candidate(
             tune_seconds = time.perf_counter() - t_tune
             fused, tuned = tune.apply(fused, target, db)
         kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
-        lowered = _lower(fused, target)
+        scheduled = _schedule(fused, target)
+        scheduled, in_place = update_in_place(scheduled, sig, in_place_ok)
+        lowered = _lower(scheduled, target)
         executable = _finish(lowered, target)
         memory = step_peak(lowered[STEP_FUNC], sig, _workspaces(executable))
     except Exception as exc:
@@ -178,6 +190,7 @@ def compile_candidate(
             "kernels": kernels,
             "tuned_kernels": list(tuned),
             "tune_seconds": tune_seconds,
+            "in_place_updates": in_place,
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
@@ -205,4 +218,5 @@ def _load(entry: Path, cached: bool) -> CompiledStep:
         kernels=int(meta.get("kernels", 0)),
         tuned_kernels=tuple(meta.get("tuned_kernels", ())),
         tune_seconds=float(meta.get("tune_seconds", 0.0)),
+        in_place_updates=int(meta.get("in_place_updates", 0)),
     )

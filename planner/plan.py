@@ -67,6 +67,7 @@ class Choice(BaseModel):
     batch_size: int  # micro-batch: samples per forward/backward
     grad_accum: int = 1  # micro-batches per update
     frozen_weights: str = "fp32"  # int8: frozen Conv/Gemm/MatMul weights stored quantized
+    updates: str = "copy"  # in-place: each update overwrites its weight during the backward pass
     optimizer: dict  # {name, lr}
 
 
@@ -107,6 +108,7 @@ class Plan(BaseModel):
             lr=float(c.optimizer["lr"]),
             precision=c.precision,
             frozen_weights=c.frozen_weights,
+            updates=c.updates,
         )
 
 
@@ -142,6 +144,7 @@ def choice_json(model: Model, cand: Candidate) -> dict:
         "batch_size": cand.batch_size,
         "grad_accum": cand.grad_accum,
         "frozen_weights": cand.frozen_weights,
+        "updates": cand.updates,
         "optimizer": {"name": cand.optimizer, "lr": cand.lr},
     }
 
@@ -215,6 +218,7 @@ def assemble(
             "kernels": compiled.kernels,
             "tuned_kernels": list(compiled.tuned_kernels),
             "tune_trials": tune_trials,
+            "in_place_updates": compiled.in_place_updates,
         },
         versions=versions(),
         study={

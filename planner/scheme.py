@@ -7,6 +7,7 @@
       - params: [classifier.weight, classifier.bias]
     precision: fp32                    # fp32 | fp16 | bf16
     frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
+    updates: in-place                  # in-place (default) | copy (new weights in new buffers)
     batch_size: 8
     grad_accum: 1
     optimizer: {name: sgd, lr: 0.05}   # sgd (plain) | momentum | adam
@@ -56,6 +57,7 @@ class Scheme(_Strict):
     trainable: list[Entry] = Field(min_length=1)
     precision: Precision = "fp32"
     frozen_weights: Literal["fp32", "int8"] = "fp32"
+    updates: Literal["in-place", "copy"] = "in-place"
     batch_size: int = Field(gt=0)
     grad_accum: int = Field(default=1, ge=1)
     optimizer: Optimizer
@@ -95,6 +97,7 @@ class Scheme(_Strict):
             precision=self.precision,
             grad_accum=self.grad_accum,
             frozen_weights=self.frozen_weights,
+            updates=self.updates,
         )
 
 

@@ -50,9 +50,9 @@ SAMPLERS = ("tpe", "random")
 
 
 def make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
-    """`tpe`: multivariate TPE after 8 random trials, which learns the budgets from the trials'
-    constraints (the default); `random`: independent uniform draws, the baseline
-    `benchmarks/search_quality.py` compares with."""
+    """`tpe`: multivariate TPE after 8 startup trials, which learns the budgets from the trials'
+    constraints (the default; `api.plan` starts it from the space's anchors); `random`:
+    independent uniform draws, the baseline `benchmarks/search_quality.py` compares with."""
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
     if name == "random":
@@ -82,6 +82,16 @@ def open_study(storage_url: str, name: str, seed: int, config: dict, sampler: st
             "use another --study name or --out directory"
         )
     return study
+
+
+def start_from_anchors(study: optuna.Study, space: SearchSpace, model: Model, trials: int) -> None:
+    """Queue the space's hand-made schemes (`SearchSpace.anchors`) as a new study's first trials
+    (no more than `trials` of them).
+
+    Stored like any trial, so a resumed study or another worker runs what is still queued."""
+    if not study.get_trials(deepcopy=False):
+        for params in space.anchors(model)[:trials]:
+            study.enqueue_trial(params, skip_if_exists=True)
 
 
 def _objective(evaluator: Evaluator, space: SearchSpace):
@@ -132,7 +142,9 @@ def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
 
 
 def records(study: optuna.Study) -> list[TrialRecord]:
-    return [to_record(t) for t in study.get_trials(deepcopy=False)]
+    """Every trial run or running; queued ones (anchors a shorter run did not reach) are not results."""
+    waiting = optuna.trial.TrialState.WAITING
+    return [to_record(t) for t in study.get_trials(deepcopy=False) if t.state != waiting]
 
 
 def pareto_numbers(study: optuna.Study) -> list[int]:

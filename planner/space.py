@@ -43,6 +43,7 @@ class Candidate:
     precision: str = "fp32"
     grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
     frozen_weights: str = "fp32"  # int8: frozen Conv/Gemm/MatMul weights stored quantized per channel
+    updates: str = "in-place"  # in-place: each update right after its gradient, over the old weight; copy: new buffers
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -59,6 +60,7 @@ class Candidate:
             precision=str(d.get("precision", "fp32")),
             grad_accum=int(d.get("grad_accum", 1)),
             frozen_weights=str(d.get("frozen_weights", "fp32")),
+            updates=str(d.get("updates", "copy")),  # what candidates were before the option existed
         )
 
     def key(self) -> str:
@@ -107,8 +109,9 @@ class SearchSpace(_Strict):
     lr: LrRange = LrRange(low=0.01, high=0.1)
     precision: list[Precision] = ["fp32"]
     frozen_weights: list[Literal["fp32", "int8"]] = ["fp32"]
+    updates: list[Literal["in-place", "copy"]] = ["in-place"]
 
-    @field_validator("precision", "frozen_weights")
+    @field_validator("precision", "frozen_weights", "updates")
     @classmethod
     def _nonempty(cls, v: list[str]) -> list[str]:
         if not v:
@@ -162,6 +165,58 @@ class SearchSpace(_Strict):
             raise ValueError("ratios must be a non-empty list of numbers in (0, 1]")
         return v
 
+    def _allowed(self, model: Model, name: str) -> list[str]:
+        """The space's modes a layer can take (no bias-only for a bias-free layer, …)."""
+        layer = model.layer(name)
+        return [
+            m for m in self.modes
+            if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
+        ]
+
+    def anchors(self, model: Model) -> list[dict[str, object]]:
+        """The hand-made schemes this space contains, as Optuna parameters a study starts from.
+
+        Why: the classic recipes — the last layer or two, every bias (TinyTL), every bias plus the
+        last layer, every layer — sit along the accuracy/latency/memory front, where blind
+        sampling of per-layer modes rarely lands (head-only is 1 draw in 3^(layers-1)). Starting
+        there means a plan is never worse than the recipe a user would otherwise copy, and TPE
+        refines between them. They run at the smallest batch size, the cheap end of the front;
+        optimizer, lr, … stay to the sampler.
+        """
+        names = self.layer_names(model)
+        L = len(names)
+        recipes = [("frozen", "full", 1), ("frozen", "full", 2), ("bias", "bias", 0), ("bias", "full", 1), ("full", "full", L)]
+        found: list[dict[str, object]] = []
+        for rest, head, k in recipes:
+            wanted = [head if i >= L - k else rest for i in range(L)]
+            params = self._anchor_params(model, names, wanted)
+            if params is not None and params not in found:
+                found.append(params)
+        return [{**p, "batch_size": min(self.batch_size)} for p in found]
+
+    def _anchor_params(self, model: Model, names: list[str], wanted: list[str]) -> dict[str, object] | None:
+        """Optuna parameters drawing `wanted` (a mode per layer) from this space, or None when it
+        cannot (a mode it lacks, a mix its strategy cannot express)."""
+        if any(m not in self.modes for m in set(wanted) - {"frozen"}):
+            return None
+        modes = [m if m in self._allowed(model, n) else "frozen" for n, m in zip(names, wanted)]
+        if "frozen" in modes and "frozen" not in self.modes and self.strategy != "last-k":
+            return None
+        if set(modes) == {"frozen"}:
+            return None
+        if self.strategy == "per-layer":
+            return {f"mode:{n}": m for n, m in zip(names, modes)}
+        first = next(i for i, m in enumerate(modes) if m != "frozen")
+        if self.strategy == "sparse":
+            return {"depth": len(names) - first, f"deepest_mode:{names[first]}": modes[first]} | {
+                f"mode:{n}": m for n, m in zip(names[first + 1 :], modes[first + 1 :])
+            }
+        # last-k / all: one mode for the last k layers
+        uniform = set(wanted[first:]) == {wanted[-1]} and set(wanted[:first]) <= {"frozen"}
+        if not uniform or (self.strategy == "all" and first > 0):
+            return None
+        return {"mode": wanted[-1]} | ({"last_k": len(names) - first} if self.strategy == "last-k" else {})
+
     def sample(self, trial: Suggester, model: Model) -> Candidate:
         """Draw one candidate: the trainable set by `strategy`, then batch, optimizer, lr, precision."""
         names = self.layer_names(model)
@@ -171,11 +226,7 @@ class SearchSpace(_Strict):
                 names = names[len(names) - int(trial.suggest_int("depth", 1, len(names), log=True)) :]
             modes = {}
             for i, n in enumerate(names):
-                layer = model.layer(n)
-                allowed = [
-                    m for m in self.modes
-                    if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
-                ]
+                allowed = self._allowed(model, n)
                 if self.strategy == "sparse" and i == 0:
                     # the depth is how far back the update reaches: the deepest layer of the window
                     # trains (its own parameter name, so every name keeps one set of choices)
@@ -199,6 +250,7 @@ class SearchSpace(_Strict):
             precision=str(trial.suggest_categorical("precision", list(self.precision))),
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
             frozen_weights=str(trial.suggest_categorical("frozen_weights", list(self.frozen_weights))),
+            updates=str(trial.suggest_categorical("updates", list(self.updates))),
         )
 
 

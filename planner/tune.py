@@ -53,18 +53,30 @@ def _database(directory: Path) -> ms.database.JSONDatabase:
     return ms.database.JSONDatabase(work_dir=str(directory), module_equality="structural")
 
 
-def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path) -> None:
-    """Spend `trials` MetaSchedule trials on the kernels of `fused` (after FuseOps/FuseTIR),
-    adding what it finds to the shared database. The cost model is XGBoost when installed
+def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path) -> int:
+    """Spend up to `trials` MetaSchedule trials on the kernels of `fused` (after FuseOps/FuseTIR)
+    that the shared database has never seen, adding what it finds; returns how many kernels that
+    was. Kernels tuned before, for any candidate, cost nothing again: with a warm database a step
+    compiles at the speed of an untuned one. The cost model is XGBoost when installed
     (`pip install -e '.[tune]'`), else random search."""
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
     target = _with_cores(target)
     with _locked(directory), tempfile.TemporaryDirectory(prefix="planner-tune-") as logs:
         logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
-        ms.relax_integration.tune_relax(
-            fused, {}, target, work_dir=logs, max_trials_global=trials,
-            num_trials_per_iter=min(16, trials), database=_database(directory), cost_model=cost_model,
+        database = _database(directory)
+        new = [
+            task for task in ms.relax_integration.extract_tasks(fused, target, module_equality="structural")
+            if not database.has_workload(task.dispatched[0])
+        ]
+        if not new:
+            return 0
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
+        ms.tune.tune_tasks(
+            tasks=contexts, task_weights=weights, work_dir=logs, max_trials_global=trials,
+            num_trials_per_iter=min(16, trials), database=database, cost_model=cost_model,
+            module_equality="structural",
         )
+        return len(new)
 
 
 def apply(fused: tvm.IRModule, target: tvm.target.Target, directory: Path) -> tuple[tvm.IRModule, tuple[str, ...]]:

@@ -62,7 +62,7 @@ def test_plan_for_raspberry_pi_4_is_measured_on_aarch64(pi, tiny_model, tiny_dat
     result = api.plan(model=tiny_model, data=tiny_data, target="raspberry-pi-4", out=tmp_path / "p", trials=2,
                       accuracy_steps=10, latency_repeats=3, tracker=pi, key=KEY)
     assert result.plan.target.device == f"rpc:{KEY}"
-    assert all(t.complete for t in result.trials)
+    assert all(t.complete for t in result.trials), [t.fail_reason for t in result.trials]
     elf = (tmp_path / "p" / "train_step.so").read_bytes()[:20]
     assert int.from_bytes(elf[18:20], "little") == 183  # EM_AARCH64
 

@@ -13,7 +13,7 @@ from planner.space import SPACES_DIR, load_space, split_mode
 def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
     model = load_model(tiny_model)
     space = load_space("last-k")
-    trial = optuna.trial.FixedTrial({"last_k": 2, "mode": "full", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"})
+    trial = optuna.trial.FixedTrial({"last_k": 2, "mode": "full", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"})
     cand = space.sample(trial, model)
     assert cand.trainable == (("c2", "full"), ("fc", "full"))
 
@@ -21,7 +21,7 @@ def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
 def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
     model = load_model(tiny_model)
     cand = load_space("bias-only").sample(
-        optuna.trial.FixedTrial({"mode": "bias", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}), model
+        optuna.trial.FixedTrial({"mode": "bias", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"}), model
     )
     assert cand.trainable == tuple((layer.name, "bias") for layer in model.layers)
 
@@ -29,7 +29,7 @@ def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
 def test_full_trains_everything(tiny_model):
     model = load_model(tiny_model)
     cand = load_space("full").sample(
-        optuna.trial.FixedTrial({"mode": "full", "batch_size": 8, "optimizer": "adam", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}), model
+        optuna.trial.FixedTrial({"mode": "full", "batch_size": 8, "optimizer": "adam", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"}), model
     )
     assert cand.trainable == tuple((layer.name, "full") for layer in model.layers) and cand.optimizer == "adam"
 
@@ -59,7 +59,7 @@ def test_a_space_without_a_training_mode_is_refused(tmp_path):
 def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
     model = load_model(tiny_model)
     params = {"depth": 2, "deepest_mode:c2": "ratio", "ratio:c2": 0.5, "mode:fc": "bias",
-              "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}
+              "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"}
     cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
     assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))
 
@@ -82,3 +82,22 @@ def test_a_precision_the_target_does_not_list_is_never_proposed(tiny_model):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     proposed = {space.sample(study.ask(), model).precision for _ in range(40)}
     assert proposed == {"fp32", "bf16"}
+
+
+@pytest.mark.parametrize("name", ["per-layer", "sparse-update", "last-k"])
+def test_a_study_starts_from_the_hand_made_schemes(name, tiny_model):
+    """The recipes users would otherwise copy are the first candidates, at the smallest batch."""
+    model = load_model(tiny_model)
+    space = load_space(name)
+    layers = [layer.name for layer in model.layers]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    anchors = space.anchors(model)
+    for params in anchors:
+        study.enqueue_trial(params)
+    cands = [space.sample(study.ask(), model) for _ in anchors]
+    got = [c.trainable for c in cands]
+    assert got[0] == ((layers[-1], "full"),)  # the head alone
+    assert tuple((n, "full") for n in layers) in got  # everything
+    if "bias" in space.modes:
+        assert tuple((n, "bias") for n in layers if model.layer(n).bias) in got  # TinyTL
+    assert len(set(got)) == len(got) and {c.batch_size for c in cands} == {min(space.batch_size)}

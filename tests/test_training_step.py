@@ -127,3 +127,28 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model):
     for name in w_big:
         np.testing.assert_allclose(w_acc[name], w_big[name], atol=1e-6)
     assert e_acc[1] == e_big[1]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_in_place_updates_train_exactly_like_copies_in_less_memory(tiny_model, optimizer):
+    """`updates: in-place` overwrites weights and optimizer state during the backward pass: the
+    same numbers as new buffers would hold, without holding both."""
+    model = load_model(tiny_model)
+    every = tuple((layer.name, "full") for layer in model.layers if layer.weight or layer.bias)
+    steps = {
+        u: compile_candidate(model, Candidate(trainable=every, batch_size=4, optimizer=optimizer, lr=0.05, updates=u), HOST)
+        for u in ("copy", "in-place")
+    }
+    assert steps["copy"].in_place_updates == 0
+    assert steps["in-place"].in_place_updates >= len(steps["in-place"].signature.trainable)
+    assert steps["in-place"].memory.total < steps["copy"].memory.total
+    runs = {}
+    for u, step in steps.items():
+        session = TrainingSession(step.library, step.signature, model.initializers)
+        losses = [session.step(*_batch(model, seed=i)) for i in range(3)]
+        runs[u] = losses, session.weights(), [s.numpy() for s in session.states]
+    assert runs["copy"][0] == runs["in-place"][0]
+    for name, w in runs["copy"][1].items():
+        np.testing.assert_array_equal(runs["in-place"][1][name], w, err_msg=name)
+    for a, b in zip(runs["copy"][2], runs["in-place"][2], strict=True):
+        np.testing.assert_array_equal(b, a)

@@ -43,6 +43,7 @@ def render(plan: Plan, model: Model) -> str:
         f"| optimizer | {c.optimizer['name']} (lr {c.optimizer['lr']:.4g}) |",
         f"| precision | {c.precision} |",
         f"| frozen weights stored | {c.frozen_weights} |",
+        f"| updates | {c.updates} |",
         f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
         f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms |",
         f"| peak memory | {_kib(mem['total'])} (budget {_kib(plan.measurement['ram_budget_bytes'])}) |",
