@@ -152,7 +152,7 @@ def time_torch(proto: onnx.ModelProto, params: list[str], batch: int, repeats: i
 # --- planner ----------------------------------------------------------------------------------
 
 
-def planner_step(model_path: Path, layers: list[str], batch: int):
+def planner_step(model_path: Path, layers: list[str], batch: int, optimizer: str = "sgd", updates: str = "in-place"):
     import tvm
 
     from planner.compile import compile_candidate
@@ -160,7 +160,7 @@ def planner_step(model_path: Path, layers: list[str], batch: int):
     from planner.space import Candidate
 
     model = load_model(model_path)
-    cand = Candidate(tuple((n, "full") for n in layers), batch, "sgd", LR)
+    cand = Candidate(tuple((n, "full") for n in layers), batch, optimizer, LR, updates=updates)
     return model, compile_candidate(model, cand, tvm.target.Target({"kind": "llvm"}))
 
 
@@ -178,7 +178,8 @@ def probe(spec: dict) -> None:
     else:
         from planner.session import TrainingSession
 
-        model, compiled = planner_step(Path(spec["model"]), spec["layers"], spec["batch"])
+        model, compiled = planner_step(Path(spec["model"]), spec["layers"], spec["batch"],
+                                       spec.get("optimizer", "sgd"), spec.get("updates", "in-place"))
         session = TrainingSession(compiled.library, compiled.signature, model.initializers)
         sig = compiled.signature
         x = np.random.default_rng(0).standard_normal(sig.input_shape).astype("float32")

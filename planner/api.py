@@ -23,7 +23,7 @@ from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
 from .evaluate import EvalSettings, Evaluator, TrialRecord
-from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study, start_from_anchors
+from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study
 from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
@@ -113,9 +113,8 @@ def plan(
         "accuracy_steps": accuracy_steps,
         "tune_trials": tune_trials,
     }
-    st = open_study(storage_url, study_name, seed, config, sampler)
-    if anchors and sampler == "tpe":  # random search stays the blind baseline
-        start_from_anchors(st, sp, m, trials)
+    # the first trials try the space's hand-made schemes; random search stays the blind baseline
+    st = open_study(storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None)
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 

@@ -49,21 +49,62 @@ def _storage(url: str) -> optuna.storages.BaseStorage:
 SAMPLERS = ("tpe", "random")
 
 
-def make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
+class AnchoredSampler(optuna.samplers.BaseSampler):
+    """Trial number i < len(anchors) takes the parameters of `anchors[i]`; everything else comes
+    from the base sampler (like Optuna's `PartialFixedSampler`, per trial).
+
+    Keyed by trial number rather than queued with `enqueue_trial`, so parallel jobs and workers
+    on one storage never race for the same queued trial, and a resumed study does not redo one.
+    """
+
+    def __init__(self, base: optuna.samplers.BaseSampler, anchors: list[dict]) -> None:
+        self._base, self._anchors = base, anchors
+
+    def _anchor(self, trial: optuna.trial.FrozenTrial) -> dict | None:
+        return self._anchors[trial.number] if trial.number < len(self._anchors) else None
+
+    def reseed_rng(self) -> None:
+        self._base.reseed_rng()
+
+    def infer_relative_search_space(self, study, trial):
+        return {} if self._anchor(trial) is not None else self._base.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self._base.sample_relative(study, trial, search_space) if search_space else {}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        anchor = self._anchor(trial)
+        if anchor is not None and param_name in anchor:
+            return anchor[param_name]
+        return self._base.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial) -> None:
+        self._base.before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self._base.after_trial(study, trial, state, values)
+
+
+def make_sampler(name: str, seed: int, anchors: list[dict] | None = None) -> optuna.samplers.BaseSampler:
     """`tpe`: multivariate TPE after 8 startup trials, which learns the budgets from the trials'
-    constraints (the default; `api.plan` starts it from the space's anchors); `random`:
-    independent uniform draws, the baseline `benchmarks/search_quality.py` compares with."""
+    constraints (the default); `random`: independent uniform draws, the baseline
+    `benchmarks/search_quality.py` compares with. `anchors` (the space's hand-made schemes) fix
+    the parameters of the first trials."""
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    raise BadInput(f"unknown sampler {name!r} (one of {', '.join(SAMPLERS)})")
+        base: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+    elif name == "random":
+        base = optuna.samplers.RandomSampler(seed=seed)
+    else:
+        raise BadInput(f"unknown sampler {name!r} (one of {', '.join(SAMPLERS)})")
+    return AnchoredSampler(base, anchors) if anchors else base
 
 
-def open_study(storage_url: str, name: str, seed: int, config: dict, sampler: str = "tpe") -> optuna.Study:
+def open_study(
+    storage_url: str, name: str, seed: int, config: dict, sampler: str = "tpe", anchors: list[dict] | None = None
+) -> optuna.Study:
     """Create the study, or load it when it exists — for the same model, data, target and space."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported via on_trial
-    sampler = make_sampler(sampler, seed)
+    sampler = make_sampler(sampler, seed, anchors)
     try:
         study = optuna.create_study(
             storage=_storage(storage_url), study_name=name, directions=list(DIRECTIONS),
@@ -82,16 +123,6 @@ def open_study(storage_url: str, name: str, seed: int, config: dict, sampler: st
             "use another --study name or --out directory"
         )
     return study
-
-
-def start_from_anchors(study: optuna.Study, space: SearchSpace, model: Model, trials: int) -> None:
-    """Queue the space's hand-made schemes (`SearchSpace.anchors`) as a new study's first trials
-    (no more than `trials` of them).
-
-    Stored like any trial, so a resumed study or another worker runs what is still queued."""
-    if not study.get_trials(deepcopy=False):
-        for params in space.anchors(model)[:trials]:
-            study.enqueue_trial(params, skip_if_exists=True)
 
 
 def _objective(evaluator: Evaluator, space: SearchSpace):
@@ -142,9 +173,7 @@ def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
 
 
 def records(study: optuna.Study) -> list[TrialRecord]:
-    """Every trial run or running; queued ones (anchors a shorter run did not reach) are not results."""
-    waiting = optuna.trial.TrialState.WAITING
-    return [to_record(t) for t in study.get_trials(deepcopy=False) if t.state != waiting]
+    return [to_record(t) for t in study.get_trials(deepcopy=False)]
 
 
 def pareto_numbers(study: optuna.Study) -> list[int]:

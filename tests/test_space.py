@@ -7,6 +7,7 @@ import pytest
 
 from planner.errors import BadInput
 from planner.model import load_model
+from planner.search import make_sampler
 from planner.space import SPACES_DIR, load_space, split_mode
 
 
@@ -90,10 +91,8 @@ def test_a_study_starts_from_the_hand_made_schemes(name, tiny_model):
     model = load_model(tiny_model)
     space = load_space(name)
     layers = [layer.name for layer in model.layers]
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     anchors = space.anchors(model)
-    for params in anchors:
-        study.enqueue_trial(params)
+    study = optuna.create_study(sampler=make_sampler("tpe", 0, anchors))
     cands = [space.sample(study.ask(), model) for _ in anchors]
     got = [c.trainable for c in cands]
     assert got[0] == ((layers[-1], "full"),)  # the head alone
