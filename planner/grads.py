@@ -94,19 +94,30 @@ def layer_problem(node: onnx.NodeProto, downstream: Mapping[str, str]) -> str | 
     return downstream.get(node.name) or None
 
 
-# --- Gradients TVM 0.27 lacks, registered with Relax's own mechanism -----------------------------
+# --- Gradients TVM 0.27 lacks, or keeps more memory for, registered with Relax's own mechanism ----
 # Each is checked against float64 finite differences in tests/test_gradients.py.
+#
+# ReLU and Clip (ReLU6) take their mask from the output, as PyTorch's in-place ReLU does: TVM's
+# own ReLU gradient reads the input, so the backward pass kept every pre-activation alive next to
+# the activation itself — one activation tensor too many per ReLU, and the input of a fused
+# conv + BN + ReLU kernel is exactly the tensor fusion would not otherwise have to write.
+
+
+def _relu_grad(orig_var, orig_call, output_grad, ctx):
+    """y = max(x, 0): dy/dx = 1 where y > 0."""
+    zero = relax.const(0.0, orig_var.ty.dtype)
+    return [relax.op.where(relax.op.greater(orig_var, zero), output_grad, relax.op.zeros_like(output_grad))]
 
 
 def _clip_grad(orig_var, orig_call, output_grad, ctx):
-    """y = clip(x, lo, hi): dy/dx = 1 inside [lo, hi], 0 outside (HardSwish, HardSigmoid)."""
-    x, lo, hi = orig_call.args
-    dtype = x.ty.dtype
+    """y = clip(x, lo, hi): dy/dx = 1 where lo < y < hi (ReLU6, HardSwish, HardSigmoid)."""
+    _, lo, hi = orig_call.args
+    dtype = orig_var.ty.dtype
 
     def bound(prim: relax.PrimValue) -> relax.Constant:
         return relax.const(float(getattr(prim.value, "value", prim.value)), dtype)
 
-    inside = relax.op.logical_and(relax.op.greater_equal(x, bound(lo)), relax.op.less_equal(x, bound(hi)))
+    inside = relax.op.logical_and(relax.op.greater(orig_var, bound(lo)), relax.op.less(orig_var, bound(hi)))
     return [relax.op.where(inside, output_grad, relax.op.zeros_like(output_grad)), no_grad(lo), no_grad(hi)]
 
 
@@ -130,3 +141,4 @@ def _gelu_grad(orig_var, orig_call, output_grad, ctx):
 for _op, _grad in (("relax.clip", _clip_grad), ("relax.erf", _erf_grad), ("relax.nn.gelu", _gelu_grad)):
     if tvm.ir.Op.get(_op).get_attr("FPrimalGradient") is None:
         register_gradient(_op, _grad)
+register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)

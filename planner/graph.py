@@ -122,11 +122,43 @@ class _ClipAsRelaxOps(relax.PyExprMutator):
         return call
 
 
+def _scalar(expr: relax.Expr) -> float | None:
+    if isinstance(expr, tvm.ir.Constant) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy().reshape(()))
+    return None
+
+
+@relax.expr_functor.mutator
+class _ClampAsClip(relax.PyExprMutator):
+    """`minimum(maximum(x, lo), hi)` with constant bounds -> `R.clip(x, lo, hi)`.
+
+    Why: the gradients of maximum and minimum read their inputs, so ReLU6 kept both x and
+    maximum(x, lo) alive for the backward pass; `R.clip`'s gradient (planner.grads) reads only
+    its output, which the next layer keeps anyway.
+    """
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.minimum"):
+            return call
+        inner, hi = call.args
+        bound = self.lookup_binding(inner) if isinstance(inner, relax.Var) else inner
+        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == "relax.maximum"):
+            return call
+        x, lo = bound.args
+        low, high = _scalar(lo), _scalar(hi)
+        if low is None or high is None or x.ty.dtype != call.ty.dtype or x.ty.shape is None:
+            return call
+        return relax.op.clip(x, low, high)
+
+
 def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
     """Clip as Relax ops, and its bounds' NaN guards (`where(isnan(c), inf, c)`) folded to the
-    constants they are — low-precision passes would otherwise retype them (bf16 has no isnan)."""
+    constants they are — low-precision passes would otherwise retype them (bf16 has no isnan);
+    then a constant clamp as one `R.clip` (see `_ClampAsClip`)."""
     mod["main"] = _ClipAsRelaxOps().visit_expr(mod["main"])
     mod = relax.transform.FoldConstant()(mod)
+    mod["main"] = _ClampAsClip().visit_expr(mod["main"])
     return relax.transform.DeadCodeElimination(["main"])(mod)
 
 
@@ -162,9 +194,9 @@ class _Fp16AsBf16(relax.PyExprMutator):
                 return relax.Call(call.op, call.args, attrs, call.ty_args)
         return call
 
-    def visit_constant_(self, const: relax.Constant) -> relax.Expr:
-        if str(const.data.dtype) == "float16":
-            return relax.const(const.data.numpy().astype("float32"), "bfloat16")
+    def visit_constant_(self, const: tvm.ir.Constant) -> relax.Expr:
+        if str(const.value.dtype) == "float16":
+            return relax.const(const.value.numpy().astype("float32"), "bfloat16")
         return const
 
 
