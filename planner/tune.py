@@ -1,8 +1,8 @@
 """Kernel tuning with MetaSchedule, in one database per target shared by every candidate and plan.
 
 Candidates of one model share most of their kernels (the forward pass, the backward of the last
-layers), and MetaSchedule keys a workload by its structure, so what one candidate's tuning finds
-serves every later candidate, plan and run with the same kernel. The database lives in the
+layers), and MetaSchedule keys a workload by its structure (here: its anchor block), so what one
+candidate's tuning finds serves every later candidate, plan and run with the same kernel. The database lives in the
 compile cache (`tuning/<target hash>/`); a lock file serialises writers across processes.
 
 Tuning is opt-in (`--tune-trials N`): on this 2-core host MetaSchedule needs about 3-7 s per
@@ -25,6 +25,9 @@ from pathlib import Path
 import tvm
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.analysis import estimate_tir_flops
+
+from .graph import STEP_FUNC
 
 
 def _with_cores(target: tvm.target.Target) -> tvm.target.Target:
@@ -50,31 +53,49 @@ def _locked(directory: Path) -> Iterator[None]:
 
 
 def _database(directory: Path) -> ms.database.JSONDatabase:
-    return ms.database.JSONDatabase(work_dir=str(directory), module_equality="structural")
+    return ms.database.JSONDatabase(work_dir=str(directory), module_equality=EQUALITY)
+
+
+# Kernels match by their anchor block (the convolution or matmul), not their whole body: a weight
+# gradient fused with its update carries the learning rate as a constant, and every candidate of a
+# study has another one — whole-body keys would make every record a miss.
+EQUALITY = "anchor-block"
+TRIALS_PER_KERNEL = 32  # enough for MetaSchedule's evolutionary search to beat the default schedule
 
 
 def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path) -> int:
-    """Spend up to `trials` MetaSchedule trials on the kernels of `fused` (after FuseOps/FuseTIR)
-    that the shared database has never seen, adding what it finds; returns how many kernels that
-    was. Kernels tuned before, for any candidate, cost nothing again: with a warm database a step
-    compiles at the speed of an untuned one. The cost model is XGBoost when installed
-    (`pip install -e '.[tune]'`), else random search."""
+    """Spend up to `trials` MetaSchedule trials on the step's kernels (`fused`, after
+    FuseOps/FuseTIR) that the shared database has never seen, heaviest first; returns how many
+    kernels were tuned.
+
+    Why heaviest first, `TRIALS_PER_KERNEL` each: a step's time sits in a few convolutions and
+    their gradients, and a handful of trials per kernel spread over all of them (MetaSchedule's
+    own round-robin) beats the default schedule nowhere. Kernels tuned before, for any candidate,
+    cost nothing again, so the kernels a small budget leaves out are tuned by later compiles, and
+    with a warm database a step compiles at the speed of an untuned one. Only the step's kernels
+    are tuned: the predict function serves accuracy evaluation on the host. The cost model is
+    XGBoost when installed (`pip install -e '.[tune]'`), else random search.
+    """
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
     target = _with_cores(target)
+    step_only = relax.transform.DeadCodeElimination([STEP_FUNC])(fused)
     with _locked(directory), tempfile.TemporaryDirectory(prefix="planner-tune-") as logs:
         logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
         database = _database(directory)
         new = [
-            task for task in ms.relax_integration.extract_tasks(fused, target, module_equality="structural")
+            task for task in ms.relax_integration.extract_tasks(step_only, target, module_equality=EQUALITY)
             if not database.has_workload(task.dispatched[0])
         ]
+        new.sort(key=lambda task: -estimate_tir_flops(task.dispatched[0]) * task.weight)
+        new = new[: max(1, trials // TRIALS_PER_KERNEL)]
         if not new:
             return 0
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
         ms.tune.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=logs, max_trials_global=trials,
+            max_trials_per_task=max(TRIALS_PER_KERNEL, trials // len(new)),
             num_trials_per_iter=min(16, trials), database=database, cost_model=cost_model,
-            module_equality="structural",
+            module_equality=EQUALITY,
         )
         return len(new)
 
