@@ -6,14 +6,17 @@ the workspace pool, one scalar loop nest after another on one core. On MobileNet
 alone rivals a sparse update's whole budget, and the step runs many times slower than it could.
 
 `DefaultCPU` does what any hand schedule would do first: inline every stage that can be inlined
-(padding into the convolution, elementwise chains into one loop), compute each reduction row by
-row inside its elementwise consumer (so its output never exists whole), run rows in parallel
-across cores and a row's outputs as one vector. It is the floor under every kernel; tuned
-schedules (MetaSchedule) are what beats it.
+(padding into the convolution, elementwise chains into one loop), compute a convolution or matmul
+as register-blocked broadcast-FMAs over its output channels with its epilogue applied in
+registers (`_lane_tiled`), else each reduction row by row inside its elementwise consumer (so its
+output never exists whole; depthwise convolutions, pooling), rows in parallel across cores and a
+row's outputs as one vector. It is the floor under every kernel; tuned schedules (MetaSchedule)
+are what beats it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import tvm
@@ -106,6 +109,72 @@ def _reduction_into_epilogue(
     _reduction_row(sch, block, kinds, cap)
 
 
+def _names(expr) -> set[str]:
+    found: set[str] = set()
+    tvm_ffi.structural_walk(expr, [(tvm.ir.Var, lambda v: found.add(v.name))], order="post")
+    return found
+
+
+def _elements(region: tirx.TensorRegion) -> int:
+    shape = region.source.ty.shape
+    return math.prod(int(d) for d in shape) if all(isinstance(d, tirx.IntImm) for d in shape) else 0
+
+
+LANE_TILE = 8  # outputs along the last axis kept in registers at once, per lane vector
+
+
+def _lane_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block | None, cap: int) -> None:
+    """A convolution or matmul as broadcast-FMAs: vector lanes over an output axis the largest
+    input does not index (output channels: each input value is loaded once and multiplied into
+    `cap` channels), a few outputs of the last axis unrolled beside it, all accumulating in
+    registers; an operand that does vary with the lane axis (the weight) is first copied with
+    that axis innermost, so its lanes load as one vector. The epilogue (bias, activation, the
+    optimizer update) runs on the registers before they are stored.
+
+    Why: NCHW convolutions vectorised along the image row (the row plans below) load strided,
+    masked input vectors and keep their accumulators in memory; this is the register-blocked
+    direct convolution of oneDNN-style kernels, written as a schedule.
+    """
+    spatial, reduce = _loops(sch, block, kinds)
+    sblock = sch.get(block)
+    axes = [iv.var.name for iv, k in zip(sblock.iter_vars, kinds) if k == "S"]
+    if epilogue is not None and [_extent(sch, l) for l in sch.get_loops(epilogue)] != [_extent(sch, l) for l in spatial]:
+        raise RuntimeError("the epilogue reads part of the output")  # e.g. a strided slice of it
+    reads = list(sblock.reads)
+    if not reads:
+        raise RuntimeError("nothing read")
+    largest = max(reads, key=_elements)
+    indexed = set().union(*(_names(r.min) for r in largest.region))
+    extent = [_extent(sch, loop) or 0 for loop in spatial]
+    lane_axes = [i for i, name in enumerate(axes) if name not in indexed and extent[i] % cap == 0]
+    if cap < 4 or not lane_axes or len(spatial) < 2:
+        raise RuntimeError("no lane axis")  # _attempt moves on to the next plan
+    c = lane_axes[0]
+    w = len(spatial) - 1 if c != len(spatial) - 1 else len(spatial) - 2
+    tile = next(d for d in range(min(LANE_TILE, extent[w]), 0, -1) if extent[w] % d == 0)
+    for i, read in enumerate(reads):
+        dims = [d for d, r in enumerate(read.region) if axes[c] in _names(r.min)]
+        if read is largest or len(dims) != 1 or dims[0] == len(read.region) - 1 or _elements(read) * 4 > _elements(largest):
+            continue  # a weight-sized operand is copied; an activation-sized one is read in place
+        copy = sch.cache_read(block, i, "global")
+        index = [tirx.Var(f"i{k}", "int64") for k in range(len(read.region))]
+        order = [index[k] for k in range(len(index)) if k != dims[0]] + [index[dims[0]]]
+        sch.transform_layout(block, ("read", i), tirx.IndexMap(index, order, None))
+        sch.parallel(sch.fuse(*sch.get_loops(copy)))
+    c_out, c_in = sch.split(spatial[c], [None, cap])
+    w_out, w_in = sch.split(spatial[w], [None, tile])
+    rest = [loop for i, loop in enumerate(spatial) if i not in (c, w)]
+    sch.reorder(*rest, c_out, w_out, *reduce, w_in, c_in)
+    sch.parallel(sch.fuse(*rest, c_out))
+    registers = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(registers, w_out, preserve_unit_loops=True)
+    if epilogue is not None:
+        sch.reverse_compute_inline(epilogue)
+    sch.vectorize(c_in)
+    sch.unroll(w_in)
+    sch.decompose_reduction(block, reduce[0])
+
+
 def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]]) -> s_tir.Schedule:
     """The schedule after the first plan that succeeds on a copy; unchanged if none does."""
     for plan in plans:
@@ -119,8 +188,9 @@ def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]
 
 
 class DefaultCPU(dlight.ScheduleRule):
-    """Inline what can be inlined; reductions row by row (inside their epilogue when they have
-    one), rows in parallel, outputs of a row as vectors; elementwise blocks flat, in parallel.
+    """Inline what can be inlined; reductions lane-tiled, else row by row (inside their epilogue
+    when they have one), rows in parallel, outputs of a row as vectors; elementwise blocks flat,
+    in parallel.
 
     Every plan runs on a copy of the schedule, the most ambitious first; a block no plan suits is
     left as TVM emitted it, so the rule never breaks a kernel.
@@ -137,10 +207,12 @@ class DefaultCPU(dlight.ScheduleRule):
         remaining = try_inline(sch, blocks)
         kinds = {sch.get(b.block_rv).name_hint: b.dom_kind() for b in remaining}
         done: set[str] = set()
-        for info in remaining:
-            block, name, k = info.block_rv, sch.get(info.block_rv).name_hint, info.dom_kind()
-            if name in done or "S" not in k or set(k) - {"S", "R"} or len(sch.get_loops(block)) != len(k):
+        for name, k in kinds.items():
+            if name in done or "S" not in k or set(k) - {"S", "R"}:
                 continue  # scheduled with its reduction, opaque, or nothing to parallelise
+            block = sch.get_sblock(name)
+            if len(sch.get_loops(block)) != len(k):
+                continue
             if "R" not in k:
                 sch = _attempt(sch, [lambda t: _spatial(t, block, k, cap), lambda t: _spatial(t, block, k, 1)])
                 continue
@@ -151,12 +223,24 @@ class DefaultCPU(dlight.ScheduleRule):
                 epi_name = sch.get(epi).name_hint
                 ek = kinds.get(epi_name, "R")
                 if set(ek) == {"S"} and len(sch.get_loops(epi)) == len(ek):
-                    plans.append(lambda t: _reduction_into_epilogue(t, block, k, epi, ek, cap))
-            plans += [lambda t: _reduction(t, block, k, cap), lambda t: _rows(t, block, k)]
+                    plans += [
+                        lambda t: _lane_tiled(t, block, k, epi, cap),
+                        lambda t: _reduction_into_epilogue(t, block, k, epi, ek, cap),
+                    ]
+            plans += [lambda t: _lane_tiled(t, block, k, None, cap), lambda t: _reduction(t, block, k, cap),
+                      lambda t: _rows(t, block, k)]
             sch = _attempt(sch, plans)
-            if _fused_epilogue(sch, block, consumers):
-                done.add(sch.get(consumers[0]).name_hint)
+            if len(consumers) == 1 and (not _exists(sch, epi_name) or _fused_epilogue(sch, block, consumers)):
+                done.add(epi_name)
         return sch
+
+
+def _exists(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+    except Exception:  # inlined into its producer's register write-back
+        return False
+    return True
 
 
 def _stores_bf16(func: tirx.PrimFunc) -> bool:
