@@ -32,11 +32,12 @@ def _elementwise_over(func: tirx.PrimFunc, source: int, output: int) -> bool:
     """Whether the kernel reads parameter `source` only at the element it then writes to `output`
     (0-based over all parameters), and never after — so `output` may live in `source`'s buffer."""
     src, out = func.params[source], func.params[output]
-    try:
-        sch = s_tir.Schedule(func)
-        blocks = [sch.get(b) for b in sch.get_child_blocks(sch.get_sblock("root"))]
-    except Exception:  # nested or unusual structure: keep the copy
+    # read-only walk: an s_tir.Schedule here would rewrite the module's kernels in place
+    blocks: list[s_tir.stmt.SBlock] = []
+    tvm_ffi.structural_walk(func.body, [(s_tir.stmt.SBlock, blocks.append)], order="pre")
+    if not blocks or blocks[0].name_hint != "root":
         return False
+    blocks = blocks[1:]
 
     def touches(regions, var) -> list:
         return [r for r in regions if r.source.same_as(var)]

@@ -19,18 +19,18 @@ def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_mode
     scheme = tmp_path / "s.yaml"
     scheme.write_text(SCHEME)
     result = api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
-                         cache_dir=cache, tune_trials=2)
+                         cache_dir=cache, tune_trials=8)
     step = result.plan.step
-    assert step["tune_trials"] == 2 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
+    assert step["tune_trials"] == 8 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
     assert f"{len(step['tuned_kernels'])} of {step['kernels']} kernels" in result.plan.measurement["schedules"]
 
-    # another candidate, one trial of its own: it gets more tuned kernels than that trial can
-    # give, because the forward kernels it shares with the first were tuned already
+    # another candidate, one trial of its own (spent on a kernel the database does not know):
+    # the kernels it shares with the first come tuned from the first's records
     model = load_model(tiny_model)
     cand = Candidate((("c1", "bias"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1)
     host = tvm.target.Target({"kind": "llvm"})
     tuned = compile_candidate(model, cand, host, cache, tune_trials=1)
-    assert len(tuned.tuned_kernels) >= 2, tuned.tuned_kernels
+    assert set(step["tuned_kernels"]) <= set(tuned.tuned_kernels), (step["tuned_kernels"], tuned.tuned_kernels)
 
     default = compile_candidate(model, cand, host, cache)
     assert default.tuned_kernels == ()
