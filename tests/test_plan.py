@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -133,7 +132,7 @@ def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data
     from planner.session import TrainingSession
 
     r1 = api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "a", shuffle=False)
-    r2 = api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)
+    api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)
     assert r1.after["loss"] < r1.before["loss"]
     with np.load(tmp_path / "a" / "weights.npz") as a, np.load(tmp_path / "b" / "weights.npz") as b:
         wa = {k: a[k] for k in a.files}
