@@ -26,7 +26,8 @@ from . import __version__
 from .errors import CandidateFailed
 from .graph import STEP_FUNC, StepSignature, build_training_module
 from .inplace import in_place_candidates, update_in_place
-from .memory import MemoryBreakdown, kernel_workspaces, step_peak
+from . import link
+from .memory import MemoryBreakdown, step_peak
 from .model import Model
 from . import tune
 from .schedule import default_schedule
@@ -110,24 +111,6 @@ def _lower(scheduled: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
         return tvm.transform.Sequential(passes)(scheduled)
 
 
-def _finish(mod: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
-    passes = [
-        relax.transform.LowerRuntimeBuiltin(),
-        relax.transform.ComputePrimValue(),
-        relax.transform.VMShapeLower(),
-        relax.transform.AttachGlobalSymbol(),
-    ]
-    with target:
-        mod = tvm.transform.Sequential(passes)(mod)
-    return relax.build(mod, target, relax_pipeline=None)
-
-
-def _workspaces(executable: relax.VMExecutable) -> dict[str, list[int]]:
-    """The kernels' workspace allocations, read from the compiled LLVM module (none for others)."""
-    llvm = [m for m in executable.mod.imports if m.kind == "llvm"]
-    return kernel_workspaces(llvm[0].inspect_source("ll")) if llvm else {}
-
-
 def compile_candidate(
     model: Model,
     candidate: Candidate,
@@ -169,16 +152,18 @@ def compile_candidate(
         scheduled = _schedule(fused, target)
         scheduled, in_place = update_in_place(scheduled, sig, in_place_ok)
         lowered = _lower(scheduled, target)
-        executable = _finish(lowered, target)
-        memory = step_peak(lowered[STEP_FUNC], sig, _workspaces(executable))
+        executable, workspaces = link.build(lowered, target, cache_dir)
+        memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
     except Exception as exc:
         raise CandidateFailed(f"TVM compile failed: {str(exc).strip().splitlines()[-1]}") from None
-    seconds = time.perf_counter() - t0
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
-        fcompile = tvm.support.cc.cross_compiler(toolchain) if toolchain else None
+        # the triple packs the kernel table for the board (with only linked objects, no LLVM
+        # module tells export_library which machine it is for)
+        cc = tvm.support.cc
+        fcompile = cc.cross_compiler(toolchain, get_target_triple=cc.get_target_by_dump_machine(toolchain)) if toolchain else None
         try:
             executable.export_library(str(tmp / LIB_NAME), fcompile=fcompile)
         except Exception as exc:
@@ -186,7 +171,7 @@ def compile_candidate(
         meta = {
             "signature": sig.to_json(),
             "memory": memory.to_json(),
-            "compile_seconds": seconds,
+            "compile_seconds": time.perf_counter() - t0,  # linked, as a trial waits for it
             "kernels": kernels,
             "tuned_kernels": list(tuned),
             "tune_seconds": tune_seconds,

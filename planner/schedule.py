@@ -194,11 +194,29 @@ class DefaultCPU(dlight.ScheduleRule):
 
     Every plan runs on a copy of the schedule, the most ambitious first; a block no plan suits is
     left as TVM emitted it, so the rule never breaks a kernel.
+
+    Scheduling is deterministic, and candidates of one model share most kernels: results are
+    remembered by the kernel's structural hash, so a study schedules each distinct kernel once.
     """
+
+    MEMO_SIZE = 4096
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[int, str], tirx.PrimFunc | None] = {}
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
             return None
+        key = (tvm_ffi.structural_hash(func), str(target))
+        if key not in self._memo:
+            if len(self._memo) >= self.MEMO_SIZE:
+                self._memo.pop(next(iter(self._memo)))
+            sch = self._schedule(func)
+            self._memo[key] = None if sch is None else sch.mod["main"]
+        done = self._memo[key]
+        return None if done is None else s_tir.Schedule(done)
+
+    def _schedule(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         blocks = normalize_prim_func(sch)
         if blocks is None:
@@ -263,6 +281,9 @@ def _fused_epilogue(sch: s_tir.Schedule, block: Block, consumers: list[Block]) -
     return bool(outer) and bool(inner) and sch.get(outer[0]).same_as(sch.get(inner[0]))
 
 
+_RULE = DefaultCPU()  # one per process, so its memo serves every compile
+
+
 def default_schedule() -> tvm.transform.Pass:
     """Schedules every kernel not scheduled yet with `DefaultCPU`."""
-    return dlight.ApplyDefaultSchedule(DefaultCPU())
+    return dlight.ApplyDefaultSchedule(_RULE)

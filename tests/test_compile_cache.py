@@ -1,0 +1,53 @@
+"""Candidates share compiled kernels: a new candidate compiles only kernels no earlier one had, and
+a step linked from reused kernels trains exactly like one compiled from scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+from planner import link
+from planner.compile import compile_candidate
+from planner.model import load_model
+from planner.session import TrainingSession
+from planner.space import Candidate
+
+HOST = tvm.target.Target({"kind": "llvm"})
+
+
+def _objects(cache: Path) -> set[str]:
+    return {p.name for p in link.objects_dir(cache, HOST).glob("*.o")}
+
+
+def _train(model, step) -> tuple[list[float], dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    session = TrainingSession(step.library, step.signature, model.initializers)
+    losses = [
+        session.step(rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4))
+        for _ in range(3)
+    ]
+    return losses, session.weights()
+
+
+def test_a_candidate_compiles_only_kernels_no_earlier_candidate_had(tiny_model, tmp_path):
+    model = load_model(tiny_model)
+    names = [layer.name for layer in model.layers if layer.weight or layer.bias]
+    head = Candidate(trainable=((names[-1], "full"),), batch_size=4, optimizer="sgd", lr=0.05)
+    two = Candidate(trainable=tuple((n, "full") for n in names[-2:]), batch_size=4, optimizer="sgd", lr=0.05)
+
+    warm = tmp_path / "warm"
+    compile_candidate(model, head, HOST, warm)
+    before = _objects(warm)
+    reused = compile_candidate(model, two, HOST, warm)
+    compiled_now = _objects(warm) - before
+    assert compiled_now, "the second layer's backward kernels are new"
+    assert len(compiled_now) < reused.kernels, "the forward pass was compiled again"
+
+    scratch = compile_candidate(model, two, HOST, tmp_path / "cold")
+    assert _objects(tmp_path / "cold") <= _objects(warm)  # same kernels, same names
+    (losses_a, weights_a), (losses_b, weights_b) = _train(model, reused), _train(model, scratch)
+    assert losses_a == losses_b
+    for name, w in weights_b.items():
+        np.testing.assert_array_equal(weights_a[name], w, err_msg=name)
