@@ -1,7 +1,7 @@
 """A training step in planner (TVM) vs PyTorch eager, side by side, on this host.
 
     pip install -e '.[bench]'
-    python benchmarks/step_vs_pytorch.py [--threads 2] [--repeats 10]
+    python benchmarks/step_vs_pytorch.py [--threads 2] [--repeats 10] [--models tiny_cnn@28 ...]
 
 For the tiny CNN, MobileNetV2-0.35 at 96x96 and ResNet-8 at 32x32, at batch 8 and 32, with every
 layer trained ("full") and with the last quarter of the layers trained ("sparse"): the same
@@ -245,6 +245,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="rows to run (default: all)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -267,7 +268,8 @@ def main() -> None:
           "| memory ratio | planner GFLOP/s (÷ numpy) | PyTorch GFLOP/s (÷ numpy) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for label, (builder, kwargs) in MODELS.items():
+        for label in args.models:
+            builder, kwargs = MODELS[label]
             path = zoo.save(getattr(zoo, builder)(**kwargs), Path(tmp) / f"{builder}.onnx")
             proto = onnx.load(path)
             layers = [layer.name for layer in load_model(path).layers]

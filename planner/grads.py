@@ -138,7 +138,35 @@ def _gelu_grad(orig_var, orig_call, output_grad, ctx):
     return [output_grad * (cdf + x * pdf)]
 
 
+_TVM_CONV2D_GRAD = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FPrimalGradient")
+
+
+def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
+    """TVM's conv2d gradient, over the padding the convolution really reads.
+
+    A strided convolution can leave its last padded rows and columns unread (3x3, stride 2, pad 1
+    on an even size: the bottom and right padding). TVM's weight gradient is a convolution over the
+    full padding that yields a 4x4 kernel and slices it to 3x3 — 16/9 of the work, and the
+    slice a kernel of its own. The same convolution with the unread padding dropped has the same
+    output and an exact weight gradient (and its input gradient needs no output padding).
+    """
+    a = orig_call.attrs
+    data, weight = orig_call.args
+    trimmed = list(a.padding)
+    for axis, (before, after) in enumerate(((0, 2), (1, 3))):
+        size, kernel = int(data.ty.shape[2 + axis]), int(weight.ty.shape[2 + axis])
+        span = (kernel - 1) * int(a.dilation[axis]) + 1
+        unread = (size + int(a.padding[before]) + int(a.padding[after]) - span) % int(a.strides[axis])
+        trimmed[after] = int(a.padding[after]) - min(int(a.padding[after]), unread)
+    if trimmed != [int(p) for p in a.padding]:
+        orig_call = relax.op.nn.conv2d(
+            data, weight, a.strides, trimmed, a.dilation, a.groups, a.data_layout, a.kernel_layout, a.out_layout, a.out_dtype
+        )
+    return _TVM_CONV2D_GRAD(orig_var, orig_call, output_grad, ctx)
+
+
 for _op, _grad in (("relax.clip", _clip_grad), ("relax.erf", _erf_grad), ("relax.nn.gelu", _gelu_grad)):
     if tvm.ir.Op.get(_op).get_attr("FPrimalGradient") is None:
         register_gradient(_op, _grad)
 register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)
+register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
