@@ -1,14 +1,15 @@
 """A training step in planner (TVM) vs PyTorch eager, side by side, on this host.
 
     pip install -e '.[bench]'
-    python benchmarks/step_vs_pytorch.py [--threads 2] [--repeats 10] [--models tiny_cnn@28 ...]
+    python benchmarks/step_vs_pytorch.py [--threads 2] [--repeats 10] [--rounds 3] [--models tiny_cnn@28 ...]
 
 For the tiny CNN, MobileNetV2-0.35 at 96x96 and ResNet-8 at 32x32, at batch 8 and 32, with every
 layer trained ("full") and with the last quarter of the layers trained ("sparse"): the same
 weights, trainable set, plain SGD and thread count in both. Printed per row:
 
 - step time: planner's compiled step (the VM's time evaluator, as a plan measures it) and
-  PyTorch's (forward, cross-entropy, backward, `optimizer.step()`; median of timed repeats);
+  PyTorch's (forward, cross-entropy, backward, `optimizer.step()`; median of timed repeats),
+  measured in alternating rounds (median over rounds) so both see the host's drift alike;
 - peak memory: each framework's resident-set growth over its first steps, each in a fresh
   process (planner's own planned peak alongside);
 - achieved GFLOP/s (forward plus the backward the trainable set needs, from Conv/Gemm shapes)
@@ -134,10 +135,7 @@ def torch_step_setup(proto: onnx.ModelProto, params: list[str], batch: int):
     return step
 
 
-def time_torch(proto: onnx.ModelProto, params: list[str], batch: int, repeats: int) -> float:
-    step = torch_step_setup(proto, params, batch)
-    for _ in range(3):
-        step()
+def time_torch(step, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -245,6 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per framework (median taken)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="rows to run (default: all)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -279,9 +278,17 @@ def main() -> None:
                     trained = trainable_layers(layers, update)
                     model, compiled = planner_step(path, trained, batch)
                     session = TrainingSession(compiled.library, compiled.signature, model.initializers)
-                    t_planner = time_step(session, args.repeats, "local").median
                     params = list(compiled.signature.trainable)
-                    t_torch = time_torch(proto, params, batch, args.repeats)
+                    torch_step = torch_step_setup(proto, params, batch)
+                    for _ in range(3):
+                        torch_step()
+                    # alternating rounds: the host's speed drifts, and both frameworks should see
+                    # the same drift
+                    rounds_p, rounds_t = [], []
+                    for _ in range(args.rounds):
+                        rounds_p.append(time_step(session, args.repeats, "local").median)
+                        rounds_t.append(time_torch(torch_step, args.repeats))
+                    t_planner, t_torch = float(np.median(rounds_p)), float(np.median(rounds_t))
                     spec = {"model": str(path), "batch": batch, "threads": args.threads}
                     m_planner = peak_growth({**spec, "framework": "planner", "layers": trained}, env)
                     m_torch = peak_growth({**spec, "framework": "torch", "params": params}, env)

@@ -26,6 +26,7 @@ from . import __version__
 from .errors import CandidateFailed
 from .graph import STEP_FUNC, StepSignature, build_training_module
 from .inplace import in_place_candidates, update_in_place
+from .kernels import legalize
 from . import link
 from .memory import MemoryBreakdown, step_peak
 from .model import Model
@@ -91,8 +92,9 @@ def cache_key(
 
 def _fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
+    passes = cpu.library_dispatch_passes(target) + [legalize()] + cpu.legalize_passes(target)  # then TVM's: a no-op
     with target:
-        return tvm.transform.Sequential(cpu.library_dispatch_passes(target) + cpu.legalize_passes(target))(mod)
+        return tvm.transform.Sequential(passes)(mod)
 
 
 def _schedule(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

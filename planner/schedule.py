@@ -26,6 +26,8 @@ from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 
+from .kernels import TAPS_STRIDES
+
 VECTOR_LANES = 8  # fp32 lanes of a 256-bit vector; LLVM splits or widens for the real ISA
 
 
@@ -151,9 +153,23 @@ def _lane_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block |
         raise RuntimeError("no lane axis")  # _attempt moves on to the next plan
     c = lane_axes[0]
     w = len(spatial) - 1 if c != len(spatial) - 1 else len(spatial) - 2
-    tile = next(d for d in range(min(LANE_TILE, extent[w]), 0, -1) if extent[w] % d == 0)
+    _copy_lane_innermost(sch, block, reads, largest, axes[c])
+    c_out, c_in = sch.split(spatial[c], [None, cap])
+    w_out, w_in = sch.split(spatial[w], [None, _tile(extent[w])])
+    rest = [loop for i, loop in enumerate(spatial) if i not in (c, w)]
+    sch.reorder(*rest, c_out, w_out, *reduce, w_in, c_in)
+    sch.parallel(sch.fuse(*rest, c_out))
+    _in_registers(sch, block, w_out, w_in, c_in, reduce[0], epilogue)
+
+
+def _tile(extent: int, most: int = LANE_TILE) -> int:
+    return next(d for d in range(min(most, extent), 0, -1) if extent % d == 0)
+
+
+def _copy_lane_innermost(sch: s_tir.Schedule, block: Block, reads: list, largest, lane_axis: str) -> None:
+    """Copy each weight-sized operand that varies along `lane_axis` with that axis innermost."""
     for i, read in enumerate(reads):
-        dims = [d for d, r in enumerate(read.region) if axes[c] in _names(r.min)]
+        dims = [d for d, r in enumerate(read.region) if lane_axis in _names(r.min)]
         if read is largest or len(dims) != 1 or dims[0] == len(read.region) - 1 or _elements(read) * 4 > _elements(largest):
             continue  # a weight-sized operand is copied; an activation-sized one is read in place
         copy = sch.cache_read(block, i, "global")
@@ -161,18 +177,52 @@ def _lane_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block |
         order = [index[k] for k in range(len(index)) if k != dims[0]] + [index[dims[0]]]
         sch.transform_layout(block, ("read", i), tirx.IndexMap(index, order, None))
         sch.parallel(sch.fuse(*sch.get_loops(copy)))
-    c_out, c_in = sch.split(spatial[c], [None, cap])
-    w_out, w_in = sch.split(spatial[w], [None, tile])
-    rest = [loop for i, loop in enumerate(spatial) if i not in (c, w)]
-    sch.reorder(*rest, c_out, w_out, *reduce, w_in, c_in)
-    sch.parallel(sch.fuse(*rest, c_out))
+
+
+def _in_registers(
+    sch: s_tir.Schedule, block: Block, tile_loop: Loop, unrolled: Loop, lanes: Loop, first_reduce: Loop, epilogue: Block | None
+) -> None:
+    """Accumulate the tile under `tile_loop` in registers (epilogue applied there), lanes as a
+    vector, `unrolled` unrolled."""
     registers = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(registers, w_out, preserve_unit_loops=True)
+    sch.reverse_compute_at(registers, tile_loop, preserve_unit_loops=True)
     if epilogue is not None:
         sch.reverse_compute_inline(epilogue)
-    sch.vectorize(c_in)
-    sch.unroll(w_in)
-    sch.decompose_reduction(block, reduce[0])
+    sch.vectorize(lanes)
+    sch.unroll(unrolled)
+    sch.decompose_reduction(block, first_reduce)
+
+
+def _taps_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block | None, cap: int) -> None:
+    """A transposed convolution by taps (`planner.kernels`), lane-tiled like `_lane_tiled`, with
+    each output row split into its stride phases (a phase's rows all use the same kernel rows,
+    so that arithmetic leaves the inner loops) and a tile of whole column groups (every phase
+    of `x_in` columns) unrolled in registers: the tap indices of each unrolled output are then
+    constants, and the tile's write-back is one contiguous run of the row."""
+    sblock = sch.get(block)
+    strides = [int(s) for s in sblock.annotations[TAPS_STRIDES]]
+    loops = sch.get_loops(block)
+    if kinds != "SSSSRRR" or len(loops) != 7:
+        raise RuntimeError("not a 2-D transposed convolution")
+    n, c, y, x, *reduce = loops
+    extent = [_extent(sch, loop) or 0 for loop in (n, c, y, x)]
+    if epilogue is not None and [_extent(sch, l) for l in sch.get_loops(epilogue)] != extent:
+        raise RuntimeError("the epilogue reads part of the output")
+    lanes = _lanes(extent[1], cap)
+    if extent[2] % strides[0] or extent[3] % strides[1]:
+        raise RuntimeError("no whole phases")
+    reads = list(sblock.reads)
+    largest = max(reads, key=_elements)
+    _copy_lane_innermost(sch, block, reads, largest, sblock.iter_vars[1].var.name)
+    y_out, y_phase = sch.split(y, [None, strides[0]])
+    x_out, x_phase = sch.split(x, [None, strides[1]])
+    c_out, c_in = sch.split(c, [None, lanes])
+    # a tile's outputs (all phases of `x_in` columns) stay within LANE_TILE registers
+    x_tile, x_in = sch.split(x_out, [None, _tile(extent[3] // strides[1], LANE_TILE // strides[1])])
+    sch.reorder(n, y_out, c_out, y_phase, x_tile, *reduce, x_in, x_phase, c_in)
+    sch.parallel(sch.fuse(n, y_out, c_out))
+    sch.unroll(x_phase)
+    _in_registers(sch, block, x_tile, x_in, c_in, reduce[0], epilogue)
 
 
 def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]]) -> s_tir.Schedule:
@@ -235,18 +285,23 @@ class DefaultCPU(dlight.ScheduleRule):
                 sch = _attempt(sch, [lambda t: _spatial(t, block, k, cap), lambda t: _spatial(t, block, k, 1)])
                 continue
             plans = []
+            # TVM miscompiles a transposed convolution by taps (its indices divide the output
+            # position) vectorised along a row, and even parallel over fused rows: it takes the
+            # taps plan, where the phase split keeps those divisions exact, or stays unscheduled
+            taps = TAPS_STRIDES in sch.get(block).annotations
+            tiled = _taps_tiled if taps else _lane_tiled
             consumers = sch.get_consumers(block)
             if len(consumers) == 1:
                 epi = consumers[0]
                 epi_name = sch.get(epi).name_hint
                 ek = kinds.get(epi_name, "R")
                 if set(ek) == {"S"} and len(sch.get_loops(epi)) == len(ek):
-                    plans += [
-                        lambda t: _lane_tiled(t, block, k, epi, cap),
-                        lambda t: _reduction_into_epilogue(t, block, k, epi, ek, cap),
-                    ]
-            plans += [lambda t: _lane_tiled(t, block, k, None, cap), lambda t: _reduction(t, block, k, cap),
-                      lambda t: _rows(t, block, k)]
+                    plans.append(lambda t: tiled(t, block, k, epi, cap))
+                    if not taps:
+                        plans.append(lambda t: _reduction_into_epilogue(t, block, k, epi, ek, cap))
+            plans.append(lambda t: tiled(t, block, k, None, cap))
+            if not taps:
+                plans += [lambda t: _reduction(t, block, k, cap), lambda t: _rows(t, block, k)]
             sch = _attempt(sch, plans)
             if len(consumers) == 1 and (not _exists(sch, epi_name) or _fused_epilogue(sch, block, consumers)):
                 done.add(epi_name)
