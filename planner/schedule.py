@@ -201,10 +201,10 @@ def _taps_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block |
     constants, and the tile's write-back is one contiguous run of the row."""
     sblock = sch.get(block)
     strides = [int(s) for s in sblock.annotations[TAPS_STRIDES]]
-    loops = sch.get_loops(block)
-    if kinds != "SSSSRRR" or len(loops) != 7:
+    spatial, reduce = _loops(sch, block, kinds)
+    if len(spatial) != 4 or not reduce or not kinds.startswith("SSSS"):
         raise RuntimeError("not a 2-D transposed convolution")
-    n, c, y, x, *reduce = loops
+    n, c, y, x = spatial
     extent = [_extent(sch, loop) or 0 for loop in (n, c, y, x)]
     if epilogue is not None and [_extent(sch, l) for l in sch.get_loops(epilogue)] != extent:
         raise RuntimeError("the epilogue reads part of the output")
