@@ -35,12 +35,12 @@ def workload(name: str, directory: Path) -> dict:
     return {"model": model, "data": directory / "task.npz", "space": "sparse-update"}
 
 
-def run(out: Path, cache: Path, trials: int, tune_trials: int, inputs: dict) -> tuple[float, dict[str, float], int]:
+def run(out: Path, cache: Path, trials: int, tune_trials: int, inputs: dict) -> tuple[float, dict[str, float], int, int]:
     t0 = time.perf_counter()
     result = api.plan(out=out, trials=trials, cache_dir=cache, tune_trials=tune_trials, **inputs)
     wall = time.perf_counter() - t0
     spent = {p: sum(t.seconds.get(p, 0.0) for t in result.trials) for p in PARTS}
-    return wall, spent, len(result.trials)
+    return wall, spent, len(result.trials), sum(t.state == "FAIL" for t in result.trials)
 
 
 def main() -> None:
@@ -50,16 +50,16 @@ def main() -> None:
     parser.add_argument("--model", choices=["example", "mobilenet_v2-0.35@96"], default="example")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm-cache rerun")
     args = parser.parse_args()
-    print("| run | trials | wall s | trials/hour | compile | tune | measure | accuracy | other |")
+    print("| run | trials (failed) | wall s | trials/hour | compile | tune | measure | accuracy | other |")
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         inputs = workload(args.model, Path(tmp))
         for label in ("cold cache",) if args.cold_only else ("cold cache", "warm cache"):
-            wall, spent, n = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, args.tune_trials, inputs)
+            wall, spent, n, failed = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, args.tune_trials, inputs)
             other = max(0.0, wall - sum(spent.values()))
             shares = " | ".join(f"{spent[p]:.1f} s ({spent[p] / wall:.0%})" for p in PARTS)
-            print(f"| {label} | {n} | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
+            print(f"| {label} | {n} ({failed}) | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
                   flush=True)
 
 
