@@ -33,6 +33,7 @@ from .model import Model
 from . import tune
 from .schedule import default_schedule
 from .space import Candidate
+from .target import RpcRunner
 
 LIB_NAME = "train_step.so"
 META_NAME = "train_step.json"
@@ -120,6 +121,7 @@ def compile_candidate(
     cache_dir: Path | None = None,
     toolchain: str | None = None,
     tune_trials: int = 0,
+    rpc: RpcRunner | None = None,
 ) -> CompiledStep:
     """The candidate's compiled step, from the cache when it is there.
 
@@ -127,7 +129,8 @@ def compile_candidate(
     for a Raspberry Pi; None links with the host's default compiler. `tune_trials` > 0 first
     spends that many MetaSchedule trials on the step's kernels, then schedules every kernel the
     target's shared tuning database has a record for (found now or by any earlier tuning); 0
-    uses planner's default schedule only.
+    uses planner's default schedule only. `rpc` (a target's boards behind a tracker) times the
+    tuning trials on a board rather than here.
     """
     cache_dir = cache_dir or default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
@@ -147,7 +150,7 @@ def compile_candidate(
         if tune_trials > 0:
             db = tune.database_dir(cache_dir, target)
             t_tune = time.perf_counter()
-            tune.tune(fused, target, tune_trials, db)
+            tune.tune(fused, target, tune_trials, db, rpc, toolchain)
             tune_seconds = time.perf_counter() - t_tune
             fused, tuned = tune.apply(fused, target, db)
         kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())

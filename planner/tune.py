@@ -13,6 +13,7 @@ schedule (`planner.schedule`).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -28,6 +29,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
 from .graph import STEP_FUNC
+from .target import RpcRunner
 
 
 def _with_cores(target: tvm.target.Target) -> tvm.target.Target:
@@ -63,7 +65,33 @@ EQUALITY = "anchor-block"
 TRIALS_PER_KERNEL = 32  # enough for MetaSchedule's evolutionary search to beat the default schedule
 
 
-def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path) -> int:
+def _export(toolchain: str | None, mod: tvm.runtime.Module) -> str:
+    """A candidate kernel as a shared library linked here (with the board's cross compiler), so
+    the board needs no compiler of its own (MetaSchedule's default ships object files in a tar)."""
+    path = Path(tempfile.mkdtemp(prefix="planner-tune-")) / "kernel.so"
+    cc = tvm.support.cc
+    fcompile = cc.cross_compiler(toolchain, get_target_triple=cc.get_target_by_dump_machine(toolchain)) if toolchain else None
+    mod.export_library(str(path), fcompile=fcompile)
+    return str(path)
+
+
+def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, object]:
+    """MetaSchedule's builder and runner: on this machine, or — for a target behind a tracker —
+    candidate kernels built here and timed on a board of the target's key."""
+    if rpc is None:
+        return "local", "local"
+    host, port = rpc.address
+    config = ms.runner.RPCConfig(
+        tracker_host=host, tracker_port=port, tracker_key=rpc.key,
+        session_priority=rpc.priority, session_timeout_sec=rpc.session_timeout_s,
+    )
+    return ms.builder.LocalBuilder(f_export=functools.partial(_export, toolchain)), ms.runner.RPCRunner(config)
+
+
+def tune(
+    fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path,
+    rpc: RpcRunner | None = None, toolchain: str | None = None,
+) -> int:
     """Spend up to `trials` MetaSchedule trials on the step's kernels (`fused`, after
     FuseOps/FuseTIR) that the shared database has never seen, heaviest first; returns how many
     kernels were tuned.
@@ -74,7 +102,8 @@ def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory:
     cost nothing again, so the kernels a small budget leaves out are tuned by later compiles, and
     with a warm database a step compiles at the speed of an untuned one. Only the step's kernels
     are tuned: the predict function serves accuracy evaluation on the host. The cost model is
-    XGBoost when installed (`pip install -e '.[tune]'`), else random search.
+    XGBoost when installed (`pip install -e '.[tune]'`), else random search. With `rpc`, each
+    candidate schedule is timed on a board behind the tracker (built here with `toolchain`).
     """
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
     target = _with_cores(target)
@@ -91,11 +120,12 @@ def tune(fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory:
         if not new:
             return 0
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
+        builder, runner = _measurers(rpc, toolchain)
         ms.tune.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=logs, max_trials_global=trials,
             max_trials_per_task=max(TRIALS_PER_KERNEL, trials // len(new)),
             num_trials_per_iter=min(16, trials), database=database, cost_model=cost_model,
-            module_equality=EQUALITY,
+            module_equality=EQUALITY, builder=builder, runner=runner,
         )
         return len(new)
 

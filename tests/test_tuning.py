@@ -43,3 +43,21 @@ def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_mode
         after.append(session.weights())
     for name in after[0]:
         np.testing.assert_allclose(after[0][name], after[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_tuning_for_boards_behind_a_tracker_times_its_trials_there(tiny_model, tiny_data, tmp_path):
+    """A target behind a tracker tunes on its boards: candidate kernels are built here, timed by
+    MetaSchedule's RPC runner on a board (a real tracker and server on 127.0.0.1)."""
+    from test_rpc import Boards
+
+    scheme = tmp_path / "s.yaml"
+    scheme.write_text(SCHEME)
+    boards = Boards("tuning-board", 1)
+    try:
+        result = api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
+                             cache_dir=tmp_path / "cache", tune_trials=8, tracker=boards.tracker, key=boards.key)
+    finally:
+        boards.close()
+    step = result.plan.step
+    assert result.plan.target.device == "rpc:tuning-board"
+    assert 1 <= len(step["tuned_kernels"]) <= step["kernels"]
