@@ -65,6 +65,24 @@ EQUALITY = "anchor-block"
 TRIALS_PER_KERNEL = 32  # enough for MetaSchedule's evolutionary search to beat the default schedule
 
 
+MS_LOGGER = "tvm.s_tir.meta_schedule"
+
+
+@contextmanager
+def _own_handlers_only(logger: logging.Logger) -> Iterator[None]:
+    """MetaSchedule rebuilds its logging with `dictConfig`, listing the handlers its logger has by
+    name, and fails on any it did not create itself (pytest's capture handlers, an application's
+    own): those step aside while it does."""
+    foreign = [h for h in logger.handlers if not (h.get_name() or "").startswith(MS_LOGGER)]
+    for handler in foreign:
+        logger.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in foreign:
+            logger.addHandler(handler)
+
+
 def _export(toolchain: str | None, mod: tvm.runtime.Module) -> str:
     """A candidate kernel as a shared library linked here (with the board's cross compiler), so
     the board needs no compiler of its own (MetaSchedule's default ships object files in a tar)."""
@@ -109,7 +127,7 @@ def tune(
     target = _with_cores(target)
     step_only = relax.transform.DeadCodeElimination([STEP_FUNC])(fused)
     with _locked(directory), tempfile.TemporaryDirectory(prefix="planner-tune-") as logs:
-        logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+        logging.getLogger(MS_LOGGER).setLevel(logging.WARNING)
         database = _database(directory)
         new = [
             task for task in ms.relax_integration.extract_tasks(step_only, target, module_equality=EQUALITY)
@@ -119,7 +137,8 @@ def tune(
         new = new[: max(1, trials // TRIALS_PER_KERNEL)]
         if not new:
             return 0
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
+        with _own_handlers_only(logging.getLogger(MS_LOGGER)):
+            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
         builder, runner = _measurers(rpc, toolchain)
         ms.tune.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=logs, max_trials_global=trials,
