@@ -23,12 +23,12 @@ from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
 from .evaluate import EvalSettings, Evaluator, TrialRecord
-from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study
+from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study, stored_inputs
 from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
 
-__all__ = ["plan", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "resolve_target", "PlanResult", "RunResult"]
+__all__ = ["plan", "work", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "resolve_target", "PlanResult", "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,16 @@ def plan(
         "accuracy_steps": accuracy_steps,
         "tune_trials": tune_trials,
     }
+    inputs = {
+        "model": str(m.path.resolve()), "data": str(Path(data).resolve() if data else DEFAULT_DATA),
+        "target": _where(target), "space": _where(space) if space else None, "tracker": tracker, "key": key,
+        "trials": trials, "seed": seed, "sampler": sampler, "anchors": anchors,
+        "accuracy_steps": accuracy_steps, "latency_repeats": latency_repeats, "tune_trials": tune_trials,
+    }
     # the first trials try the space's hand-made schemes; random search stays the blind baseline
-    st = open_study(storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None)
+    st = open_study(
+        storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
+    )
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 
@@ -134,6 +142,44 @@ def plan(
     )
     _write(out, result, compiled, m)
     return PlanResult(result, out, records)
+
+
+def _where(name_or_path: str) -> str:
+    """A target or space as a worker elsewhere finds it: a shipped name, or an absolute path."""
+    path = Path(name_or_path)
+    return str(path.resolve()) if path.is_file() else name_or_path
+
+
+def work(
+    storage: str,
+    study: str,
+    trials: int | None = None,
+    cache_dir: Path | None = None,
+    on_trial: Callable[[TrialRecord, int, int], None] | None = None,
+) -> list[TrialRecord]:
+    """Join a study `plan` created and run trials for it: `trials` of this process's own, or
+    (None) until the study holds the trial count it was created with. Returns every trial.
+
+    The model, data, target and space are the ones stored with the study (their hashes are
+    checked); this worker's sampler draws with its own random seed, so workers do not propose
+    the same candidates, while fine-tuning uses the study's seed, so accuracies stay comparable.
+    """
+    if trials is not None and trials < 1:
+        raise BadInput("--trials must be at least 1")
+    config, inputs = stored_inputs(storage, study)
+    m = load_model(inputs["model"])
+    dataset = load_dataset(Path(inputs["data"]), m)
+    if (m.sha256, dataset.sha256) != (config["model"], config["dataset"]):
+        raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")
+    hw = resolve_target(inputs["target"], inputs["tracker"], inputs["key"])
+    sp = load_space(inputs["space"]).for_target(hw.precisions)
+    capacity(hw)
+    anchors = sp.anchors(m) if inputs["anchors"] and inputs["sampler"] == "tpe" else None
+    st = open_study(storage, study, None, config, inputs["sampler"], anchors)
+    evaluation = EvalSettings(
+        inputs["seed"], inputs["accuracy_steps"], inputs["latency_repeats"], cache_dir or default_cache_dir(), inputs["tune_trials"]
+    )
+    return run_study(st, m, dataset, hw, sp, SearchSettings(inputs["trials"], None, evaluation, trials), on_trial)
 
 
 def measure(

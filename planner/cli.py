@@ -85,23 +85,10 @@ def plan(
     """
     from . import api
 
-    def progress(rec, done: int, total: int) -> None:
-        if rec.complete:
-            flag = "ok  " if rec.feasible else "over"
-            cand = rec.candidate
-            trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
-            stderr.print(
-                f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
-                f"{rec.latency.median:7.2f} ms  {_kib(rec.memory.total):>12}  batch {cand.batch_size:<3} {trainable}",
-                markup=False, highlight=False, soft_wrap=True,
-            )
-        else:
-            stderr.print(f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}", markup=False, highlight=False, soft_wrap=True)
-
     result = _guard(
         lambda: api.plan(
             model, data, target, space, out, trials, timeout, seed, storage, study, select,
-            accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress, tune_trials=tune_trials,
+            accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=_progress, tune_trials=tune_trials,
             sampler=sampler,
         )
     )
@@ -109,6 +96,41 @@ def plan(
         print(json.dumps(result.plan.model_dump(), indent=2))
         return
     _summary(result)
+
+
+def _progress(rec, done: int, total: int) -> None:
+    """One line on stderr per finished trial."""
+    if rec.complete:
+        flag = "ok  " if rec.feasible else "over"
+        cand = rec.candidate
+        trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
+        stderr.print(
+            f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
+            f"{rec.latency.median:7.2f} ms  {_kib(rec.memory.total):>12}  batch {cand.batch_size:<3} {trainable}",
+            markup=False, highlight=False, soft_wrap=True,
+        )
+    else:
+        stderr.print(f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def worker(
+    storage: Annotated[str, typer.Option(help="the study's Optuna storage: a journal file path (safe for many processes) or an RDB URL")],
+    study: Annotated[str, typer.Option(help="study name in the storage")],
+    trials: Annotated[int | None, typer.Option(help="trials to run here [default: until the study holds the count it was created with]")] = None,
+) -> None:
+    """Join a study `planner plan --storage … --study …` created and run trials for it.
+
+    The model, data, target and space are stored with the study, so a worker needs nothing else
+    (the files must be at the same paths here). Start any number, on this machine or others
+    sharing the storage; each finished trial is in the study at once. Rerun `planner plan` with
+    the same storage and study to write the plan from all of them.
+    """
+    from . import api
+
+    records = _guard(lambda: api.work(storage, study, trials, on_trial=_progress))
+    finished = sum(r.state in ("COMPLETE", "FAIL") for r in records)
+    stdout.print(f"study '{study}' holds {finished} finished trials", markup=False, highlight=False)
 
 
 def _summary(result) -> None:

@@ -8,6 +8,7 @@ killed compile leaves nothing half-written.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -134,9 +135,26 @@ def compile_candidate(
     """
     cache_dir = cache_dir or default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
-    if (entry / META_NAME).is_file() and (entry / LIB_NAME).is_file():
+    if _complete(entry):
         return _load(entry, cached=True)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    # workers of one study share the cache: whoever compiles a candidate first, the others wait
+    # for it and load the result instead of compiling it again
+    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(entry):
+            return _load(entry, cached=True)
+        return _compile(model, candidate, target, cache_dir, toolchain, tune_trials, rpc, entry)
 
+
+def _complete(entry: Path) -> bool:
+    return (entry / META_NAME).is_file() and (entry / LIB_NAME).is_file()
+
+
+def _compile(
+    model: Model, candidate: Candidate, target: tvm.target.Target, cache_dir: Path, toolchain: str | None,
+    tune_trials: int, rpc: RpcRunner | None, entry: Path,
+) -> CompiledStep:
     t0 = time.perf_counter()
     if candidate.updates not in ("in-place", "copy"):
         raise CandidateFailed(f"updates {candidate.updates!r} is not supported (in-place, copy)")

@@ -11,6 +11,8 @@ Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
 
 from __future__ import annotations
 
+import os
+import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,12 +36,15 @@ DIRECTIONS = ("maximize", "minimize", "minimize")
 
 @dataclass(frozen=True)
 class SearchSettings:
-    trials: int
+    trials: int  # finished trials the study should hold
     timeout_s: float | None
     evaluation: EvalSettings
+    own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
 
 
-def _storage(url: str) -> optuna.storages.BaseStorage:
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage from planner's URL: an RDB URL (sqlite/postgresql/mysql), else a journal
+    file path (Optuna's `JournalFileBackend`, safe for many processes on one disk)."""
     if url.startswith(("sqlite:", "postgresql", "mysql")):
         # Heartbeats let a later run mark a killed run's RUNNING trials as failed.
         return optuna.storages.RDBStorage(url, heartbeat_interval=10, grace_period=30)
@@ -100,14 +105,19 @@ def make_sampler(name: str, seed: int, anchors: list[dict] | None = None) -> opt
 
 
 def open_study(
-    storage_url: str, name: str, seed: int, config: dict, sampler: str = "tpe", anchors: list[dict] | None = None
+    storage_url: str, name: str, seed: int | None, config: dict, sampler: str = "tpe", anchors: list[dict] | None = None,
+    inputs: dict | None = None,
 ) -> optuna.Study:
-    """Create the study, or load it when it exists — for the same model, data, target and space."""
+    """Create the study, or load it when it exists — for the same model, data, target and space.
+
+    `inputs` (where the model, data, target and space are, and the run's settings) is stored at
+    creation, so `planner worker` can join the study knowing only its storage and name.
+    """
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported via on_trial
     sampler = make_sampler(sampler, seed, anchors)
     try:
         study = optuna.create_study(
-            storage=_storage(storage_url), study_name=name, directions=list(DIRECTIONS),
+            storage=open_storage(storage_url), study_name=name, directions=list(DIRECTIONS),
             sampler=sampler, load_if_exists=True,
         )
     except Exception as exc:  # bad URL, unreachable database, unwritable file
@@ -115,6 +125,8 @@ def open_study(
     stored = study.user_attrs.get("config")
     if stored is None:
         study.set_user_attr("config", config)
+        if inputs is not None:
+            study.set_user_attr("inputs", inputs)
         study.set_metric_names(list(OBJECTIVES))
     elif stored != config:
         changed = sorted(k for k in config if stored.get(k) != config[k])
@@ -125,8 +137,26 @@ def open_study(
     return study
 
 
+def stored_inputs(storage_url: str, name: str) -> tuple[dict, dict]:
+    """The (config, inputs) a study was created with, for a worker joining it."""
+    try:
+        study = optuna.load_study(study_name=name, storage=open_storage(storage_url))
+    except KeyError:
+        raise BadInput(f"no study '{name}' in {storage_url}") from None
+    except Exception as exc:
+        raise BadInput(f"cannot open study storage {storage_url}: {str(exc).splitlines()[0]}") from None
+    attrs = study.user_attrs
+    if "inputs" not in attrs or "config" not in attrs:
+        raise BadInput(f"study '{name}' in {storage_url} was not created by `planner plan`")
+    return attrs["config"], attrs["inputs"]
+
+
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+
+
 def _objective(evaluator: Evaluator, space: SearchSpace):
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
+        trial.set_user_attr("worker", WORKER)  # which process ran it (plan or `planner worker`)
         candidate = space.sample(trial, evaluator.model)
         for key, value in evaluator.evaluate(candidate, trial.set_user_attr).items():
             trial.set_constraint(key, value)
@@ -145,13 +175,18 @@ def run_study(
     settings: SearchSettings,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
 ) -> list[TrialRecord]:
-    """Run trials until the study holds `settings.trials` finished ones (or the timeout)."""
+    """Run trials until the study holds `settings.trials` finished ones, counting those other
+    processes (workers) finish meanwhile — or exactly `settings.own_trials` here — or until the
+    timeout."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
     n_jobs = capacity(target)  # one trial in flight per board
     done = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
-    remaining = settings.trials - done
+    remaining = settings.trials - done if settings.own_trials is None else settings.own_trials
     if remaining > 0:
         callbacks = []
+        if settings.own_trials is None:
+            finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
+            callbacks.append(optuna.study.MaxTrialsCallback(settings.trials, states=finished))
         if on_trial is not None:
             callbacks.append(lambda s, t: on_trial(to_record(t), t.number + 1, settings.trials))
         study.optimize(
