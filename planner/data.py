@@ -72,6 +72,11 @@ def load_dataset(path: str | Path, model: Model) -> Dataset:
             raise BadInput(f"{path}: {name} samples contain NaN or Inf")
     if len(y_train) == 0 or len(y_val) == 0:
         raise BadInput(f"{path}: train and val splits must both be non-empty")
+    if len(np.unique(y_train)) < 2:
+        raise BadInput(
+            f"{path}: every train label is {int(y_train[0])}: with a single class, fine-tuning learns nothing and "
+            "accuracy cannot rank candidates"
+        )
     return Dataset(
         source=path.resolve(),
         sha256=hashlib.sha256(path.read_bytes()).hexdigest(),

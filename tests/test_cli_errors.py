@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
 from builders import blobs, tiny_cnn
 
@@ -26,6 +27,19 @@ def _cases(tmp, tiny_model, tiny_data):
     bad_space.write_text("batch_size: [8]\nlayerz: [c1]\n")
     fp16_space = tmp / "fp16-space.yaml"
     fp16_space.write_text("precision: [fp16]\n")
+    truncated = tmp / "truncated.onnx"
+    truncated.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
+    dynamic = tmp / "dynamic.onnx"
+    proto = onnx.load(tiny_model)
+    proto.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
+    onnx.save(proto, dynamic)
+    with np.load(tiny_data) as npz:
+        arrays = dict(npz)
+    x_key, y_keys = ("x_train" if "x_train" in arrays else "x"), [k for k in arrays if k.startswith("y")]
+    nan_data = tmp / "nan.npz"
+    np.savez(nan_data, **{**arrays, x_key: np.where(np.arange(arrays[x_key].size).reshape(arrays[x_key].shape) == 5, np.nan, arrays[x_key])})
+    one_class = tmp / "one-class.npz"
+    np.savez(one_class, **{**arrays, **{k: np.zeros_like(arrays[k]) for k in y_keys}})
     return {
         "missing model": (["--model", str(tmp / "nope.onnx"), "--data", str(tiny_data)], "model file not found"),
         "corrupt model": (["--model", str(corrupt), "--data", str(tiny_data)], "not a valid ONNX model"),
@@ -36,6 +50,10 @@ def _cases(tmp, tiny_model, tiny_data):
         "target with a bad size": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", str(bad_target)], "ram_budget_bytes"),
         "space with an unknown key": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(bad_space)], "layerz: Extra inputs are not permitted"),
         "precision the target lacks": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(fp16_space)], "proposes precision fp16; the target supports only"),
+        "truncated model": (["--model", str(truncated), "--data", str(tiny_data)], "not a valid ONNX model"),
+        "non-batch dynamic dims": (["--model", str(dynamic), "--data", str(tiny_data)], "dynamic non-batch dimensions"),
+        "NaN in data": (["--model", str(tiny_model), "--data", str(nan_data)], "contain NaN or Inf"),
+        "a single class": (["--model", str(tiny_model), "--data", str(one_class)], "with a single class"),
     }
 
 
@@ -44,6 +62,7 @@ def _cases(tmp, tiny_model, tiny_data):
     [
         "missing model", "corrupt model", "op without gradient", "data shape", "labels out of range",
         "unknown target", "target with a bad size", "space with an unknown key", "precision the target lacks",
+        "truncated model", "non-batch dynamic dims", "NaN in data", "a single class",
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_model, tiny_data):
