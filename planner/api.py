@@ -54,11 +54,6 @@ def resolve_target(name: str, tracker: str | None = None, key: str | None = None
     return target
 
 
-def _boards(hw: HardwareTarget):
-    """Where tuning times its trials: the target's boards, or None for this machine."""
-    return hw.rpc if hw.runner == "rpc" else None
-
-
 def _check_tune_trials(n: int) -> None:
     if n < 0:
         raise BadInput("--tune-trials must be 0 (default schedules only) or more")
@@ -119,7 +114,7 @@ def plan(
         "tune_trials": tune_trials,
     }
     inputs = {
-        "model": str(m.path.resolve()), "data": str(Path(data).resolve() if data else DEFAULT_DATA),
+        "model": str(m.path.resolve()), "data": str(dataset.source),
         "target": _where(target), "space": _where(space) if space else None, "tracker": tracker, "key": key,
         "trials": trials, "seed": seed, "sampler": sampler, "anchors": anchors,
         "accuracy_steps": accuracy_steps, "latency_repeats": latency_repeats, "tune_trials": tune_trials,
@@ -132,7 +127,7 @@ def plan(
     records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
 
     chosen = select(records, policy, accuracy_tolerance)
-    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, _boards(hw))
+    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, hw.boards)
     result = assemble(
         m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled,
         selection={"policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names},
@@ -220,7 +215,7 @@ def measure(
     except CandidateFailed as exc:
         raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
     rec = TrialRecord.from_attrs(0, "COMPLETE", attrs, constraints)
-    compiled = compile_candidate(m, candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, _boards(hw))
+    compiled = compile_candidate(m, candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, hw.boards)
     result = assemble(
         m, dataset, hw, [rec], rec, {0}, compiled,
         selection={"policy": "scheme", "scheme": str(Path(scheme).resolve()), "feasible": rec.feasible,
@@ -248,7 +243,7 @@ def compile_plan(
     hw = resolve_target(target)
     _check_tune_trials(tune_trials)
     compiled = compile_candidate(
-        m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain, tune_trials, _boards(hw)
+        m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain, tune_trials, hw.boards
     )
     data = original.model_dump()
     data["target"] = {"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device, "toolchain": hw.toolchain}

@@ -180,15 +180,10 @@ def _compile(
     except Exception as exc:
         raise CandidateFailed(f"TVM compile failed: {str(exc).strip().splitlines()[-1]}") from None
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
-        # the triple packs the kernel table for the board (with only linked objects, no LLVM
-        # module tells export_library which machine it is for)
-        cc = tvm.support.cc
-        fcompile = cc.cross_compiler(toolchain, get_target_triple=cc.get_target_by_dump_machine(toolchain)) if toolchain else None
         try:
-            executable.export_library(str(tmp / LIB_NAME), fcompile=fcompile)
+            executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain))
         except Exception as exc:
             raise CandidateFailed(f"linking the step failed: {str(exc).strip().splitlines()[-1]}") from None
         meta = {

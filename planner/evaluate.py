@@ -90,9 +90,10 @@ class Evaluator:
         self._compile_lock = threading.Lock()  # TVM compiles one candidate at a time
 
     def _build(self, candidate: Candidate, tvm_target, toolchain: str | None, tune_trials: int = 0):
-        rpc = self.target.rpc if self.target.runner == "rpc" else None  # tuning times on the boards
-        with self._compile_lock:
-            return compile_candidate(self.model, candidate, tvm_target, self.settings.cache_dir, toolchain, tune_trials, rpc)
+        with self._compile_lock:  # tuning (if any) times its trials on the target's boards
+            return compile_candidate(
+                self.model, candidate, tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards
+            )
 
     def evaluate(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float]:
         """Measure `candidate`; returns its budget constraints (feasible when all are <= 0).

@@ -39,6 +39,17 @@ _FINISH = (
 )
 
 
+def linker(toolchain: str | None):
+    """`export_library`'s `fcompile` for a (cross) toolchain; None links with the host's compiler.
+
+    The triple comes from the toolchain itself: with only linked objects and no LLVM module,
+    nothing else tells `export_library` which machine to pack the kernel table for."""
+    if toolchain is None:
+        return None
+    cc = tvm.support.cc
+    return cc.cross_compiler(toolchain, get_target_triple=cc.get_target_by_dump_machine(toolchain))
+
+
 def objects_dir(cache_dir: Path, target: tvm.target.Target) -> Path:
     """Where kernels compiled for `target` by this TVM live (code generation depends on both)."""
     tag = hashlib.sha256(f"{target}|{tvm.__version__}".encode()).hexdigest()[:16]

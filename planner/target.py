@@ -89,6 +89,11 @@ class HardwareTarget(BaseModel):
         return self
 
     @property
+    def boards(self) -> RpcRunner | None:
+        """The boards behind a tracker this target runs on, or None when it runs here."""
+        return self.rpc if self.runner == "rpc" else None
+
+    @property
     def device(self) -> str:
         return f"rpc:{self.rpc.key}" if self.runner == "rpc" else "local"
 

@@ -29,6 +29,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
 from .graph import STEP_FUNC
+from .link import linker
 from .target import RpcRunner
 
 
@@ -87,9 +88,7 @@ def _export(toolchain: str | None, mod: tvm.runtime.Module) -> str:
     """A candidate kernel as a shared library linked here (with the board's cross compiler), so
     the board needs no compiler of its own (MetaSchedule's default ships object files in a tar)."""
     path = Path(tempfile.mkdtemp(prefix="planner-tune-")) / "kernel.so"
-    cc = tvm.support.cc
-    fcompile = cc.cross_compiler(toolchain, get_target_triple=cc.get_target_by_dump_machine(toolchain)) if toolchain else None
-    mod.export_library(str(path), fcompile=fcompile)
+    mod.export_library(str(path), fcompile=linker(toolchain))
     return str(path)
 
 
