@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +16,14 @@ from pathlib import Path
 from .compile import CompiledStep, compile_candidate, default_cache_dir
 from .data import load_dataset
 from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
-from .errors import BadInput, CandidateFailed, MeasureFailed
+from .errors import BadInput, CandidateFailed, Interrupted, MeasureFailed, NoFeasiblePlan
 from .graph import check_importable
 from .measure import capacity
 from .model import Model, load_model
+from .outdir import prepare_out_dir, study_storage_writes
 from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, read_plan, select, write_plan_dir
+from .report import content as report_content
+from .report import html as report_html
 from .report import markdown
 from .runner import RunResult
 from .runner import run_plan as _run_plan
@@ -28,7 +33,7 @@ from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
 
-__all__ = ["plan", "work", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "resolve_target", "PlanResult", "RunResult"]
+__all__ = ["plan", "work", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "report", "resolve_target", "PlanResult", "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ def plan(
     tune_trials: int = 0,
     sampler: str = "tpe",
     anchors: bool = True,
+    on_start: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> PlanResult:
     """Search the space for the best training plan of `model` on `target`; write it to `out`.
 
@@ -101,8 +108,7 @@ def plan(
     check_importable(m)
     capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out_dir(out)  # a file, a read-only directory: one line before any trial
     storage_url = storage or f"sqlite:///{(out / 'study.db').resolve()}"
     study_name = study or "planner"
     config = {
@@ -120,13 +126,20 @@ def plan(
         "accuracy_steps": accuracy_steps, "latency_repeats": latency_repeats, "tune_trials": tune_trials,
     }
     # the first trials try the space's hand-made schemes; random search stays the blind baseline
-    st = open_study(
-        storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
-    )
-    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
-    records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial)
-
-    chosen = select(records, policy, accuracy_tolerance)
+    with study_storage_writes(storage_url, out):  # out of disk for the study: one line, not a traceback
+        st = open_study(
+            storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
+        )
+        evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
+        records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial, on_start, stop)
+    interrupted = stop is not None and stop.is_set()
+    n_finished = sum(r.state in ("COMPLETE", "FAIL", "PRUNED") for r in records)
+    try:
+        chosen = select(records, policy, accuracy_tolerance)
+    except NoFeasiblePlan:
+        if interrupted:
+            raise Interrupted(f"interrupted: no feasible trial among the {n_finished} finished, so no plan; rerun the same command to resume") from None
+        raise
     compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, hw.boards)
     result = assemble(
         m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled,
@@ -135,7 +148,12 @@ def plan(
         accuracy_seed=seed,
         tune_trials=tune_trials,
     )
-    _write(out, result, compiled, m)
+    _write(out, result, compiled, m, records)
+    if interrupted:
+        raise Interrupted(
+            f"interrupted: plan written to {out}/ from the {n_finished} finished trials; rerun the same command to resume",
+            PlanResult(result, out, records),
+        )
     return PlanResult(result, out, records)
 
 
@@ -151,6 +169,8 @@ def work(
     trials: int | None = None,
     cache_dir: Path | None = None,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[TrialRecord]:
     """Join a study `plan` created and run trials for it: `trials` of this process's own, or
     (None) until the study holds the trial count it was created with. Returns every trial.
@@ -170,11 +190,12 @@ def work(
     sp = load_space(inputs["space"]).for_target(hw.precisions)
     capacity(hw)
     anchors = sp.anchors(m) if inputs["anchors"] and inputs["sampler"] == "tpe" else None
-    st = open_study(storage, study, None, config, inputs["sampler"], anchors)
     evaluation = EvalSettings(
         inputs["seed"], inputs["accuracy_steps"], inputs["latency_repeats"], cache_dir or default_cache_dir(), inputs["tune_trials"]
     )
-    return run_study(st, m, dataset, hw, sp, SearchSettings(inputs["trials"], None, evaluation, trials), on_trial)
+    with study_storage_writes(storage):  # a full disk under the journal: one line, not a traceback
+        st = open_study(storage, study, None, config, inputs["sampler"], anchors)
+        return run_study(st, m, dataset, hw, sp, SearchSettings(inputs["trials"], None, evaluation, trials), on_trial, on_start, stop)
 
 
 def measure(
@@ -208,6 +229,7 @@ def measure(
     check_importable(m)
     capacity(hw)
     _check_tune_trials(tune_trials)
+    out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
     attrs: dict = {}
     try:
@@ -224,8 +246,7 @@ def measure(
         accuracy_seed=seed,
         tune_trials=tune_trials,
     )
-    out = Path(out)
-    _write(out, result, compiled, m)
+    _write(out, result, compiled, m, [rec])
     return PlanResult(result, out, [rec])
 
 
@@ -259,7 +280,8 @@ def compile_plan(
         in_place_updates=compiled.in_place_updates,
     )
     result = Plan.model_validate(data)
-    _write(Path(out), result, compiled, m)
+    trials = report_content.from_plan_dir(plan_dir).trials  # the study that chose the plan
+    _write(Path(out), result, compiled, m, trials)
     return result
 
 
@@ -298,11 +320,37 @@ def run_plan(
     return _run_plan(Path(plan_dir), Path(data) if data else None, steps, Path(out) if out else None, shuffle, seed, hw)
 
 
-def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model) -> None:
+def report(plan_dir: str | Path | None = None, storage: str | None = None, study: str | None = None, fmt: str = "html") -> str:
+    """A plan directory's report (or, with `storage` and `study`, a study's, plan or not) as
+    `fmt`: html (self-contained page), md or json."""
+    if (storage is None) != (study is None):
+        raise BadInput("--storage and --study go together")
+    if fmt not in REPORT_FORMATS:
+        raise BadInput(f"unknown report format {fmt!r} (one of {', '.join(REPORT_FORMATS)})")
+    if storage is not None:
+        content = report_content.from_study(storage, study)
+    else:
+        content = report_content.from_plan_dir(Path(plan_dir or "plan"))
+    return REPORT_FORMATS[fmt](content)
+
+
+REPORT_FORMATS: dict[str, Callable[[report_content.ReportContent], str]] = {
+    "html": report_html.render,
+    "md": markdown.render,
+    "json": lambda c: json.dumps(c.to_json(), indent=2) + "\n",
+}
+
+
+def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: list[TrialRecord]) -> None:
+    content = report_content.from_plan(plan, model, trials)
     write_plan_dir(
         out,
         plan,
         files={STEP_LIBRARY: compiled.library, MODEL_FILE: model.path},
         weights=model.initializers,
-        texts={"report.md": markdown.render(plan, model)},
+        texts={
+            "report.md": markdown.render(content),
+            "report.html": report_html.render(content),
+            report_content.TRIALS_FILE: report_content.write_trials(trials),
+        },
     )

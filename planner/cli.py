@@ -36,10 +36,15 @@ def _fail(exc: Exception, code: int) -> typer.Exit:
 
 def _guard(fn):
     """Run a command body, turning planner's errors into one line + exit code."""
-    from .errors import PlannerError
+    from .errors import Interrupted, PlannerError
 
     try:
         return fn()
+    except Interrupted as exc:
+        if exc.result is not None:
+            _summary(exc.result)
+        stderr.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
     except PlannerError as exc:
         raise _fail(exc, exc.exit_code) from None
     except KeyboardInterrupt:
@@ -49,6 +54,8 @@ def _guard(fn):
 
 TrackerOpt = Annotated[str | None, typer.Option(help="HOST:PORT of a TVM RPC tracker: measure on its boards instead of the target's runner")]
 KeyOpt = Annotated[str | None, typer.Option(help="board key at the tracker (with --tracker)")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="one line per trial and planner's debug log on stderr")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr (it is off anyway when stderr is not a terminal)")]
 TuneOpt = Annotated[int, typer.Option(help="MetaSchedule trials spent on each compiled step, into one tuning database shared by every candidate and plan (0: planner's default schedules only; about 3-20 s per trial on 2 cores)")]
 
 
@@ -76,41 +83,32 @@ def plan(
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
+    verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Search for the best training plan and write it to --out.
 
     With no arguments, plans the bundled example (a digits CNN adapting to a new sensor) on this
     machine. Each trial compiles the candidate's training step with TVM, times it, plans its
-    memory and fine-tunes it for real.
+    memory and fine-tunes it for real. Ctrl-C lets the trials in flight finish and writes the
+    plan from the finished trials (exit 130); the same command resumes the study.
     """
     from . import api
+    from .progress import TrialProgress, configure_logging, graceful_interrupt
 
-    result = _guard(
-        lambda: api.plan(
-            model, data, target, space, out, trials, timeout, seed, storage, study, select,
-            accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=_progress, tune_trials=tune_trials,
-            sampler=sampler,
+    configure_logging(stderr, verbose)
+    with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
+        result = _guard(
+            lambda: api.plan(
+                model, data, target, space, out, trials, timeout, seed, storage, study, select,
+                accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress.trial,
+                on_start=progress.start, stop=stop, tune_trials=tune_trials, sampler=sampler,
+            )
         )
-    )
     if json_out:
         print(json.dumps(result.plan.model_dump(), indent=2))
         return
     _summary(result)
-
-
-def _progress(rec, done: int, total: int) -> None:
-    """One line on stderr per finished trial."""
-    if rec.complete:
-        flag = "ok  " if rec.feasible else "over"
-        cand = rec.candidate
-        trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
-        stderr.print(
-            f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
-            f"{rec.latency.median:7.2f} ms  {_kib(rec.memory.total):>12}  batch {cand.batch_size:<3} {trainable}",
-            markup=False, highlight=False, soft_wrap=True,
-        )
-    else:
-        stderr.print(f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -118,6 +116,8 @@ def worker(
     storage: Annotated[str, typer.Option(help="the study's Optuna storage: a journal file path (safe for many processes) or an RDB URL")],
     study: Annotated[str, typer.Option(help="study name in the storage")],
     trials: Annotated[int | None, typer.Option(help="trials to run here [default: until the study holds the count it was created with]")] = None,
+    verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Join a study `planner plan --storage … --study …` created and run trials for it.
 
@@ -127,9 +127,15 @@ def worker(
     the same storage and study to write the plan from all of them.
     """
     from . import api
+    from .progress import TrialProgress, configure_logging, graceful_interrupt
 
-    records = _guard(lambda: api.work(storage, study, trials, on_trial=_progress))
+    configure_logging(stderr, verbose)
+    with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
+        records = _guard(lambda: api.work(storage, study, trials, on_trial=progress.trial, on_start=progress.start, stop=stop))
     finished = sum(r.state in ("COMPLETE", "FAIL") for r in records)
+    if stop.is_set():
+        stderr.print(f"interrupted: study '{study}' holds {finished} finished trials; start the worker again to go on", markup=False, highlight=False)
+        raise typer.Exit(130)
     stdout.print(f"study '{study}' holds {finished} finished trials", markup=False, highlight=False)
 
 
@@ -160,6 +166,7 @@ def measure(
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Measure one explicit scheme (e.g. a paper's) with no search; writes a plan directory.
 
@@ -167,7 +174,9 @@ def measure(
     numbers compare directly with a searched plan's.
     """
     from . import api
+    from .progress import configure_logging
 
+    configure_logging(stderr, verbose)
     result = _guard(lambda: api.measure(
         model, scheme, data, target, out, seed, accuracy_steps, tracker=tracker, key=key, tune_trials=tune_trials
     ))
@@ -225,6 +234,7 @@ def run(
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print before/after loss and accuracy as JSON")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Execute a plan: fine-tune with its compiled step, write the weights and a fine-tuned model.onnx.
 
@@ -232,7 +242,9 @@ def run(
     --tracker/--key, the training runs on a board and the updated weights come back.
     """
     from . import api
+    from .progress import configure_logging
 
+    configure_logging(stderr, verbose)
     r = _guard(lambda: api.run_plan(plan_dir, data, steps, out_dir, not no_shuffle, seed, target, tracker, key))
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
@@ -244,6 +256,38 @@ def run(
     )
 
 
+@app.command()
+def report(
+    plan_dir: Annotated[Path, typer.Argument(help="a plan directory")] = Path("plan"),
+    fmt: Annotated[Literal["html", "md", "json"], typer.Option("--format", help="html: one self-contained page with the figures (plotly inlined, opens offline); md: tables; json: the data behind both")] = "html",
+    out_file: Annotated[Path | None, typer.Option("--out", help="write the report here [default: stdout]")] = None,
+    storage: Annotated[str | None, typer.Option(help="report a study in this Optuna storage instead (with --study); works while workers still run")] = None,
+    study: Annotated[str | None, typer.Option(help="study name in --storage")] = None,
+) -> None:
+    """Report a plan: Pareto front, memory breakdown, per-layer map, trial history, provenance.
+
+    `planner plan` already writes report.html and report.md into the plan directory; this
+    re-renders them, in another format, or for a study in storage that has no plan yet.
+    """
+    from . import api
+
+    text = _guard(lambda: api.report(plan_dir, storage, study, fmt))
+    if out_file is None:
+        sys.stdout.write(text)
+        return
+    _guard(lambda: _write_text(out_file, text))
+    stderr.print(f"wrote {out_file}", markup=False, highlight=False)
+
+
+def _write_text(path: Path, text: str) -> None:
+    from .errors import BadInput
+
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise BadInput(f"cannot write {path}: {exc.strerror}") from None
+
+
 @app.command("compile")
 def compile_(
     plan_dir: Annotated[Path, typer.Argument(help="a plan directory")],
@@ -251,10 +295,13 @@ def compile_(
     out_dir: Annotated[Path, typer.Option("--out", help="the re-targeted plan directory")],
     tune_trials: TuneOpt = 0,
     json_out: Annotated[bool, typer.Option("--json", help="print the new plan.json")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Re-target a plan: compile its chosen training step for another board (cross-compiling)."""
     from . import api
+    from .progress import configure_logging
 
+    configure_logging(stderr, verbose)
     result = _guard(lambda: api.compile_plan(plan_dir, target, out_dir, tune_trials=tune_trials))
     if json_out:
         print(json.dumps(result.model_dump(), indent=2))

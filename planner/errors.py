@@ -19,6 +19,12 @@ class UnsupportedOp(BadInput):
     """A layer the search space wants to train depends on an op planner cannot differentiate."""
 
 
+class OutputUnwritable(BadInput):
+    """The output directory cannot be used: not a directory, read-only, or out of disk space
+    (for the plan files or the study storage kept in it). Exit 2: the user's --out, as given,
+    cannot hold the result; nothing half-written is left in it."""
+
+
 class NoFeasiblePlan(PlannerError):
     """The study finished, but no candidate met the target's budgets."""
 
@@ -29,6 +35,17 @@ class MeasureFailed(PlannerError):
     """`planner measure`: the scheme could not be built or run (the reason says why)."""
 
     exit_code = 1
+
+
+class Interrupted(PlannerError):
+    """Ctrl-C: the trials in flight finished, no new one started; `result` is the plan written
+    from the finished trials, if any was feasible."""
+
+    exit_code = 130
+
+    def __init__(self, message: str, result: object | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class CandidateFailed(Exception):

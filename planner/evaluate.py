@@ -7,6 +7,7 @@ leaves what was measured; `TrialRecord` is the plain-data view of a finished eva
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from .memory import MemoryBreakdown
 from .model import Model
 from .space import Candidate
 from .target import HardwareTarget
+
+log = logging.getLogger(__name__)
 
 HOST_TARGET = {"kind": "llvm"}
 
@@ -54,6 +57,8 @@ class TrialRecord:
     board_memory: dict | None = None
     library_bytes: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
+    worker: str | None = None  # host:pid of the process that ran it
 
     @property
     def complete(self) -> bool:
@@ -75,9 +80,39 @@ class TrialRecord:
             board_memory=attrs.get("board_memory"),
             library_bytes=attrs.get("library_bytes"),
             seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
+            over_budget={k: v for k, v in constraints.items() if v > 0},
+            worker=attrs.get("worker"),
         )
         rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
         return rec
+
+    def to_json(self) -> dict:
+        """Everything measured about the trial, as `trials.json` in a plan directory keeps it."""
+        parts = {
+            "candidate": self.candidate.to_json() if self.candidate else None,
+            "accuracy": self.accuracy.to_json() if self.accuracy else None,
+            "latency": self.latency.to_json() if self.latency else None,
+            "memory": self.memory.to_json() if self.memory else None,
+        }
+        return {
+            "number": self.number, "state": self.state, "feasible": self.feasible, **parts,
+            "over_budget": self.over_budget, "fail_reason": self.fail_reason, "board": self.board,
+            "board_memory": self.board_memory, "library_bytes": self.library_bytes, "seconds": self.seconds,
+            "worker": self.worker,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrialRecord:
+        attrs = {k: v for k, v in d.items() if v is not None and k not in ("number", "state", "feasible", "over_budget", "seconds")}
+        attrs.update(d.get("seconds", {}))
+        rec = cls.from_attrs(d["number"], d["state"], attrs, d.get("over_budget", {}))
+        rec.feasible = bool(d["feasible"])
+        return rec
+
+
+def _label(c: Candidate) -> str:
+    """A candidate in one short line, for the debug log."""
+    return f"[{','.join(f'{n}:{m}' for n, m in c.trainable)} b{c.batch_size} {c.optimizer} {c.precision}]"
 
 
 class Evaluator:
@@ -110,12 +145,18 @@ class Evaluator:
             # time this trial spent, not what cached results once cost
             record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
             record("tune_s", 0.0 if compiled.cached else compiled.tune_seconds)
+            log.debug(
+                "%s: %s, %d kernels (%d tuned), peak %d bytes", _label(candidate),
+                "from the cache" if compiled.cached else f"compiled in {compiled.compile_seconds:.1f} s",
+                compiled.kernels, len(compiled.tuned_kernels), compiled.memory.total,
+            )
             t0 = time.perf_counter()
             measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
             record("latency", measured.latency.to_json())
             record("board", measured.board)
             record("board_memory", measured.board_memory)
             record("measure_s", time.perf_counter() - t0)
+            log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
             on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
@@ -124,11 +165,14 @@ class Evaluator:
             )
             record("accuracy", acc.to_json())
             record("accuracy_s", time.perf_counter() - t0)
+            log.debug("%s: fine-tuned %d steps, val acc %.3f -> %.3f", _label(candidate), acc.steps, acc.before, acc.after)
         except (BoardLost, CandidateFailed) as exc:
+            log.debug("%s: failed: %s", _label(candidate), exc)
             record("fail_reason", str(exc))
             raise CandidateFailed(str(exc)) from None
         except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            log.debug("%s: failed", _label(candidate), exc_info=True)
             record("fail_reason", reason)
             raise CandidateFailed(reason) from exc
         constraints = {"ram_budget": compiled.memory.total - target.ram_budget_bytes}

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +24,8 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from . import __version__
-from .errors import BadInput, NoFeasiblePlan
+from .errors import BadInput, NoFeasiblePlan, OutputUnwritable
+from .outdir import prepare_out_dir, reason
 from .compile import CompiledStep
 from .graph import StepSignature
 from .data import Dataset
@@ -246,23 +248,42 @@ def versions() -> dict:
 def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> None:
     """Write plan.json, copies of `files`, weights.npz and `texts` atomically into `out`.
 
-    Files already in `out` that are not part of a plan (e.g. the study database) are kept.
+    Everything goes into a temporary directory inside `out` first and is then renamed into
+    place, plan.json last (its presence marks a complete plan). When a write fails (out of disk,
+    a read-only file system, ...) the temporary directory is removed, an earlier plan in `out`
+    stays as it was, and the failure is one `OutputUnwritable` line. Files already in `out` that
+    are not part of a plan (e.g. the study database) are kept.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".plan-"))
+    out = Path(out)
+    created = not out.exists()
+    out = prepare_out_dir(out)
+    tmp, current, placing = None, None, False
     try:
+        tmp = Path(tempfile.mkdtemp(dir=out, prefix=".plan-"))
         for name, source in files.items():
+            current = name
             shutil.copyfile(source, tmp / name)
+        current = WEIGHTS_FILE
         np.savez(tmp / WEIGHTS_FILE, **weights)
         for name, text in texts.items():
+            current = name
             (tmp / name).write_text(text)
+        current = PLAN_FILE
         (tmp / PLAN_FILE).write_text(json.dumps(plan.model_dump(), indent=2) + "\n")
-        # plan.json goes last: its presence marks a complete plan
+        placing = True  # renames within one directory: they need no space
         (out / PLAN_FILE).unlink(missing_ok=True)
         for name in [n for n in os.listdir(tmp) if n != PLAN_FILE] + [PLAN_FILE]:
+            current = name
             os.replace(tmp / name, out / name)
+    except OSError as exc:
+        state = f"{out} holds no complete plan (no {PLAN_FILE})" if placing else "nothing was written"
+        raise OutputUnwritable(f"cannot write the plan into {out}: {reason(exc)} ({current}); {state}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            with suppress(OSError):
+                out.rmdir()  # the directory this call made, left empty by a failure
 
 
 def read_plan(plan_dir: Path) -> Plan:

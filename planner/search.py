@@ -11,8 +11,10 @@ Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from .target import HardwareTarget
 # heartbeats and metric names are "experimental" in Optuna; planner relies on them knowingly
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
+log = logging.getLogger(__name__)
+
 OBJECTIVES = ("accuracy", "step_latency_ms", "peak_memory_bytes")
 DIRECTIONS = ("maximize", "minimize", "minimize")
 
@@ -42,12 +46,42 @@ class SearchSettings:
     own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
 
 
+HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
+HEARTBEAT_S, GRACE_S = 10, 30  # their defaults
+RETRIES = 1  # a trial whose process died is run once more; dying again, it stays FAIL
+
+
+def _env_seconds(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadInput(f"{name} must be a whole number of seconds, at least 1 (not {raw!r})")
+    return int(raw)
+
+
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """An Optuna storage from planner's URL: an RDB URL (sqlite/postgresql/mysql), else a journal
-    file path (Optuna's `JournalFileBackend`, safe for many processes on one disk)."""
+    file path (Optuna's `JournalFileBackend`, safe for many processes on one disk).
+
+    An RDB storage keeps heartbeats: a running trial records one every PLANNER_HEARTBEAT_S seconds
+    (default 10). When a trial has been silent for PLANNER_HEARTBEAT_GRACE_S seconds (default 30),
+    its process was killed or its machine lost. The next process to start a trial on the study
+    (a `planner plan` or `planner worker`) then marks it FAIL and queues a copy with the same
+    parameters, which Optuna runs before sampling anything new (`RetryHeartbeatStaleTrialCallback`;
+    once per trial, so a candidate that kills its process cannot kill every worker in turn).
+
+    A journal file has no heartbeats in Optuna 5: a killed process's trial stays RUNNING there
+    and is not retried (the study goes on without it).
+    """
     if url.startswith(("sqlite:", "postgresql", "mysql")):
-        # Heartbeats let a later run mark a killed run's RUNNING trials as failed.
-        return optuna.storages.RDBStorage(url, heartbeat_interval=10, grace_period=30)
+        interval, grace = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_S), _env_seconds(GRACE_ENV, GRACE_S)
+        if grace <= interval:
+            raise BadInput(f"{GRACE_ENV} ({grace} s) must be longer than {HEARTBEAT_ENV} ({interval} s)")
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=interval, grace_period=grace,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES),
+        )
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
 
 
@@ -174,21 +208,31 @@ def run_study(
     space: SearchSpace,
     settings: SearchSettings,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[TrialRecord]:
     """Run trials until the study holds `settings.trials` finished ones, counting those other
     processes (workers) finish meanwhile — or exactly `settings.own_trials` here — or until the
-    timeout."""
+    timeout, or until `stop` is set (trials in flight then finish; none start).
+
+    `on_start(done, total)` and `on_trial(record, done, total)` report progress, `done` being the
+    study's finished trials (every process's)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
     n_jobs = capacity(target)  # one trial in flight per board
-    done = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+    optuna.storages.fail_stale_trials(study)  # a dead process's trial: failed and queued again now
+    done = _finished(study)
     remaining = settings.trials - done if settings.own_trials is None else settings.own_trials
-    if remaining > 0:
+    if on_start is not None:
+        on_start(done, settings.trials)
+    log.debug("study '%s': %d finished trials, %d to run here, %d in parallel", study.study_name, done, max(remaining, 0), n_jobs)
+    if remaining > 0 and not (stop is not None and stop.is_set()):
         callbacks = []
         if settings.own_trials is None:
-            finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
-            callbacks.append(optuna.study.MaxTrialsCallback(settings.trials, states=finished))
+            callbacks.append(lambda s, t: s.stop() if _finished(s) >= settings.trials else None)
         if on_trial is not None:
-            callbacks.append(lambda s, t: on_trial(to_record(t), t.number + 1, settings.trials))
+            callbacks.append(lambda s, t: on_trial(to_record(t), _finished(s), settings.trials))
+        if stop is not None:
+            callbacks.append(lambda s, t: s.stop() if stop.is_set() else None)
         study.optimize(
             _objective(Evaluator(model, data, target, settings.evaluation), space),
             n_trials=remaining,
@@ -199,6 +243,17 @@ def run_study(
             gc_after_trial=False,
         )
     return records(study)
+
+
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
+
+
+def _finished(study: optuna.Study) -> int:
+    """Finished trials, not counting one a dead process left that runs again as a retry (so a
+    killed worker costs the study no candidate)."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    return sum(t.state in FINISHED and t.number not in retried for t in trials)
 
 
 def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
@@ -214,3 +269,10 @@ def records(study: optuna.Study) -> list[TrialRecord]:
 def pareto_numbers(study: optuna.Study) -> list[int]:
     """Trial numbers on the feasible Pareto front (Optuna's own dominance, constraints respected)."""
     return [t.number for t in study.best_trials]
+
+
+def load_records(storage_url: str, name: str) -> tuple[list[TrialRecord], list[int], dict]:
+    """A study's trials, its feasible Pareto front and the inputs it was created with (for reports)."""
+    _, inputs = stored_inputs(storage_url, name)
+    study = optuna.load_study(study_name=name, storage=open_storage(storage_url))
+    return records(study), pareto_numbers(study), inputs

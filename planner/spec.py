@@ -30,6 +30,8 @@ def load_spec(name_or_path: str, directory: Path, kind: str, cls: type[T]) -> T:
         if not isinstance(raw, dict):
             raise BadInput(f"{path}: a {kind} must be a YAML mapping")
         return cls.model_validate({"name": path.stem, **raw})
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: not a YAML {kind} (the file is not text)") from None
     except yaml.YAMLError as exc:
         raise BadInput(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     except ValidationError as exc:

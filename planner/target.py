@@ -77,6 +77,13 @@ class HardwareTarget(BaseModel):
     runner: Literal["local", "rpc"] = "local"
     rpc: RpcRunner | None = None
 
+    @field_validator("tvm_target", mode="before")
+    @classmethod
+    def _target_mapping(cls, v: Any) -> Any:
+        if isinstance(v, str):  # TVM's own string form: the usual slip
+            raise ValueError(f"write it as a mapping like {{kind: llvm, mtriple: aarch64-linux-gnu, mcpu: cortex-a72}}, not {v!r}")
+        return v
+
     @field_validator("ram_budget_bytes", "flash_budget_bytes", mode="before")
     @classmethod
     def _bytes(cls, v: int | str | None) -> int | None:

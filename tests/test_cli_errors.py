@@ -1,86 +1,449 @@
-"""Bad input: one clear line on stderr, exit code 2 (1 when no plan fits), nothing half-written."""
+"""Bad input, an unreachable board, a full disk: one clear line on stderr, its exit code, nothing half-written.
+
+The table below is the one place these cases live: `planner plan` with each, its exit code (2 bad
+input, 3 board/tracker unreachable) and the words its one line must hold, and what the output
+directory holds afterwards (by default: nothing, it was never made).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from builders import blobs, tiny_cnn
 
+from planner.data import load_dataset
+from planner.model import load_model
 
-def planner(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+def planner(*args: str, cwd=None, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600, cwd=cwd, preexec_fn=preexec_fn
+    )
 
 
-def _cases(tmp, tiny_model, tiny_data):
-    corrupt = tmp / "corrupt.onnx"
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Case:
+    args: list[str]  # after `planner plan`, without --out
+    expected: str  # words the one stderr line must hold
+    code: int = 2
+    out: Path | None = None  # --out [default: a fresh directory that must never be made]
+    preexec_fn: Callable[[], None] | None = None  # runs in the child before planner starts
+    after: Callable[[Path], None] | None = None  # checks OUT afterwards [default: OUT does not exist]
+    notes: list[str] = field(default_factory=list)
+
+
+class Ctx:
+    def __init__(self, tmp: Path, model: Path, data: Path, request):
+        self.tmp, self.model, self.data, self.request = tmp, model, data, request
+
+    def fixture(self, name: str):
+        return self.request.getfixturevalue(name)
+
+    def plan(self, *args: str) -> list[str]:
+        """`--model M --data D` (the tiny ones unless given) plus `args`."""
+        model = [] if "--model" in args else ["--model", str(self.model)]
+        data = [] if "--data" in args else ["--data", str(self.data)]
+        return [*model, *data, *args]
+
+    def npz(self, name: str, **arrays) -> str:
+        """The tiny dataset with some of its arrays (x, y) replaced."""
+        return str(blobs(self.tmp / f"{name}.npz", **arrays))
+
+    def yaml(self, name: str, text: str) -> str:
+        path = self.tmp / name
+        path.write_text(text)
+        return str(path)
+
+
+CASES: dict[str, Callable[[Ctx], Case]] = {}
+
+
+def case(name: str):
+    def register(build: Callable[[Ctx], Case]) -> Callable[[Ctx], Case]:
+        CASES[name] = build
+        return build
+
+    return register
+
+
+def _x(ctx: Ctx) -> np.ndarray:
+    with np.load(ctx.data) as npz:
+        return npz["x"]
+
+
+def _y(ctx: Ctx) -> np.ndarray:
+    with np.load(ctx.data) as npz:
+        return npz["y"]
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+@case("missing model")
+def _(ctx):
+    return Case(ctx.plan("--model", str(ctx.tmp / "nope.onnx")), "model file not found")
+
+
+@case("corrupt model")
+def _(ctx):
+    corrupt = ctx.tmp / "corrupt.onnx"
     corrupt.write_bytes(b"\x08\x07this is not a protobuf" * 10)
-    blocked = tiny_cnn(tmp / "blocked.onnx", extra_op="Floor")
-    wrong_shape = blobs(tmp / "wrong_shape.npz", shape=(1, 8, 8))
-    bad_labels = blobs(tmp / "bad_labels.npz", y=np.full(240, 7, dtype=np.int64))
-    bad_target = tmp / "bad-target.yaml"
-    bad_target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: lots\n")
-    bad_space = tmp / "bad-space.yaml"
-    bad_space.write_text("batch_size: [8]\nlayerz: [c1]\n")
-    fp16_space = tmp / "fp16-space.yaml"
-    fp16_space.write_text("precision: [fp16]\n")
-    truncated = tmp / "truncated.onnx"
-    truncated.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
-    dynamic = tmp / "dynamic.onnx"
-    proto = onnx.load(tiny_model)
+    return Case(ctx.plan("--model", str(corrupt)), "not a valid ONNX model")
+
+
+@case("truncated model")
+def _(ctx):
+    truncated = ctx.tmp / "truncated.onnx"
+    truncated.write_bytes(ctx.model.read_bytes()[: ctx.model.stat().st_size // 2])
+    return Case(ctx.plan("--model", str(truncated)), "not a valid ONNX model")
+
+
+@case("non-batch dynamic dims")
+def _(ctx):
+    dynamic = ctx.tmp / "dynamic.onnx"
+    proto = onnx.load(ctx.model)
     proto.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
     onnx.save(proto, dynamic)
-    with np.load(tiny_data) as npz:
-        arrays = dict(npz)
-    x_key, y_keys = ("x_train" if "x_train" in arrays else "x"), [k for k in arrays if k.startswith("y")]
-    nan_data = tmp / "nan.npz"
-    np.savez(nan_data, **{**arrays, x_key: np.where(np.arange(arrays[x_key].size).reshape(arrays[x_key].shape) == 5, np.nan, arrays[x_key])})
-    one_class = tmp / "one-class.npz"
-    np.savez(one_class, **{**arrays, **{k: np.zeros_like(arrays[k]) for k in y_keys}})
-    return {
-        "missing model": (["--model", str(tmp / "nope.onnx"), "--data", str(tiny_data)], "model file not found"),
-        "corrupt model": (["--model", str(corrupt), "--data", str(tiny_data)], "not a valid ONNX model"),
-        "op without gradient": (["--model", str(blocked), "--data", str(tiny_data)], "node 'blocker' (Floor)"),
-        "data shape": (["--model", str(tiny_model), "--data", str(wrong_shape)], "needs (1, 6, 6)"),
-        "labels out of range": (["--model", str(tiny_model), "--data", str(bad_labels)], "labels must lie in [0, 2]"),
-        "unknown target": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", "toaster"], "unknown target 'toaster'"),
-        "target with a bad size": (["--model", str(tiny_model), "--data", str(tiny_data), "--target", str(bad_target)], "ram_budget_bytes"),
-        "space with an unknown key": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(bad_space)], "layerz: Extra inputs are not permitted"),
-        "precision the target lacks": (["--model", str(tiny_model), "--data", str(tiny_data), "--space", str(fp16_space)], "proposes precision fp16; the target supports only"),
-        "truncated model": (["--model", str(truncated), "--data", str(tiny_data)], "not a valid ONNX model"),
-        "non-batch dynamic dims": (["--model", str(dynamic), "--data", str(tiny_data)], "dynamic non-batch dimensions"),
-        "NaN in data": (["--model", str(tiny_model), "--data", str(nan_data)], "contain NaN or Inf"),
-        "a single class": (["--model", str(tiny_model), "--data", str(one_class)], "with a single class"),
-    }
+    return Case(ctx.plan("--model", str(dynamic)), "dynamic non-batch dimensions")
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "missing model", "corrupt model", "op without gradient", "data shape", "labels out of range",
-        "unknown target", "target with a bad size", "space with an unknown key", "precision the target lacks",
-        "truncated model", "non-batch dynamic dims", "NaN in data", "a single class",
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_model, tiny_data):
-    args, expected = _cases(tmp_path, tiny_model, tiny_data)[case]
-    out = tmp_path / "plan-out"
-    res = planner("plan", *args, "--out", str(out))
-    assert res.returncode == 2, res.stderr
+@case("op without gradient")
+def _(ctx):
+    blocked = tiny_cnn(ctx.tmp / "blocked.onnx", extra_op="Floor")
+    return Case(ctx.plan("--model", str(blocked)), "node 'blocker' (Floor)")
+
+
+# --- the data ----------------------------------------------------------------------------------
+
+@case("data shape")
+def _(ctx):
+    return Case(ctx.plan("--data", str(blobs(ctx.tmp / "wrong_shape.npz", shape=(1, 8, 8)))), "needs (1, 6, 6)")
+
+
+@case("flat samples")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("flat", x=_x(ctx).reshape(240, -1))), "samples have shape (36,), the model's input")
+
+
+@case("samples as strings")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("strings", x=_x(ctx).astype(str))), "train samples are <U")
+
+
+@case("samples as objects")
+def _(ctx):  # a ragged list of images: numpy stores it as pickled objects
+    ragged = np.empty(240, dtype=object)
+    ragged[:] = [np.zeros((6, 6 + i % 2)) for i in range(240)]
+    path = ctx.tmp / "ragged.npz"
+    np.savez(path, x=ragged, y=_y(ctx))
+    return Case(ctx.plan("--data", str(path)), "not a readable .npz dataset: Object arrays cannot be loaded")
+
+
+@case("complex samples")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("complex", x=_x(ctx) * (1 + 1j))), "train samples are complex64, not real numbers")
+
+
+@case("NaN in data")
+def _(ctx):
+    x = _x(ctx).copy()
+    x.flat[5] = np.nan
+    return Case(ctx.plan("--data", ctx.npz("nan", x=x)), "train samples contain NaN or Inf")
+
+
+@case("Inf in data")
+def _(ctx):
+    x = _x(ctx).copy()
+    x.flat[-5] = -np.inf  # in the val split
+    return Case(ctx.plan("--data", ctx.npz("inf", x=x)), "val samples contain NaN or Inf")
+
+
+@case("float64 beyond float32")
+def _(ctx):
+    x = _x(ctx).astype(np.float64)
+    x.flat[7] = 1e300  # finite as float64, Inf once cast to the model's float32
+    return Case(ctx.plan("--data", ctx.npz("huge", x=x)), "train samples hold values beyond float32's range")
+
+
+@case("labels out of range")
+def _(ctx):
+    return Case(ctx.plan("--data", str(blobs(ctx.tmp / "bad_labels.npz", y=np.full(240, 7, dtype=np.int64)))), "labels must lie in [0, 2]")
+
+
+@case("fractional float labels")
+def _(ctx):
+    y = _y(ctx).astype(np.float64)
+    y[3] = 1.5
+    return Case(ctx.plan("--data", ctx.npz("fractions", y=y)), "train labels must be whole class indices; label 3 is 1.5")
+
+
+@case("labels as strings")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("names", y=np.array(["cat", "dog", "owl"])[_y(ctx)])), "train labels are <U3; planner needs class indices 0..2")
+
+
+@case("one-hot labels")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("onehot", y=np.eye(3)[_y(ctx)])), "one-hot or scores; planner needs one class index per sample")
+
+
+@case("fewer labels than samples")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("short", y=_y(ctx)[:200])), "x holds 240 samples but y holds 200 labels")
+
+
+@case("a single class")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("one-class", y=np.zeros(240, dtype=np.int64))), "with a single class")
+
+
+# --- target and space YAML ---------------------------------------------------------------------
+
+@case("unknown target")
+def _(ctx):
+    return Case(ctx.plan("--target", "toaster"), "unknown target 'toaster'")
+
+
+@case("target with a bad size")
+def _(ctx):
+    return Case(ctx.plan("--target", ctx.yaml("bad-target.yaml", "tvm_target: {kind: llvm}\nram_budget_bytes: lots\n")), "ram_budget_bytes")
+
+
+@case("target with tvm_target as a string")
+def _(ctx):
+    target = ctx.yaml("str-target.yaml", "tvm_target: llvm -mcpu=cortex-a72\nram_budget_bytes: 1GiB\n")
+    return Case(ctx.plan("--target", target), "tvm_target: Value error, write it as a mapping like {kind: llvm")
+
+
+@case("target with an unknown key")
+def _(ctx):
+    target = ctx.yaml("typo-target.yaml", "tvm_target: {kind: llvm}\nram_budget_bytes: 1GiB\nlatency_budget: 20\n")
+    return Case(ctx.plan("--target", target), "latency_budget: Extra inputs are not permitted")
+
+
+@case("target that is not a mapping")
+def _(ctx):
+    return Case(ctx.plan("--target", ctx.yaml("list-target.yaml", "- llvm\n- 1GiB\n")), "a target must be a YAML mapping")
+
+
+@case("target that is not YAML")
+def _(ctx):
+    return Case(ctx.plan("--target", ctx.yaml("broken-target.yaml", "tvm_target: {kind: llvm\nram_budget_bytes: 1GiB\n")), "not valid YAML")
+
+
+@case("target that is a binary file")
+def _(ctx):  # e.g. the model given as --target by mistake
+    binary = ctx.tmp / "weights.yaml"
+    binary.write_bytes(bytes(range(256)))
+    return Case(ctx.plan("--target", str(binary)), "not a YAML target (the file is not text)")
+
+
+@case("space with an unknown key")
+def _(ctx):
+    return Case(ctx.plan("--space", ctx.yaml("bad-space.yaml", "batch_size: [8]\nlayerz: [c1]\n")), "layerz: Extra inputs are not permitted")
+
+
+@case("space with a word for a number")
+def _(ctx):
+    space = ctx.yaml("word-space.yaml", "batch_size: [eight]\n")
+    return Case(ctx.plan("--space", space), "batch_size.0: Input should be a valid integer")
+
+
+@case("space with a scalar for a list")
+def _(ctx):
+    return Case(ctx.plan("--space", ctx.yaml("scalar-space.yaml", "batch_size: eight\n")), "batch_size: Input should be a valid list")
+
+
+@case("space that is not a mapping")
+def _(ctx):
+    return Case(ctx.plan("--space", ctx.yaml("str-space.yaml", "per-layer\n")), "a search space must be a YAML mapping")
+
+
+@case("space that is not YAML")
+def _(ctx):
+    return Case(ctx.plan("--space", ctx.yaml("tabs-space.yaml", "batch_size:\n\t- 8\n")), "not valid YAML")
+
+
+@case("space that is a binary file")
+def _(ctx):
+    return Case(ctx.plan("--space", str(ctx.model)), "not a YAML search space (the file is not text)")
+
+
+@case("precision the target lacks")
+def _(ctx):
+    return Case(ctx.plan("--space", ctx.yaml("fp16-space.yaml", "precision: [fp16]\n")), "proposes precision fp16; the target supports only")
+
+
+# --- boards ------------------------------------------------------------------------------------
+
+@case("unreachable tracker")
+def _(ctx):
+    return Case(ctx.plan("--tracker", f"127.0.0.1:{_unused_port()}", "--key", "nobody"), "cannot reach the RPC tracker at 127.0.0.1:", code=3)
+
+
+@case("tracker without boards of the key")
+def _(ctx):
+    tracker = ctx.fixture("rpc_tracker")  # a real tracker, no board registered
+    return Case(ctx.plan("--tracker", tracker, "--key", "no-such-board"), "no board under key 'no-such-board'", code=3)
+
+
+# --- the output directory ----------------------------------------------------------------------
+
+@case("--out is a file")
+def _(ctx):
+    file = ctx.tmp / "plan.txt"
+    file.write_text("not a directory\n")
+    return Case(ctx.plan("--trials", "1"), f"--out {file} is a file, not a directory", out=file,
+                after=lambda out: _unchanged(out, "not a directory\n"))
+
+
+@case("--out inside a file")
+def _(ctx):
+    file = ctx.tmp / "plan.txt"
+    file.write_text("not a directory\n")
+    return Case(ctx.plan("--trials", "1"), "not a directory", out=file / "p", after=lambda out: _unchanged(file, "not a directory\n"))
+
+
+@case("read-only --out")
+def _(ctx):
+    """Not root: a directory without write permission. Root ignores permission bits, so there a
+    read-only tmpfs (skipped when this process cannot mount one)."""
+    if os.geteuid() != 0:
+        ro = ctx.tmp / "ro"
+        ro.mkdir(mode=0o555)
+        return Case(ctx.plan("--trials", "1"), f"cannot write the plan into {ro / 'p'}: permission denied", out=ro / "p",
+                    after=lambda out: _no_files(out.parent))
+    ro = ctx.fixture("tmpfs")("ro,size=64k")
+    if ro is None:
+        pytest.skip("as root, a read-only directory needs a read-only tmpfs mount, which this process cannot make")
+    return Case(ctx.plan("--trials", "1"), f"cannot write the plan into {ro / 'p'}: read-only file system", out=ro / "p",
+                after=lambda out: _no_files(out.parent))
+
+
+@case("out of disk for the study")
+def _(ctx):
+    """The default storage, OUT/study.db, cannot be created: a 64 KiB tmpfs is full before the
+    study's tables fit. SQLite says "database or disk is full"; planner says which directory."""
+    disk = ctx.fixture("tmpfs")("size=64k")
+    if disk is None:
+        pytest.skip("needs a tmpfs mount (root); under RLIMIT_FSIZE SQLite reports EFBIG as a generic I/O error")
+    out = disk / "p"
+    return Case(ctx.plan("--trials", "1", "--accuracy-steps", "5"),
+                f"cannot write the study storage into {out}: no space left on device (study.db)", out=out,
+                after=lambda out: _no_files(disk))
+
+
+@case("out of disk for the plan files")
+def _(ctx):
+    """The study is elsewhere (--storage); the trials run; the plan files do not fit in OUT.
+
+    With a tmpfs: a 64 KiB one. Without (not root, no CAP_SYS_ADMIN): RLIMIT_FSIZE in the child
+    (Python ignores SIGXFSZ, so the write fails with EFBIG): a first run warms the compile cache
+    and fills the study, so the limited run only writes the plan, whose largest file is over
+    the limit."""
+    storage = f"sqlite:///{ctx.tmp / 'study.db'}"
+    args = ctx.plan("--trials", "1", "--accuracy-steps", "5", "--storage", storage)
+    disk = ctx.fixture("tmpfs")("size=64k")
+    if disk is not None:
+        return Case(args, f"cannot write the plan into {disk / 'p'}: no space left on device (train_step.so); nothing was written",
+                    out=disk / "p", after=_no_files)
+    warm = planner("plan", *args, "--out", str(ctx.tmp / "warm"))
+    assert warm.returncode == 0, warm.stderr
+    sizes = {p.name: p.stat().st_size for p in (ctx.tmp / "warm").iterdir() if p.name != "study.db"}
+    limit = max(sizes.values()) - 1
+    if limit < (ctx.tmp / "study.db").stat().st_size + 65536:
+        pytest.skip(f"no plan file is much larger than the study database ({sizes}): no RLIMIT_FSIZE splits them")
+    biggest = max(sizes, key=sizes.get)
+    return Case(args, f"cannot write the plan into {ctx.tmp / 'p'}: file too large", out=ctx.tmp / "p", after=_no_files,
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)), notes=[f"limit {limit} < {biggest}"])
+
+
+@case("out of disk on a rerun")
+def _(ctx):
+    """A plan and its study fit; then the disk fills up (another program) and the same command,
+    asked for more trials, cannot store them: one line, the earlier plan untouched, the study kept."""
+    disk = ctx.fixture("tmpfs")("size=64m")
+    if disk is None:
+        pytest.skip("needs a tmpfs mount (root)")
+    out = disk / "p"
+    first = planner("plan", *ctx.plan("--trials", "1", "--accuracy-steps", "5"), "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+    def after(out: Path) -> None:
+        now = {p.name: p for p in out.iterdir()}
+        assert now.keys() == before.keys(), sorted(now)  # no temporary directory, no new file
+        for name, data in before.items():
+            if name != "study.db":
+                assert now[name].read_bytes() == data, f"{name} changed"
+
+    return Case(ctx.plan("--trials", "3", "--accuracy-steps", "5"),
+                f"cannot write the study storage into {out}: no space left on device (study.db); the trials finished so far stay in study.db",
+                out=out, after=after)
+
+
+def _unchanged(file: Path, text: str) -> None:
+    assert file.read_text() == text
+
+
+def _no_files(out: Path) -> None:
+    """No plan and nothing half-written: OUT is gone or empty."""
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.exists() else []
+    assert not left, left
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_and_its_exit_code(name, tmp_path, tiny_model, tiny_data, request):
+    c = CASES[name](Ctx(tmp_path, tiny_model, tiny_data, request))
+    out = c.out or tmp_path / "plan-out"
+    res = planner("plan", *c.args, "--out", str(out), preexec_fn=c.preexec_fn)
+    assert res.returncode == c.code, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], res.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and c.expected in lines[0], res.stderr
     assert "Traceback" not in res.stderr
-    assert not out.exists(), "a failed plan must not leave an output directory"
+    if c.after is not None:
+        c.after(out)
+    else:
+        assert not out.exists(), "a failed plan must not leave an output directory"
+    print(f"{name}: exit {res.returncode}: {lines[0]}", *c.notes)
+
+
+def test_whole_float_labels_and_float64_samples_are_accepted(tmp_path, tiny_model, tiny_data):
+    with np.load(tiny_data) as npz:
+        x, y = npz["x"], npz["y"]
+    path = blobs(tmp_path / "floats.npz", x=x.astype(np.float64), y=y.astype(np.float64))
+    ds = load_dataset(path, load_model(tiny_model))
+    assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
+    np.testing.assert_array_equal(np.concatenate([ds.y_train, ds.y_val]), y)
 
 
 def test_inspect_names_the_blocking_node(tmp_path):
     blocked = tiny_cnn(tmp_path / "blocked.onnx", extra_op="Floor")
     res = planner("inspect", str(blocked), "--json")
     assert res.returncode == 0, res.stderr
-    import json
 
     layers = {row["layer"]: row for row in json.loads(res.stdout)["layers"]}
     assert not layers["c1"]["trainable"] and "blocker" in layers["c1"]["reason"]

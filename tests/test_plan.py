@@ -101,7 +101,7 @@ def test_over_budget_candidates_are_infeasible_and_never_chosen(tiny_model, tiny
 def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
     cmd = [sys.executable, "-m", "planner", "plan", "--model", str(tiny_model), "--data", str(tiny_data),
-           "--out", str(out), "--trials", "7", "--accuracy-steps", "40"]
+           "--out", str(out), "--trials", "7", "--accuracy-steps", "40", "-v"]
     log_path = tmp_path / "first-run.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
     url = f"sqlite:///{out / 'study.db'}"

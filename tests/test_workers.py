@@ -1,49 +1,152 @@
-"""Scale-out: `planner worker` processes join a study `planner plan` created, on one journal file."""
+"""Scale-out: `planner worker` processes join a study `planner plan` created — on one journal file
+or a PostgreSQL database — and a trial whose worker was killed is failed and run again."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import optuna
 import pytest
 
 from planner import api
 from planner.errors import BadInput
-from planner.search import open_storage
+from planner.search import GRACE_ENV, HEARTBEAT_ENV, WORKER, open_storage
+
+State = optuna.trial.TrialState
 
 
 def _planner(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "planner", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a session of its own, so a test can kill a process together with any child it started
+    return subprocess.Popen(
+        [sys.executable, "-m", "planner", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
 
 
-def test_a_plan_and_two_workers_share_one_journal_and_compile_nothing_twice(tiny_model, tiny_data, tmp_path):
-    journal = str(tmp_path / "study.journal")
-    env = {**os.environ, "PLANNER_CACHE_DIR": str(tmp_path / "cache"), "TVM_NUM_THREADS": "1"}
-    plan = _planner("plan", "--model", str(tiny_model), "--data", str(tiny_data), "--out", str(tmp_path / "plan"),
-                    "--storage", journal, "--study", "s", "--trials", "10", "--accuracy-steps", "20", env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # the workers join once the plan has created the study
-        try:
-            if "inputs" in optuna.load_study(study_name="s", storage=open_storage(journal)).user_attrs:
-                break
-        except Exception:
-            pass
-        time.sleep(0.5)
-    workers = [_planner("worker", "--storage", journal, "--study", "s", env=env) for _ in range(2)]
-    outputs = [p.communicate(timeout=600) for p in (plan, *workers)]
-    for p, (out, err) in zip((plan, *workers), outputs):
+def _kill(processes: list[subprocess.Popen]) -> str:
+    """SIGKILL what is still running (with its children); returns the last one's stderr."""
+    err = ""
+    for p in processes:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            err = p.communicate()[1]
+    return err
+
+
+def _study_name() -> str:
+    return f"s-{uuid.uuid4().hex[:8]}"  # a database may outlive the test run ($PLANNER_TEST_POSTGRES)
+
+
+def _env(tmp_path) -> dict:
+    return {**os.environ, "PLANNER_CACHE_DIR": str(tmp_path / "cache"), "TVM_NUM_THREADS": "1"}
+
+
+def _plan_and_two_workers(url: str, model, data, tmp_path) -> None:
+    """A `planner plan` and two `planner worker`s share the study at `url`: all its trials are run,
+    both workers run some, and no candidate is compiled twice."""
+    storage = open_storage(url)  # creates the database's tables before any of the processes does
+    name, env = _study_name(), _env(tmp_path)
+    plan = _planner("plan", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "plan"),
+                    "--storage", url, "--study", name, "--trials", "10", "--accuracy-steps", "20", env=env)
+    processes = [plan]
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and plan.poll() is None:  # the workers join once the plan created the study
+            try:
+                if "inputs" in optuna.load_study(study_name=name, storage=storage).user_attrs:
+                    break
+            except Exception:  # not created yet, or caught mid-write
+                pass
+            time.sleep(0.5)
+        processes += [_planner("worker", "--storage", url, "--study", name, env=env) for _ in range(2)]
+        outputs = [p.communicate(timeout=600) for p in processes]
+    finally:
+        _kill(processes)
+    for p, (out, err) in zip(processes, outputs):
         assert p.returncode == 0, err
 
-    trials = optuna.load_study(study_name="s", storage=open_storage(journal)).get_trials()
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials()
     finished = [t for t in trials if t.state.is_finished()]
     assert len(finished) >= 10
     assert len({t.user_attrs["worker"] for t in finished}) >= 2, "the workers ran no trial"
     compiled = [str(t.user_attrs["candidate"]) for t in finished if t.user_attrs.get("compile_s", 0) > 0]
     assert len(compiled) == len(set(compiled)), "a candidate was compiled twice"
     assert (tmp_path / "plan" / "plan.json").is_file()
+
+
+def test_a_plan_and_two_workers_share_one_journal_and_compile_nothing_twice(tiny_model, tiny_data, tmp_path):
+    _plan_and_two_workers(str(tmp_path / "study.journal"), tiny_model, tiny_data, tmp_path)
+
+
+def test_a_plan_and_two_workers_share_one_postgresql_database(postgres_url, tiny_model, tiny_data, tmp_path):
+    _plan_and_two_workers(postgres_url, tiny_model, tiny_data, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def rdb_url(request, tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'study.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+
+
+def test_a_killed_workers_trial_fails_and_runs_again_with_the_same_parameters(rdb_url, tiny_model, tiny_data, tmp_path, monkeypatch):
+    grace = 3
+    monkeypatch.setenv(HEARTBEAT_ENV, "1")  # heartbeats every second, stale after `grace`: here and in the worker
+    monkeypatch.setenv(GRACE_ENV, str(grace))
+    name, env = _study_name(), _env(tmp_path)
+
+    def plan() -> api.PlanResult:
+        return api.plan(tiny_model, tiny_data, out=tmp_path / "plan", trials=1, storage=rdb_url, study=name,
+                        accuracy_steps=20, cache_dir=tmp_path / "cache")
+
+    plan()
+    study = optuna.load_study(study_name=name, storage=open_storage(rdb_url))
+
+    dead: list[optuna.trial.FrozenTrial] = []
+    for _ in range(3):  # a trial may finish between seeing it run and the kill: then kill the next one
+        worker = _planner("worker", "--storage", rdb_url, "--study", name, "--trials", "100", env=env)
+        try:
+            deadline = time.time() + 120
+            while time.time() < deadline and worker.poll() is None:
+                # mid-trial: its parameters drawn (the candidate recorded), not yet finished
+                if any("candidate" in t.user_attrs for t in study.get_trials(deepcopy=False, states=(State.RUNNING,))):
+                    break
+                time.sleep(0.05)
+        finally:
+            err = _kill([worker])  # SIGKILL: no chance to tell the study anything
+        stale = study.get_trials(states=(State.RUNNING,))  # (a worker killed between trials leaves one without parameters)
+        dead = [t for t in stale if t.params]
+        if dead:
+            break
+    assert len(dead) == 1, f"the worker was never seen mid-trial: {err[-2000:]}"
+    (dead,) = dead
+
+    time.sleep(grace + 1.5)  # its heartbeat goes stale
+    api.work(rdb_url, name, trials=len(stale), cache_dir=tmp_path / "cache")  # fails stale trials before each trial
+    trials = study.get_trials()
+    assert trials[dead.number].state == State.FAIL
+    retries = [t for t in trials if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number]
+    assert len(retries) == 1
+    (retry,) = retries
+    assert retry.state == State.COMPLETE
+    assert retry.params == dead.params and retry.user_attrs["candidate"] == dead.user_attrs["candidate"]
+    assert retry.user_attrs["worker"] == WORKER  # this process ran it, before sampling anything new
+    assert not [t for t in trials if t.state == State.RUNNING]
+    plan()  # rerun, the plan reads the study, the dead trial in it, and writes itself again
+
+
+def test_heartbeat_settings_must_be_whole_seconds_and_the_grace_longer(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    monkeypatch.setenv(HEARTBEAT_ENV, "0.5")
+    with pytest.raises(BadInput, match=HEARTBEAT_ENV):
+        open_storage(url)
+    monkeypatch.setenv(HEARTBEAT_ENV, "5")
+    monkeypatch.setenv(GRACE_ENV, "5")
+    with pytest.raises(BadInput, match=f"{GRACE_ENV} .* longer"):
+        open_storage(url)
 
 
 def test_a_worker_refuses_a_study_that_does_not_exist(tmp_path):
