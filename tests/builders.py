@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -266,3 +267,10 @@ def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int =
         fd = np.array(fd)
         errors[name] = float(np.linalg.norm(grad[idx] - fd) / max(np.linalg.norm(fd), 1e-12))
     return errors
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for trackers, boards and servers the tests start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -5,7 +5,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from builders import blobs, tiny_cnn  # noqa: E402
+from builders import blobs, free_port, tiny_cnn  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,11 +47,6 @@ def _postgres_bindir() -> Path | None:
     postgres = shutil.which("postgres")
     return Path(postgres).parent if postgres else None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +94,7 @@ def postgres_url() -> Iterator[str]:
         # setpriv: the server gets SIGQUIT (immediate shutdown) should this test process die first
         guard = ["setpriv", "--pdeathsig", "QUIT", "--"] if shutil.which("setpriv") else []
         for _ in range(3):  # the free port may be taken before the server binds it
-            port = _free_port()
+            port = free_port()
             with open(log_path, "w") as log:
                 server = subprocess.Popen(
                     [*guard, bindir / "postgres", "-D", data, "-h", "127.0.0.1", "-p", str(port), "-k", sock,
@@ -144,7 +138,7 @@ def rpc_tracker() -> Iterator[str]:
     """A real TVM RPC tracker on 127.0.0.1 with no board registered: `HOST:PORT`."""
     from planner.board import start_tracker
 
-    tracker = start_tracker("127.0.0.1", _free_port())
+    tracker = start_tracker("127.0.0.1", free_port())
     try:
         yield f"127.0.0.1:{tracker.port}"
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from builders import blobs, tiny_cnn
+from builders import blobs, free_port, tiny_cnn
 
 from planner.data import load_dataset
 from planner.model import load_model
@@ -31,11 +30,6 @@ def planner(*args: str, cwd=None, preexec_fn=None) -> subprocess.CompletedProces
         [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600, cwd=cwd, preexec_fn=preexec_fn
     )
 
-
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -294,7 +288,7 @@ def _(ctx):
 
 @case("unreachable tracker")
 def _(ctx):
-    return Case(ctx.plan("--tracker", f"127.0.0.1:{_unused_port()}", "--key", "nobody"), "cannot reach the RPC tracker at 127.0.0.1:", code=3)
+    return Case(ctx.plan("--tracker", f"127.0.0.1:{free_port()}", "--key", "nobody"), "cannot reach the RPC tracker at 127.0.0.1:", code=3)
 
 
 @case("tracker without boards of the key")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_rpc import free_port, kill, start
+from builders import free_port
+from test_rpc import kill, start
 
 from planner import api
 from planner.board import key_status

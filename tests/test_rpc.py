@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,17 +14,13 @@ import numpy as np
 import optuna
 import pytest
 
+from builders import free_port
+
 from planner import api
 from planner.board import key_status
 from planner.errors import NoFeasiblePlan
 from planner.plan import read_plan
 from planner.search import to_record
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(*args: str) -> subprocess.Popen:
