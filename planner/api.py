@@ -133,7 +133,7 @@ def plan(
         evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
         records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial, on_start, stop)
     interrupted = stop is not None and stop.is_set()
-    n_finished = sum(r.state in ("COMPLETE", "FAIL", "PRUNED") for r in records)
+    n_finished = sum(r.state in ("COMPLETE", "FAIL") for r in records)
     try:
         chosen = select(records, policy, accuracy_tolerance)
     except NoFeasiblePlan:

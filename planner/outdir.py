@@ -117,6 +117,6 @@ def _finished_trials(db: Path) -> int | None:
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if "trials" not in tables:
                 return 0
-            return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL', 'PRUNED')").fetchone()[0]
+            return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
     except sqlite3.Error:
         return None

@@ -225,7 +225,7 @@ def assemble(
         versions=versions(),
         study={
             **study,
-            "n_trials": sum(t.state in ("COMPLETE", "FAIL", "PRUNED") for t in trials),
+            "n_trials": sum(t.state in ("COMPLETE", "FAIL") for t in trials),
             "n_failed": sum(t.state == "FAIL" for t in trials),
         },
     )

@@ -44,6 +44,8 @@ def configure_logging(console: Console, verbose: bool) -> None:
 
 
 def trial_line(rec: TrialRecord, done: int, total: int) -> str:
+    if rec.state == "PRUNED":
+        return f"trial {rec.number:>3} ({done}/{total}) cut short by Ctrl-C; its candidate is queued for the next run"
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
     flag = "ok  " if rec.feasible else "over"

@@ -188,11 +188,21 @@ def stored_inputs(storage_url: str, name: str) -> tuple[dict, dict]:
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _objective(evaluator: Evaluator, space: SearchSpace):
+def _objective(evaluator: Evaluator, space: SearchSpace, stop: threading.Event | None):
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
         trial.set_user_attr("worker", WORKER)  # which process ran it (plan or `planner worker`)
         candidate = space.sample(trial, evaluator.model)
-        for key, value in evaluator.evaluate(candidate, trial.set_user_attr).items():
+        try:
+            constraints = evaluator.evaluate(candidate, trial.set_user_attr)
+        except CandidateFailed:
+            if stop is None or not stop.is_set():
+                raise
+            # A terminal's Ctrl-C also reaches the compiler and linker this trial runs: its failure
+            # says nothing about the candidate. PRUNED (planner prunes nothing else) does not count
+            # as finished, and the same parameters are queued, so resuming measures them.
+            trial.study.enqueue_trial(trial.params, user_attrs={"requeued_from": trial.number})
+            raise optuna.TrialPruned("interrupted (Ctrl-C) mid-trial; queued again") from None
+        for key, value in constraints.items():
             trial.set_constraint(key, value)
         attrs = trial.user_attrs
         return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
@@ -234,7 +244,7 @@ def run_study(
         if stop is not None:
             callbacks.append(lambda s, t: s.stop() if stop.is_set() else None)
         study.optimize(
-            _objective(Evaluator(model, data, target, settings.evaluation), space),
+            _objective(Evaluator(model, data, target, settings.evaluation), space, stop),
             n_trials=remaining,
             timeout=settings.timeout_s,
             catch=(CandidateFailed,),
@@ -245,7 +255,7 @@ def run_study(
     return records(study)
 
 
-FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)  # PRUNED: cut short by Ctrl-C
 
 
 def _finished(study: optuna.Study) -> int:

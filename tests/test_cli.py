@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -71,3 +72,37 @@ def test_ctrl_c_finishes_the_trial_in_flight_and_writes_the_plan(tiny_model, tin
     assert rerun.returncode == 0, rerun.stderr
     assert read_plan(out).study["n_trials"] == 8
     assert sum(s.startswith("trial ") for s in rerun.stderr.splitlines()) == 8 - finished
+
+
+def test_a_trial_whose_linker_the_ctrl_c_killed_is_measured_again_on_resume(tiny_model, tiny_data, tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group: here the linker of the first
+    trial dies of it (a wrapper around g++ that interrupts planner, as the terminal would, then
+    fails). That failure must not be held against the candidate."""
+    mark = tmp_path / "interrupted-once"
+    cxx = tmp_path / "g++-ctrl-c"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in *-shared*) if [ ! -e {mark} ]; then touch {mark}; kill -INT $PPID; sleep 1; exit 130; fi;; esac\n'
+        'exec g++ "$@"\n'
+    )
+    cxx.chmod(0o755)
+    target = tmp_path / "host-wrapped.yaml"
+    target.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: 512MiB\ntoolchain: {cxx}\n")
+    out = tmp_path / "p"
+    cmd = ["plan", "--model", str(tiny_model), "--data", str(tiny_data), "--target", str(target), "--out", str(out),
+           "--trials", "3", "--accuracy-steps", "20", "-v"]
+    env_cache = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}  # cold: the first trial links
+    first = subprocess.run([sys.executable, "-m", "planner", *cmd], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **env_cache})
+    assert mark.exists() and first.returncode == 130, first.stderr
+    assert "cut short by Ctrl-C" in first.stderr and "no feasible trial among the 0 finished" in first.stderr
+
+    second = subprocess.run([sys.executable, "-m", "planner", *cmd], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **env_cache})
+    assert second.returncode == 0, second.stderr
+    trials = json.loads((out / "trials.json").read_text())
+    assert [t["state"] for t in trials].count("PRUNED") == 1
+    cut = next(t for t in trials if t["state"] == "PRUNED")
+    again = [t for t in trials if t["state"] == "COMPLETE" and t["candidate"] == cut["candidate"]]
+    assert len(again) == 1, "the interrupted candidate should have been measured on resume"
+    assert sum(t["state"] == "COMPLETE" for t in trials) == 3

@@ -39,7 +39,9 @@ def _hover(t: TrialRecord) -> str:
         lines.append(f"peak {t.memory.total / KIB:,.1f} KiB")
     if t.over_budget:
         lines.append("over budget: " + ", ".join(t.over_budget))
-    if t.fail_reason:
+    if t.state == "PRUNED":
+        lines.append("cut short by Ctrl-C; queued for the next run")
+    elif t.fail_reason:
         lines.append("failed: " + t.fail_reason[:160])
     return "<br>".join(escape(x) for x in lines)
 
