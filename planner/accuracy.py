@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 
 from .compile import CompiledStep, code_id
-from .errors import CandidateFailed
 from .data import Dataset
 from .model import Model
 from .session import TrainingSession
@@ -27,9 +26,10 @@ class AccuracyResult:
     before: float
     after: float
     loss_before: float
-    loss_after: float
+    loss_after: float | None  # None: the fine-tune diverged, its loss is not a number
     steps: int
     seconds: float
+    diverged_at: int | None = None  # the step whose loss was NaN or Inf; the run stopped there
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -79,10 +79,14 @@ def measure_accuracy(
     session = TrainingSession(compiled.library, compiled.signature, model.initializers)
     loss_before, before = session.evaluate(data.x_val, data.y_val)
     losses = finetune(session, data, steps, seed)
-    if not np.isfinite(losses[-1]):
-        raise CandidateFailed(f"training diverged (loss {losses[-1]} at step {len(losses)}) at lr {candidate.lr:g}")
     loss_after, after = session.evaluate(data.x_val, data.y_val)
-    result = AccuracyResult(before, after, loss_before, loss_after, steps, time.perf_counter() - t0)
+    # A diverged fine-tune is a measured result too — the candidate ruins the model — so the
+    # search can learn where that happens (the evaluator marks it infeasible) instead of
+    # ignoring a failed trial and proposing the same corner again.
+    diverged = None if np.isfinite(losses[-1]) else len(losses)
+    result = AccuracyResult(
+        before, after, loss_before, loss_after if diverged is None else None, steps, time.perf_counter() - t0, diverged
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result.to_json()))

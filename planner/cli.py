@@ -150,7 +150,7 @@ def _summary(result) -> None:
         markup=False, highlight=False, soft_wrap=True,
     )
     if p.selection.get("feasible") is False:
-        stderr.print(f"warning: the scheme breaks the target's budgets: {', '.join(p.selection['over_budget'])}", markup=False, highlight=False)
+        stderr.print(f"warning: the scheme is infeasible here (over budget or diverged): {', '.join(p.selection['over_budget'])}", markup=False, highlight=False)
 
 
 @app.command()

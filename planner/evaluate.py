@@ -165,7 +165,10 @@ class Evaluator:
             )
             record("accuracy", acc.to_json())
             record("accuracy_s", time.perf_counter() - t0)
-            log.debug("%s: fine-tuned %d steps, val acc %.3f -> %.3f", _label(candidate), acc.steps, acc.before, acc.after)
+            log.debug(
+                "%s: fine-tuned %d steps, val acc %.3f -> %.3f%s", _label(candidate), acc.steps, acc.before, acc.after,
+                f" (diverged at step {acc.diverged_at})" if acc.diverged_at else "",
+            )
         except (BoardLost, CandidateFailed) as exc:
             log.debug("%s: failed: %s", _label(candidate), exc)
             record("fail_reason", str(exc))
@@ -176,6 +179,8 @@ class Evaluator:
             record("fail_reason", reason)
             raise CandidateFailed(reason) from exc
         constraints = {"ram_budget": compiled.memory.total - target.ram_budget_bytes}
+        # a fine-tune that diverged is measured but never deployable (1: violated, -1: met)
+        constraints["diverged"] = 1.0 if acc.diverged_at is not None else -1.0
         if target.latency_budget_ms is not None:
             constraints["latency_budget"] = measured.latency.median - target.latency_budget_ms
         if target.flash_budget_bytes is not None:

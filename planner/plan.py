@@ -119,8 +119,10 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
     feasible = [t for t in trials if t.feasible]
     if not feasible:
         n_complete = sum(t.complete for t in trials)
+        n_diverged = sum(t.complete and "diverged" in t.over_budget for t in trials)
+        why = f" ({n_diverged} of them diverged while fine-tuning: lower the space's lr)" if n_diverged else ""
         raise NoFeasiblePlan(
-            f"no feasible plan: {n_complete} of {len(trials)} trials completed, none within the target's budgets"
+            f"no feasible plan: {n_complete} of {len(trials)} trials completed, none within the target's budgets{why}"
         )
     best = max(t.accuracy.after for t in feasible)
     if policy == "accuracy":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from planner import api
-from planner.errors import BadInput, MeasureFailed
+from planner.errors import BadInput, MeasureFailed, NoFeasiblePlan
 
 SCHEME = """
 trainable:
@@ -93,3 +93,19 @@ def test_a_diverging_run_fails_clearly_and_writes_no_weights(tiny_model, tiny_da
     with pytest.raises(MeasureFailed, match="diverged at step"):
         api.run_plan(tmp_path / "m", data=tmp_path / "huge.npz", steps=50, out=tmp_path / "ft")
     assert not (tmp_path / "ft" / "weights.npz").exists()
+
+
+def test_a_diverging_fine_tune_is_a_measured_infeasible_result(tiny_model, tiny_data, tmp_path):
+    """A candidate whose fine-tune blows up is measured (latency, memory, the accuracy it leaves)
+    and marked infeasible, so the search learns to avoid it rather than ignoring a failed trial."""
+    space = tmp_path / "hot.yaml"
+    space.write_text("strategy: all\nmodes: [full]\nbatch_size: [4]\noptimizer: [sgd]\nlr: {low: 1.0e+30, high: 1.0e+31, log: true}\n")
+    with pytest.raises(NoFeasiblePlan, match="2 of them diverged while fine-tuning"):
+        api.plan(tiny_model, tiny_data, space=str(space), out=tmp_path / "p", trials=2, accuracy_steps=30, latency_repeats=3)
+    from planner.search import load_records
+
+    records, _, _ = load_records(f"sqlite:///{tmp_path / 'p' / 'study.db'}", "planner")
+    for rec in records:
+        assert rec.state == "COMPLETE" and not rec.feasible and rec.over_budget == {"diverged": 1.0}
+        assert 1 <= rec.accuracy.diverged_at <= 30 and rec.accuracy.loss_after is None
+        assert rec.latency.median > 0 and rec.memory.total > 0

@@ -95,5 +95,5 @@ def test_headless_chromium_draws_every_figure(plans, tmp_path):
     drawn = history[: history.index("</svg>", history.index("main-svg"))].count('class="point"')
     assert drawn >= 6, f"the trial history shows {drawn} of 6 trials"
     pareto = dom[dom.index('id="plot-pareto"'):dom.index('id="plot-memory"')]
-    for legend in ("Pareto front (feasible)", "over a budget", "chosen plan"):
+    for legend in ("Pareto front (feasible)", "infeasible (over a budget, or diverged)", "chosen plan"):
         assert legend in pareto

@@ -1,7 +1,7 @@
 """report.html: one self-contained page (plotly.js inlined, no network) to read a plan by eye.
 
 Pareto front (accuracy against step latency and against peak memory, every trial marked feasible,
-over budget or failed, the budgets drawn), where the memory of the front's trials goes, a per-layer
+infeasible or failed, the budgets drawn), where the memory of the front's trials goes, a per-layer
 map of what trains, the trial history and how each number was measured.
 """
 
@@ -38,7 +38,7 @@ def _hover(t: TrialRecord) -> str:
     if t.memory:
         lines.append(f"peak {t.memory.total / KIB:,.1f} KiB")
     if t.over_budget:
-        lines.append("over budget: " + ", ".join(t.over_budget))
+        lines.append("infeasible: " + ", ".join(t.over_budget))
     if t.state == "PRUNED":
         lines.append("cut short by Ctrl-C; queued for the next run")
     elif t.fail_reason:
@@ -55,7 +55,7 @@ def _category(t: TrialRecord, content: ReportContent) -> str:
 
 
 LABELS = {"chosen": "chosen plan", "pareto": "Pareto front (feasible)", "feasible": "feasible",
-          "infeasible": "over a budget", "fail": "failed (no accuracy)"}
+          "infeasible": "infeasible (over a budget, or diverged)", "fail": "failed (no accuracy)"}
 SYMBOLS = {"chosen": "star", "pareto": "circle", "feasible": "circle-open", "infeasible": "x", "fail": "x-thin-open"}
 
 
@@ -149,7 +149,7 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def _summary(content: ReportContent) -> str:
     c, m = content.choice, content.metrics
     counts = content.counts
-    head = (f"{len(content.trials)} trials: {counts['feasible']} feasible, {counts['infeasible']} over a budget, "
+    head = (f"{len(content.trials)} trials: {counts['feasible']} feasible, {counts['infeasible']} infeasible, "
             f"{counts['fail']} failed" + (f", {counts['running']} running" if counts["running"] else ""))
     if c is None or m is None:
         return f"<p>{escape(head)}. No feasible trial yet.</p>"

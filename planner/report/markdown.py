@@ -23,7 +23,7 @@ def _origin(content: ReportContent) -> str:
         return f"Study report: {tally}. Trial {content.chosen} is what `planner plan` would choose; no plan is written yet."
     sel = plan.selection
     if sel["policy"] == "scheme":
-        fits = "fits the target's budgets" if sel["feasible"] else f"breaks the target's budgets ({', '.join(sel['over_budget'])})"
+        fits = "fits the target's budgets" if sel["feasible"] else f"is infeasible ({', '.join(sel['over_budget'])})"
         return f"Measured scheme `{sel['scheme']}` (no search); it {fits}."
     return f"Chosen by `{sel['policy']}` (accuracy tolerance {sel['accuracy_tolerance']}) from trial {content.chosen} of {tally}."
 
