@@ -118,6 +118,7 @@ def worker(
     trials: Annotated[int | None, typer.Option(help="trials to run here [default: until the study holds the count it was created with]")] = None,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the study's finished trials, and this process's, as JSON")] = False,
 ) -> None:
     """Join a study `planner plan --storage … --study …` created and run trials for it.
 
@@ -136,6 +137,12 @@ def worker(
     if stop.is_set():
         stderr.print(f"interrupted: study '{study}' holds {finished} finished trials; start the worker again to go on", markup=False, highlight=False)
         raise typer.Exit(130)
+    if json_out:
+        from .search import WORKER
+
+        mine = sum(r.worker == WORKER and r.state in ("COMPLETE", "FAIL") for r in records)
+        print(json.dumps({"study": study, "storage": storage, "finished": finished, "ran_here": mine, "worker": WORKER}))
+        return
     stdout.print(f"study '{study}' holds {finished} finished trials", markup=False, highlight=False)
 
 

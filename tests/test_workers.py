@@ -3,6 +3,7 @@ or a PostgreSQL database — and a trial whose worker was killed is failed and r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -63,7 +64,7 @@ def _plan_and_two_workers(url: str, model, data, tmp_path) -> None:
             except Exception:  # not created yet, or caught mid-write
                 pass
             time.sleep(0.5)
-        processes += [_planner("worker", "--storage", url, "--study", name, env=env) for _ in range(2)]
+        processes += [_planner("worker", "--storage", url, "--study", name, "--json", env=env) for _ in range(2)]
         outputs = [p.communicate(timeout=600) for p in processes]
     finally:
         _kill(processes)
@@ -74,6 +75,12 @@ def _plan_and_two_workers(url: str, model, data, tmp_path) -> None:
     finished = [t for t in trials if t.state.is_finished()]
     assert len(finished) >= 10
     assert len({t.user_attrs["worker"] for t in finished}) >= 2, "the workers ran no trial"
+    for out, _ in outputs[1:]:  # each worker's --json: what it ran, as the study records it
+        said = json.loads(out)
+        assert said["finished"] >= 10
+        assert said["ran_here"] == sum(t.user_attrs.get("worker") == said["worker"] for t in finished)
+    report = json.loads((tmp_path / "plan" / "trials.json").read_text())
+    assert len({t["worker"] for t in report}) >= 2, "trials.json should say which process ran each trial"
     compiled = [str(t.user_attrs["candidate"]) for t in finished if t.user_attrs.get("compile_s", 0) > 0]
     assert len(compiled) == len(set(compiled)), "a candidate was compiled twice"
     assert (tmp_path / "plan" / "plan.json").is_file()

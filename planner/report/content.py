@@ -54,6 +54,12 @@ def write_trials(trials: list[TrialRecord]) -> str:
     return json.dumps([t.to_json() for t in trials], indent=1) + "\n"
 
 
+def _workers(trials: list[TrialRecord]) -> str | None:
+    """Which processes ran the trials, and how many each (None when the records do not say)."""
+    counts = Counter(t.worker for t in trials if t.worker)
+    return ", ".join(f"{w}: {n}" for w, n in counts.most_common()) or None
+
+
 def _layer_map(model: Model, choice: dict | None) -> list[dict]:
     trains = {t["layer"]: t for t in (choice or {}).get("trainable", [])}
     frozen = "frozen" if not choice or choice.get("frozen_weights", "fp32") == "fp32" else f"frozen ({choice['frozen_weights']})"
@@ -89,6 +95,7 @@ def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportCont
         "repeats": f"{lat['repeats']} × {lat['number']} steps; median {lat['median']:.3f} ms, p90 {lat['p90']:.3f} ms, "
         f"spread {lat['min']:.3f}–{lat['max']:.3f} ms",
         "study": f"{plan.study.get('name')} in {plan.study.get('storage')}" if plan.study.get("storage") else "none (one measured scheme)",
+        "trials per process": _workers(trials),
         "versions": ", ".join(f"{k} {v}" for k, v in plan.versions.items()),
     }
     return ReportContent(
@@ -143,5 +150,6 @@ def from_study(storage: str, study: str) -> ReportContent:
             "latency": f"TVM VM time_evaluator per trial, median of {inputs['latency_repeats']} repeats",
             "accuracy": f"fine-tuned {inputs['accuracy_steps']} steps (seed {inputs['seed']}) per trial",
             "selection": "the trial `planner plan` would choose (least memory within 0.01 of the best accuracy); no plan written",
+            "trials per process": _workers(records),
         },
     )
