@@ -72,6 +72,19 @@ class Choice(BaseModel):
     updates: str = "copy"  # in-place: each update overwrites its weight during the backward pass
     optimizer: dict  # {name, lr}
 
+    def candidate(self) -> Candidate:
+        """The search's view of this choice (what compiles it and keys its caches)."""
+        return Candidate(
+            trainable=tuple((t["layer"], f"ratio:{t['ratio']:g}" if t["mode"] == "ratio" else t["mode"]) for t in self.trainable),
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            optimizer=self.optimizer["name"],
+            lr=float(self.optimizer["lr"]),
+            precision=self.precision,
+            frozen_weights=self.frozen_weights,
+            updates=self.updates,
+        )
+
 
 class Plan(BaseModel):
     schema_version: int
@@ -101,17 +114,7 @@ class Plan(BaseModel):
 
     @property
     def candidate(self) -> Candidate:
-        c = self.choice
-        return Candidate(
-            trainable=tuple((t["layer"], f"ratio:{t['ratio']:g}" if t["mode"] == "ratio" else t["mode"]) for t in c.trainable),
-            batch_size=c.batch_size,
-            grad_accum=c.grad_accum,
-            optimizer=c.optimizer["name"],
-            lr=float(c.optimizer["lr"]),
-            precision=c.precision,
-            frozen_weights=c.frozen_weights,
-            updates=c.updates,
-        )
+        return self.choice.candidate()
 
 
 def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolerance: float = 0.01) -> TrialRecord:

@@ -173,16 +173,21 @@ def open_study(
 
 def stored_inputs(storage_url: str, name: str) -> tuple[dict, dict]:
     """The (config, inputs) a study was created with, for a worker joining it."""
+    attrs = _planner_study(storage_url, name).user_attrs
+    return attrs["config"], attrs["inputs"]
+
+
+def _planner_study(storage_url: str, name: str) -> optuna.Study:
+    """An existing study `planner plan` created; anything else is one BadInput line."""
     try:
         study = optuna.load_study(study_name=name, storage=open_storage(storage_url))
     except KeyError:
         raise BadInput(f"no study '{name}' in {storage_url}") from None
     except Exception as exc:
         raise BadInput(f"cannot open study storage {storage_url}: {str(exc).splitlines()[0]}") from None
-    attrs = study.user_attrs
-    if "inputs" not in attrs or "config" not in attrs:
+    if not {"inputs", "config"} <= study.user_attrs.keys():
         raise BadInput(f"study '{name}' in {storage_url} was not created by `planner plan`")
-    return attrs["config"], attrs["inputs"]
+    return study
 
 
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
@@ -283,6 +288,5 @@ def pareto_numbers(study: optuna.Study) -> list[int]:
 
 def load_records(storage_url: str, name: str) -> tuple[list[TrialRecord], list[int], dict]:
     """A study's trials, its feasible Pareto front and the inputs it was created with (for reports)."""
-    _, inputs = stored_inputs(storage_url, name)
-    study = optuna.load_study(study_name=name, storage=open_storage(storage_url))
-    return records(study), pareto_numbers(study), inputs
+    study = _planner_study(storage_url, name)
+    return records(study), pareto_numbers(study), study.user_attrs["inputs"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import BadInput, NoFeasiblePlan
 from ..evaluate import TrialRecord
 from ..model import Model, load_model
-from ..plan import MODEL_FILE, Plan, choice_json, metrics_json, read_plan, select
+from ..plan import MODEL_FILE, Choice, Plan, choice_json, metrics_json, read_plan, select
 from ..target import load_target
 
 TRIALS_FILE = "trials.json"
@@ -109,13 +109,8 @@ def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportCont
 
 
 def _pareto_record(entry: dict) -> TrialRecord:
-    m, c = entry["metrics"], entry["choice"]
-    cand = {
-        "trainable": [[t["layer"], f"ratio:{t['ratio']:g}" if t["mode"] == "ratio" else t["mode"]] for t in c["trainable"]],
-        "batch_size": c["batch_size"], "optimizer": c["optimizer"]["name"], "lr": c["optimizer"]["lr"],
-        "precision": c["precision"], "grad_accum": c.get("grad_accum", 1),
-        "frozen_weights": c.get("frozen_weights", "fp32"), "updates": c.get("updates", "copy"),
-    }
+    m = entry["metrics"]
+    cand = Choice.model_validate(entry["choice"]).candidate().to_json()
     acc = {**m["accuracy"], "loss_before": float("nan"), "loss_after": float("nan"), "seconds": 0.0}
     return TrialRecord.from_attrs(
         entry["trial"], "COMPLETE",

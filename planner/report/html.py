@@ -80,7 +80,7 @@ def pareto_figure(content: ReportContent) -> go.Figure:
                         "line": {"width": 1.5, "color": COLORS[cat]}},
                 hovertext=[_hover(t) for t in pts], hoverinfo="text",
             ), row=1, col=col)
-    front = sorted((t for t in content.trials if t.number in content.pareto and t.complete), key=lambda t: t.latency.median)
+    front = [t for t in content.trials if t.number in content.pareto and t.complete]
     for col, key in ((1, lambda t: t.latency.median), (2, lambda t: t.memory.total / KIB)):
         pts = sorted(front, key=key)
         fig.add_trace(go.Scatter(x=[key(t) for t in pts], y=[t.accuracy.after for t in pts], mode="lines",
