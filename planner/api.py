@@ -44,8 +44,11 @@ class PlanResult:
 
 
 def inspect_model(path: str | Path) -> Model:
-    """The validated model with its layer table (see `Model.layers`)."""
-    return load_model(path)
+    """The validated model with its layer table (see `Model.layers`), imported into TVM once, so
+    a model TVM cannot read is refused here and not first in `measure` or `plan`."""
+    model = load_model(path)
+    check_importable(model)
+    return model
 
 
 def resolve_target(name: str, tracker: str | None = None, key: str | None = None) -> HardwareTarget:
@@ -143,7 +146,10 @@ def plan(
     compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, hw.boards)
     result = assemble(
         m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled,
-        selection={"policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names},
+        selection={
+            "policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names,
+            "layers_excluded": [{"layer": n, "reason": r} for n, r in sp.excluded_layers(m).items()],
+        },
         study={"storage": storage_url, "name": study_name},
         accuracy_seed=seed,
         tune_trials=tune_trials,
@@ -346,7 +352,7 @@ def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: 
     write_plan_dir(
         out,
         plan,
-        files={STEP_LIBRARY: compiled.library, MODEL_FILE: model.path},
+        files={STEP_LIBRARY: compiled.library, MODEL_FILE: model.path, **model.data_paths},
         weights=model.initializers,
         texts={
             "report.md": markdown.render(content),

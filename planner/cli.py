@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
@@ -217,16 +218,24 @@ def inspect(
     if json_out:
         print(json.dumps({"model": str(m.path), "sha256": m.sha256, "input": m.input_name, "layers": rows}, indent=2))
         return
-    table = Table(title=f"{m.path.name}: input {m.input_name} [batch, {', '.join(map(str, m.input_shape))}], {m.n_classes} classes")
-    for col in ("layer", "op", "parameters", "bytes", "output", "trainable"):
-        table.add_column(col, justify="right" if col == "bytes" else "left")
-    for r in rows:
-        params = "\n".join(f"{n} {tuple(s)}" for n, s in r["params"].items())
-        table.add_row(
-            r["layer"], r["op"], params, f"{r['param_bytes']:,}", str(tuple(r["output_shape"])),
-            "yes" if r["trainable"] else f"no: {r['reason']}",
-        )
+    # escaped: rich reads `[batch, 3, 32, 32]` (or a bracket in a name) as markup and drops it
+    table = Table(title=escape(f"{m.path.name}: input {m.input_name} [batch, {', '.join(map(str, m.input_shape))}], {m.n_classes} classes"))
+    # a layer's name is what schemes and spaces refer to: shown whole, never cut
+    table.add_column("layer", no_wrap=True, min_width=max((len(r["layer"]) for r in rows), default=5))
+    for col in ("op", "parameters", "bytes", "output", "trainable"):
+        table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
+    for layer, r in zip(m.layers, rows):
+        cells = (r["layer"], r["op"], _param_roles(layer), f"{r['param_bytes']:,}", str(tuple(r["output_shape"])),
+                 "yes" if r["trainable"] else f"no: {r['reason']}")
+        table.add_row(*map(escape, cells))
     stdout.print(table)
+
+
+def _param_roles(layer) -> str:
+    """`weight (64, 3, 7, 7)` and `bias (64,)` lines: the layer's name already says whose (the
+    ONNX names are in `--json`)."""
+    roles = {layer.weight: "weight", layer.bias: "bias"}
+    return "\n".join(f"{roles.get(n, 'buffer')} {tuple(s)}" for n, s in layer.param_shapes.items())
 
 
 @app.command()

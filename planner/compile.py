@@ -24,7 +24,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from . import __version__
-from .errors import CandidateFailed
+from .errors import CandidateFailed, last_line
 from .graph import STEP_FUNC, StepSignature, build_training_module
 from .inplace import in_place_candidates, update_in_place
 from .kernels import legalize
@@ -178,14 +178,14 @@ def _compile(
         executable, workspaces = link.build(lowered, target, cache_dir)
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
     except Exception as exc:
-        raise CandidateFailed(f"TVM compile failed: {str(exc).strip().splitlines()[-1]}") from None
+        raise CandidateFailed(f"TVM compile failed: {last_line(exc)}") from None
 
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
         try:
             executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain))
         except Exception as exc:
-            raise CandidateFailed(f"linking the step failed: {str(exc).strip().splitlines()[-1]}") from None
+            raise CandidateFailed(f"linking the step failed: {last_line(exc)}") from None
         meta = {
             "signature": sig.to_json(),
             "memory": memory.to_json(),

@@ -60,3 +60,15 @@ class BoardUnreachable(PlannerError):
 
 class BoardLost(Exception):
     """A board disconnected, crashed or overran its session while measuring (retried once)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (its headline), or its type when it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def last_line(exc: BaseException) -> str:
+    """An exception's last line (where TVM puts the actual check that failed), or its type."""
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__

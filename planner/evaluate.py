@@ -19,7 +19,7 @@ import tvm
 from .accuracy import AccuracyResult, measure_accuracy
 from .compile import compile_candidate
 from .data import Dataset
-from .errors import BoardLost, CandidateFailed
+from .errors import BoardLost, CandidateFailed, last_line
 from .measure import measure_step
 from .measure.latency import Latency
 from .memory import MemoryBreakdown
@@ -174,7 +174,7 @@ class Evaluator:
             record("fail_reason", str(exc))
             raise CandidateFailed(str(exc)) from None
         except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            reason = f"{type(exc).__name__}: {last_line(exc)}"
             log.debug("%s: failed", _label(candidate), exc_info=True)
             record("fail_reason", reason)
             raise CandidateFailed(reason) from exc

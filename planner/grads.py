@@ -31,7 +31,9 @@ PASSES_GRADIENT: frozenset[str] = frozenset(
         "Conv",
         "Div",
         "Erf",
+        "Expand",
         "Flatten",
+        "Gather",
         "Gelu",
         "Gemm",
         "GlobalAveragePool",
@@ -46,15 +48,22 @@ PASSES_GRADIENT: frozenset[str] = frozenset(
         "Relu",
         "Reshape",
         "Sigmoid",
+        "Slice",
         "Softmax",
+        "Split",
+        "Squeeze",
         "Sub",
         "Tanh",
         "Transpose",
+        "Unsqueeze",
+        "Where",
     }
 )
 
 # ONNX ops whose parameters (initializer inputs) planner can train.
-HAS_PARAM_GRADIENT: frozenset[str] = frozenset({"Add", "BatchNormalization", "Conv", "Gemm", "LayerNormalization", "MatMul", "Mul"})
+HAS_PARAM_GRADIENT: frozenset[str] = frozenset(
+    {"Add", "BatchNormalization", "Concat", "Conv", "Expand", "Gather", "Gemm", "LayerNormalization", "MatMul", "Mul", "Sub"}
+)
 
 
 def node_gradient_problem(node: onnx.NodeProto) -> str | None:
@@ -64,11 +73,15 @@ def node_gradient_problem(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def blocking_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> dict[str, str]:
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+
+
+def blocking_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str], types: Mapping[str, int]) -> dict[str, str]:
     """For each node, the first problem on its path to the model output ('' when none).
 
     Walks the graph backwards from the outputs: a node is blocked when any consumer of its output
-    is blocked or cannot pass a gradient itself.
+    is blocked or cannot pass a gradient itself. No gradient flows along an integer or boolean
+    tensor (an index, a mask), so such edges block nothing.
     """
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in nodes:
@@ -78,20 +91,23 @@ def blocking_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> d
     for node in reversed(nodes):  # ONNX nodes are topologically sorted
         problem = ""
         for out in node.output:
+            if types.get(out, onnx.TensorProto.FLOAT) not in _FLOAT_TYPES:
+                continue
             for user in consumers.get(out, []):
                 problem = problem or result[user.name] or (node_gradient_problem(user) or "")
         result[node.name] = problem
     return result
 
 
-def layer_problem(node: onnx.NodeProto, downstream: Mapping[str, str]) -> str | None:
-    """Why the parameters of `node` cannot be trained, or None when they can."""
-    if node.op_type not in HAS_PARAM_GRADIENT:
-        return f"node '{node.name}' ({node.op_type}) has no parameter gradient in planner"
-    own = node_gradient_problem(node)
-    if own:
-        return own
-    return downstream.get(node.name) or None
+def layer_problem(nodes: Sequence[onnx.NodeProto], downstream: Mapping[str, str]) -> str | None:
+    """Why the parameters a layer's `nodes` take cannot be trained, or None when they can."""
+    for node in nodes:
+        if node.op_type not in HAS_PARAM_GRADIENT:
+            return f"node '{node.name}' ({node.op_type}) has no parameter gradient in planner"
+        own = node_gradient_problem(node)
+        if own:
+            return own
+    return next((downstream[n.name] for n in nodes if downstream.get(n.name)), None)
 
 
 # --- Gradients TVM 0.27 lacks, or keeps more memory for, registered with Relax's own mechanism ----
@@ -165,8 +181,104 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return _TVM_CONV2D_GRAD(orig_var, orig_call, output_grad, ctx)
 
 
-for _op, _grad in (("relax.clip", _clip_grad), ("relax.erf", _erf_grad), ("relax.nn.gelu", _gelu_grad)):
+
+def _shape(expr: relax.Expr) -> list[int]:
+    return [int(d) for d in expr.ty.shape]
+
+
+def _squeeze_grad(orig_var, orig_call, output_grad, ctx):
+    """y = squeeze(x): dy/dx puts the removed unit axes back."""
+    return [relax.op.reshape(output_grad, _shape(orig_call.args[0]))]
+
+
+def _ints(expr: relax.Expr) -> list[int]:
+    """The integers of a strided_slice argument (a tuple of PrimValues or a shape)."""
+    items = expr.fields if isinstance(expr, relax.Tuple) else expr.values
+    return [int(getattr(v, "value", v)) for v in items]
+
+
+def _strided_slice_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x[begin:end:stride] along `axes`: dy/dx is the output gradient placed back where the
+    slice came from, zeros elsewhere — padding for unit strides, a scatter per strided axis."""
+    x, axes, begin, end, *rest = orig_call.args
+    shape = _shape(x)
+    strides = _ints(rest[0]) if rest else [1] * len(_ints(axes))
+    grad = output_grad
+    pad = [0] * (2 * len(shape))
+    for axis, b, e, s in zip(_ints(axes), _ints(begin), _ints(end), strides):
+        axis %= len(shape)
+        if s < 1:
+            raise ValueError("planner has no gradient for a reversing slice (negative step)")
+        start = min(max(b + shape[axis] if b < 0 else b, 0), shape[axis])
+        stop = min(max(e + shape[axis] if e < 0 else e, 0), shape[axis])
+        taken = len(range(start, stop, s))
+        if s == 1:
+            pad[2 * axis], pad[2 * axis + 1] = start, shape[axis] - start - taken
+            continue
+        full = _shape(grad)
+        full[axis] = shape[axis]
+        zeros = relax.op.zeros(full, x.ty.dtype)
+        grad = ctx.normalize(relax.op.slice_scatter(zeros, grad, start, start + (taken - 1) * s + 1, s, axis))
+    if any(pad):
+        grad = relax.op.nn.pad(grad, pad)
+    return [grad, no_grad(axes), no_grad(begin), no_grad(end), *(no_grad(r) for r in rest)]
+
+
+def _take_grad(orig_var, orig_call, output_grad, ctx):
+    """y = take(x, indices, axis). A scalar index (a class-token select, `qkv[0]`) puts the
+    gradient back as one slice, zero-padded; an index tensor of any rank is flattened to the
+    one-dimensional form TVM's scatter-add (`take_backward`) accepts."""
+    x, indices = orig_call.args
+    shape = _shape(x)
+    axis = int(orig_call.attrs.axis) % len(shape) if orig_call.attrs.axis is not None else None
+    if axis is None:  # take over the flattened tensor
+        flat = relax.op.reshape(x, [-1])
+        grad = relax.op.grad.take_backward(relax.op.reshape(output_grad, [-1]), flat, relax.op.reshape(indices, [-1]), 0)
+        return [relax.op.reshape(grad, shape), no_grad(indices)]
+    index_shape = _shape(indices)
+    if not index_shape and isinstance(indices, tvm.ir.Constant):
+        i = int(indices.value.numpy()) % shape[axis]
+        pad = [0] * (2 * len(shape))
+        pad[2 * axis], pad[2 * axis + 1] = i, shape[axis] - i - 1
+        return [relax.op.nn.pad(relax.op.expand_dims(output_grad, axis), pad), no_grad(indices)]
+    count = 1
+    for d in index_shape:
+        count *= d
+    grad = relax.op.reshape(output_grad, [*shape[:axis], count, *shape[axis + 1 :]])
+    return [relax.op.grad.take_backward(grad, x, relax.op.reshape(indices, [count]), axis), no_grad(indices)]
+
+
+def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """y = (x - mean) * rstd * gamma + beta over `axes`, mean and rstd recomputed from x:
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma; dgamma and dbeta are
+    dy * xhat and dy summed over the other axes."""
+    x, gamma, beta = orig_call.args
+    a = orig_call.attrs
+    rank = len(_shape(x))
+    axes = sorted(int(d) % rank for d in a.axes)
+    dtype = x.ty.dtype
+    mean = relax.op.mean(x, axes, keepdims=True)
+    centred = x - mean
+    rstd = relax.op.rsqrt(relax.op.mean(centred * centred, axes, keepdims=True) + relax.const(float(a.epsilon), dtype))
+    xhat = centred * rstd
+    g = output_grad * gamma if a.scale else output_grad
+    dx = rstd * (g - relax.op.mean(g, axes, keepdims=True) - xhat * relax.op.mean(g * xhat, axes, keepdims=True))
+    others = [d for d in range(rank) if d not in axes]
+    dgamma = relax.op.reshape(relax.op.sum(output_grad * xhat, others), _shape(gamma))
+    dbeta = relax.op.reshape(relax.op.sum(output_grad, others), _shape(beta))
+    return [dx, dgamma if a.scale else no_grad(gamma), dbeta if a.center else no_grad(beta)]
+
+
+for _op, _grad in (
+    ("relax.clip", _clip_grad),
+    ("relax.erf", _erf_grad),
+    ("relax.nn.gelu", _gelu_grad),
+    ("relax.squeeze", _squeeze_grad),
+    ("relax.strided_slice", _strided_slice_grad),
+    ("relax.nn.layer_norm", _layer_norm_grad),
+):
     if tvm.ir.Op.get(_op).get_attr("FPrimalGradient") is None:
         register_gradient(_op, _grad)
 register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)
 register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
+register_gradient("relax.take", _take_grad, level=11)  # TVM's takes one-dimensional indices only

@@ -25,7 +25,7 @@ from tvm.relax.training import SetupTrainer
 from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
-from .errors import BadInput, CandidateFailed
+from .errors import BadInput, CandidateFailed, last_line
 from .model import Model
 from .space import Candidate, split_mode
 from .storage import head, int8, scale, scale_shape, tail
@@ -75,23 +75,25 @@ class StepSignature:
         )
 
 
-_IMPORTED: dict[str, relax.Function] = {}
+_IMPORTED: dict[tuple[str, int], relax.Function] = {}
+_CHECK_BATCH = 2  # the batch `check_importable` imports at; the graph is the same for every batch
 
 
 def check_importable(model: Model) -> None:
     """Raise BadInput now, not in every trial, when TVM's ONNX frontend cannot read the model."""
-    _imported(model)
+    _imported(model, model.fixed_batch or _CHECK_BATCH)
 
 
-def _imported(model: Model) -> relax.Function:
-    """The model as one Relax function `(x, *initializers)`; imported once per model."""
-    if model.sha256 in _IMPORTED:
-        return _IMPORTED[model.sha256]
+def _imported(model: Model, batch: int) -> relax.Function:
+    """The model as one Relax function `(x, *parameters)` for a step of `batch` samples; imported
+    once per model and batch (shapes are folded for the batch, see `planner.fixups`)."""
+    key = (model.sha256, batch)
+    if key in _IMPORTED:
+        return _IMPORTED[key]
     try:
-        mod = from_onnx(model.proto, keep_params_in_input=True)
+        mod = from_onnx(model.import_proto(batch), keep_params_in_input=True)
     except Exception as exc:  # the frontend raises assorted types for ops it does not know
-        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise BadInput(f"TVM cannot import {model.path.name}: {detail}") from None
+        raise BadInput(f"TVM cannot import {model.path.name}: {last_line(exc)}") from None
     mod, _ = relax.frontend.detach_params(mod)
     mod = _untangle_clip(mod)
     func = mod["main"]
@@ -99,7 +101,7 @@ def _imported(model: Model) -> relax.Function:
     if len(func.params) != expected:  # the frontend keeps initializers in graph order
         raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
     func = func.without_attr("params").without_attr("num_input")
-    _IMPORTED[model.sha256] = func
+    _IMPORTED[key] = func
     return func
 
 
@@ -152,11 +154,26 @@ class _ClampAsClip(relax.PyExprMutator):
         return relax.op.clip(x, low, high)
 
 
+@relax.expr_functor.mutator
+class _ClampedTake(relax.PyExprMutator):
+    """`take(…, mode="fast")` -> `mode="clip"`.
+
+    The ONNX frontend gathers in "fast" mode, whose lowering prints a warning on every compile
+    (out-of-range indices would crash it); planner's gathers index with constants folded from
+    the graph (a class token, `qkv[0]`), so clamping them costs nothing and says nothing."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.take" and call.attrs.mode == "fast":
+            return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+        return call
+
+
 def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
     """Clip as Relax ops, and its bounds' NaN guards (`where(isnan(c), inf, c)`) folded to the
     constants they are — low-precision passes would otherwise retype them (bf16 has no isnan);
-    then a constant clamp as one `R.clip` (see `_ClampAsClip`)."""
-    mod["main"] = _ClipAsRelaxOps().visit_expr(mod["main"])
+    then a constant clamp as one `R.clip` (see `_ClampAsClip`); gathers clamped (`_ClampedTake`)."""
+    mod["main"] = _ClampedTake().visit_expr(_ClipAsRelaxOps().visit_expr(mod["main"]))
     mod = relax.transform.FoldConstant()(mod)
     mod["main"] = _ClampAsClip().visit_expr(mod["main"])
     return relax.transform.DeadCodeElimination(["main"])(mod)
@@ -288,13 +305,10 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     if not trainable:
         raise CandidateFailed("candidate freezes every layer: nothing to train")
 
-    func = _imported(model)
-    batch_dim = func.params[0].ty.shape[0]
     B = candidate.batch_size
-    if isinstance(batch_dim, tvm.tirx.Var):
-        func = func.bind_symbolic_vars({batch_dim: B})
-    elif int(batch_dim) != B:
-        raise CandidateFailed(f"model has a fixed batch size {int(batch_dim)}; cannot use batch {B}")
+    if model.fixed_batch not in (None, B):
+        raise CandidateFailed(f"model has a fixed batch size {model.fixed_batch}; cannot use batch {B}")
+    func = _imported(model, B)
     x, *pvars = func.params
     if splits or quantized:
         func = _with_stored_weights(func, names, splits, quantized)
@@ -310,15 +324,17 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
 
     optimizer = make_optimizer(candidate, loss_scale)
     labels = relax.TensorType((B,), LABEL_DTYPE)
+    full = backbone[PREDICT_FUNC]
+    prefix, differentiated = _frozen_prefix(full, len(trainable))
     try:
         trainer = SetupTrainer(
-            _ScaledCrossEntropy(loss_scale), optimizer, [backbone[PREDICT_FUNC].ret_ty, labels], legalize=False
-        )(backbone)
+            _ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False
+        )(backbone if prefix is None else tvm.IRModule({PREDICT_FUNC: differentiated}, attrs=backbone.attrs))
     except Exception as exc:  # TVM reports missing gradients etc. as generic errors
-        raise CandidateFailed(f"gradient construction failed: {str(exc).strip().splitlines()[-1]}") from None
+        raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
 
-    step, state_types = _fused_step(trainer, n_trainable=len(trainable), accum=candidate.grad_accum)
-    out = tvm.IRModule({PREDICT_FUNC: trainer[PREDICT_FUNC], STEP_FUNC: step})
+    step, state_types = _fused_step(trainer, prefix, n_trainable=len(trainable), accum=candidate.grad_accum)
+    out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
     sig = StepSignature(
         input_name=model.input_name,
         input_shape=(B * candidate.grad_accum, *model.input_shape),
@@ -416,7 +432,73 @@ def _with_stored_weights(
     return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs)
 
 
-def _fused_step(trainer: tvm.IRModule, n_trainable: int, accum: int = 1) -> tuple[relax.Function, list[relax.TensorType]]:
+@relax.expr_functor.mutator
+class _Renamed(relax.PyExprMutator):
+    """An expression with variables replaced (moving bindings into a new function)."""
+
+    def __init__(self, mapping: dict[relax.Var, relax.Expr]):
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+    def visit_dataflow_var_(self, var: relax.Var) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+
+def _function(name: str, params: list[relax.Var], bindings: list, output: relax.Expr, mapping: dict) -> relax.Function:
+    """A dataflow function of `params` that re-emits `bindings` and returns `output`, the old
+    variables of the params (and of each binding) replaced through `mapping`."""
+    bb = relax.BlockBuilder()
+    with bb.function(name, params):
+        with bb.dataflow():
+            for binding in bindings:
+                mapping[binding.var] = bb.emit(_Renamed(mapping).visit_expr(binding.value), binding.var.name)
+            out = bb.emit_output(_Renamed(mapping).visit_expr(output))
+        bb.emit_func_output(out)
+    return bb.get()[name]
+
+
+def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Function | None, relax.Function]:
+    """`func(x, *frozen, *trainable)` split where the trainable parameters first come in: the
+    prefix `(x, *frozen) -> (t1, …, tk)` computes every tensor that does not depend on a trainable
+    parameter and is used by one that does; the rest becomes `(t1, …, tk, *frozen, *trainable)`.
+
+    Why: Relax's gradient pass asks every op between the input and the loss for its gradient, even
+    where no parameter lies upstream. A model with an op planner cannot differentiate (a Floor,
+    an argmax) can still train every layer after it, once the ops before the first trained layer
+    are outside the differentiated function. Returns (None, func) when there is nothing to split off.
+    """
+    blocks = func.body.blocks
+    if len(blocks) != 1 or not all(isinstance(b, relax.VarBinding) for b in blocks[0].bindings):
+        return None, func
+    bindings = list(blocks[0].bindings)
+    x, *weights = func.params
+    trainable = set(weights[len(weights) - n_trainable :])
+    depends: set[relax.Var] = set(trainable)
+    for b in bindings:
+        if any(v in depends for v in relax.analysis.free_vars(b.value)):
+            depends.add(b.var)
+    before = [b for b in bindings if b.var not in depends]
+    after = [b for b in bindings if b.var in depends]
+    if not before:
+        return None, func
+    used = {v for b in after for v in relax.analysis.free_vars(b.value)} | set(relax.analysis.free_vars(func.body.body))
+    boundary = [v for v in [x, *(b.var for b in before)] if v in used]
+    frozen = weights[: len(weights) - n_trainable]
+    fresh = [relax.Var(v.name, v.ty) for v in (x, *frozen)]
+    prefix = _function("frozen_prefix", fresh, before, relax.Tuple(boundary), dict(zip([x, *frozen], fresh)))
+    inputs = [relax.Var(v.name, v.ty) for v in boundary]
+    params = [relax.Var(v.name, v.ty) for v in weights]
+    mapping = dict(zip([*boundary, *weights], [*inputs, *params]))
+    rest = _function(PREDICT_FUNC, [*inputs, *params], after, func.body.body, mapping)
+    return prefix, rest.with_attr("global_symbol", PREDICT_FUNC)
+
+
+def _fused_step(
+    trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, accum: int = 1
+) -> tuple[relax.Function, list[relax.TensorType]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function.
 
     Inlining lets fusion merge each weight-gradient kernel with its update, so many gradients
@@ -430,24 +512,32 @@ def _fused_step(trainer: tvm.IRModule, n_trainable: int, accum: int = 1) -> tupl
     adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
     optim_gv = trainer.get_global_var("optimizer")
     relax.expr._update_type(optim_gv, optim.ty)  # SetupTrainer adds it without a type
+    n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
     micro = [relax.Var(v.name, v.ty) for v in adjoint.params]
-    x_ty, y_ty = micro[0].ty, micro[-1].ty
+    x_ty = (prefix.params[0] if prefix is not None else micro[0]).ty
+    y_ty = micro[-1].ty
     B = int(x_ty.shape[0])
-    x = relax.Var(micro[0].name, relax.TensorType([B * accum, *[int(d) for d in x_ty.shape][1:]], x_ty.dtype))
+    x = relax.Var("x", relax.TensorType([B * accum, *[int(d) for d in x_ty.shape][1:]], x_ty.dtype))
     y = relax.Var(micro[-1].name, relax.TensorType([B * accum], y_ty.dtype))
-    weights = micro[1:-1]
+    weights = micro[n_inputs:-1]
     state_types = list(optim.params[2].ty.fields)
     states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
     first_trainable = len(weights) - n_trainable
 
     bb = relax.BlockBuilder(trainer)
+    prefix_gv = bb.add_func(prefix, "frozen_prefix") if prefix is not None else None
     with bb.function(STEP_FUNC, [x, *weights, *states, y]):
         with bb.dataflow():
             loss, grads = None, None
             for i in range(accum):
                 xi = x if accum == 1 else bb.emit(relax.op.strided_slice(x, axes=[0], begin=[i * B], end=[(i + 1) * B]))
                 yi = y if accum == 1 else bb.emit(relax.op.strided_slice(y, axes=[0], begin=[i * B], end=[(i + 1) * B]))
-                res = bb.emit(relax.Call(adjoint_gv, [xi, *weights, yi]))
+                if prefix is None:
+                    inputs = [xi]
+                else:  # what the frozen prefix computes, the differentiated rest's inputs
+                    cut = bb.emit(relax.Call(prefix_gv, [xi, *weights[: len(prefix.params) - 1]]))
+                    inputs = [bb.emit(relax.TupleGetItem(cut, j)) for j in range(n_inputs)]
+                res = bb.emit(relax.Call(adjoint_gv, [*inputs, *weights, yi]))
                 li = bb.emit(relax.TupleGetItem(res, 0))
                 gi = [bb.emit(relax.TupleGetItem(bb.emit(relax.TupleGetItem(res, 1)), j)) for j in range(n_trainable)]
                 loss = li if loss is None else bb.emit(loss + li)
@@ -465,5 +555,6 @@ def _fused_step(trainer: tvm.IRModule, n_trainable: int, accum: int = 1) -> tupl
             result = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(result)
     step = bb.get()[STEP_FUNC]
-    step = step.inline_functions({"backbone_loss_adjoint": adjoint, "optimizer": optim})
+    inlined = {"backbone_loss_adjoint": adjoint, "optimizer": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
+    step = step.inline_functions(inlined)
     return step.with_attr("global_symbol", STEP_FUNC), state_types

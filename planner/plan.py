@@ -44,8 +44,9 @@ Policy = Literal["memory", "latency", "accuracy"]
 
 class ModelInfo(BaseModel):
     path: str
-    sha256: str
+    sha256: str  # of the model file and its external data files
     inputs: list[dict]
+    data_files: list[str] = []  # external data files, copied into the plan directory beside model.onnx
 
 
 class DatasetInfo(BaseModel):
@@ -191,6 +192,7 @@ def assemble(
             "path": str(model.path),
             "sha256": model.sha256,
             "inputs": [{"name": model.input_name, "shape": ["batch", *model.input_shape], "dtype": "float32"}],
+            "data_files": list(model.data_files),
         },
         dataset={**dataset.to_json(), "sha256": dataset.sha256},
         target={"name": target.name, "tvm_target": target.tvm_target, "device": target.device, "toolchain": target.toolchain},
@@ -265,8 +267,11 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
     tmp, current, placing = None, None, False
     try:
         tmp = Path(tempfile.mkdtemp(dir=out, prefix=".plan-"))
+        if reserved := sorted(set(files) & ({PLAN_FILE, WEIGHTS_FILE} | set(texts))):
+            raise BadInput(f"cannot write the plan: the model's external data is named {reserved[0]}, a name the plan directory uses")
         for name, source in files.items():
             current = name
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, tmp / name)
         current = WEIGHTS_FILE
         np.savez(tmp / WEIGHTS_FILE, **weights)
@@ -277,8 +282,10 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
         (tmp / PLAN_FILE).write_text(json.dumps(plan.model_dump(), indent=2) + "\n")
         placing = True  # renames within one directory: they need no space
         (out / PLAN_FILE).unlink(missing_ok=True)
-        for name in [n for n in os.listdir(tmp) if n != PLAN_FILE] + [PLAN_FILE]:
+        names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        for name in [n for n in names if n != PLAN_FILE] + [PLAN_FILE]:
             current = name
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / name, out / name)
     except OSError as exc:
         state = f"{out} holds no complete plan (no {PLAN_FILE})" if placing else "nothing was written"

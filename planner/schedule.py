@@ -12,6 +12,11 @@ registers (`_lane_tiled`), else each reduction row by row inside its elementwise
 output never exists whole; depthwise convolutions, pooling), rows in parallel across cores and a
 row's outputs as one vector. It is the floor under every kernel; tuned schedules (MetaSchedule)
 are what beats it.
+
+It steers around two ways TVM turns a valid schedule into silently wrong code: inlining a consumer
+into a reduction whose loops all have extent 1 (`_inline`) and vectorising a let binding
+(`_vectorizes_a_let`). tests/test_schedule.py checks every kind of kernel a step has, scheduled,
+against TVM's unscheduled lowering.
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import try_inline
+from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
 
 from .kernels import TAPS_STRIDES
 
@@ -225,15 +229,41 @@ def _taps_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block |
     _in_registers(sch, block, x_tile, x_in, c_in, reduce[0], epilogue)
 
 
+def _vectorizes_a_let(func: tirx.PrimFunc) -> bool:
+    """Whether a vectorised loop of `func` holds a let binding (`T.let`: a tuple reduction's, as
+    MaxPool's backward argmax binds its index and value before storing them).
+
+    TVM (0.27) miscompiles that whenever the bound value cannot be vectorised: VectorizeLoop then
+    scalarises the binding on its own, into a serial loop over the lanes, and the stores that use
+    it stay vectorised and store one lane's value (the last) to every lane. What cannot be
+    vectorised is anything whose `if_then_else` condition varies across the lanes, such as a
+    padded input inlined into the block; MaxPool's gradient came out silently wrong whenever its
+    output row was vectorised and its window overhangs the input (padding, ceil mode). A store
+    whose value must be scalarised without a let is scalarised whole and computes correctly, and
+    a let that vectorises computes correctly too; but which values vectorise depends on what was
+    inlined and on TVM's vectorizer, so no let is vectorised at all.
+    """
+    lets: list[tirx.Bind] = []
+
+    def visit(loop: tirx.For) -> None:
+        if loop.kind == tirx.ForKind.VECTORIZED:
+            tvm_ffi.structural_walk(loop.body, [(tirx.Bind, lets.append)])
+
+    tvm_ffi.structural_walk(func.body, [(tirx.For, visit)])
+    return bool(lets)
+
+
 def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]]) -> s_tir.Schedule:
-    """The schedule after the first plan that succeeds on a copy; unchanged if none does."""
+    """The schedule after the first plan that succeeds on a copy (and vectorises no let binding,
+    which TVM would miscompile: `_vectorizes_a_let`); unchanged if none does."""
     for plan in plans:
         trial = sch.copy()
         try:
             plan(trial)
         except RuntimeError:  # ScheduleError, or an InternalError from TVM's loop analysis
             continue
-        return trial
+        if not _vectorizes_a_let(trial.mod["main"]):
+            return trial
     return sch
 
 
@@ -272,7 +302,7 @@ class DefaultCPU(dlight.ScheduleRule):
         if blocks is None:
             return None
         cap = 1 if _stores_bf16(func) else VECTOR_LANES  # TVM's bf16 storage lowering is scalar-only
-        remaining = try_inline(sch, blocks)
+        remaining = _inline(sch, blocks)
         kinds = {sch.get(b.block_rv).name_hint: b.dom_kind() for b in remaining}
         done: set[str] = set()
         for name, k in kinds.items():
@@ -306,6 +336,42 @@ class DefaultCPU(dlight.ScheduleRule):
             if len(consumers) == 1 and (not _exists(sch, epi_name) or _fused_epilogue(sch, block, consumers)):
                 done.add(epi_name)
         return sch
+
+
+def _inline(sch: s_tir.Schedule, blocks: list[SBlockInfo]) -> list[SBlockInfo]:
+    """Inline every block that can be (into its consumers, else its consumer into it), as dlight's
+    `try_inline` does, except that nothing is inlined into a block that has an init (a reduction).
+    Returns the blocks left.
+
+    Why: `normalize_prim_func` drops a reduction's unit-extent loops, so a reduction whose loops
+    all have extent 1 (a 2x2 stride-2 pooling gradient's window, a 1x1 depthwise convolution's
+    taps, a weight gradient summed over a batch of one) comes out as an all-spatial block that
+    still has its init. `reverse_compute_inline` takes it for a complete block and applies the
+    consumer e to both the init and the update, which reads the init's result back: the block
+    computes e(e(0) + x), not e(x). At batch size 1 the classifier's SGD update (e(g) = w - lr g)
+    came out wrong, and MaxPool 2x2's gradient whenever more than the ReLU mask was fused after it
+    (e(e(0) + x) = e(x) by luck for a mask alone). Inlining a block that has an init, into its
+    consumers or its producer, TVM refuses itself.
+    """
+
+    def into_producer(block: Block) -> None:
+        if any(sch.get(producer).init is not None for producer in sch.get_producers(block)):
+            raise RuntimeError("its producer is a reduction")
+        sch.reverse_compute_inline(block)
+
+    def first(inline: Callable[[Block], None]) -> int | None:
+        for i, info in enumerate(remaining):
+            try:
+                inline(info.block_rv)
+            except RuntimeError:  # ScheduleError: it cannot be inlined
+                continue
+            return i
+        return None
+
+    remaining = list(blocks)
+    while (i := first(sch.compute_inline)) is not None or (i := first(into_producer)) is not None:
+        remaining.pop(i)
+    return remaining
 
 
 def _exists(sch: s_tir.Schedule, name: str) -> bool:

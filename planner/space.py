@@ -136,9 +136,12 @@ class SearchSpace(_Strict):
         return v
 
     def layer_names(self, model: Model) -> list[str]:
-        """The layers the study decides about, checked against the model."""
+        """The layers the study decides about, checked against the model: those the space lists
+        (each must be trainable), else every layer planner can train (see `excluded_layers`)."""
         if self.layers is None:
-            names = [layer.name for layer in model.layers if layer.weight or layer.bias]
+            names = [layer.name for layer in model.layers if (layer.weight or layer.bias) and layer.trainable]
+            if not names and model.layers:
+                raise UnsupportedOp(f"no layer of {model.path.name} can be trained: {model.layers[-1].problem}")
         else:
             names = [model.layer(n).name for n in self.layers]
         for name in names:
@@ -150,6 +153,11 @@ class SearchSpace(_Strict):
         if not names:
             raise BadInput(f"search space '{self.name}' leaves no layer to train")
         return names
+
+    def excluded_layers(self, model: Model) -> dict[str, str]:
+        """Layers with parameters the study leaves frozen because planner cannot train them, and why."""
+        searched = set(self.layer_names(model))
+        return {layer.name: layer.problem for layer in model.layers if layer.problem and layer.name not in searched and (layer.weight or layer.bias)}
 
     @field_validator("modes")
     @classmethod

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .board import parse_host_port
-from .errors import BadInput
+from .errors import BadInput, last_line
 from .spec import load_spec
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "hw_targets"
@@ -141,7 +141,7 @@ def load_target(name_or_path: str) -> HardwareTarget:
     try:
         target.tvm()
     except Exception as exc:
-        raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {str(exc).strip().splitlines()[-1]}") from None
+        raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {last_line(exc)}") from None
     return target
 
 

@@ -139,6 +139,78 @@ def _reduce_mean(nodes, p, h, C, rng):
     return "o"
 
 
+def _const(nodes, name, value):
+    nodes.append(helper.make_node("Constant", [], [name], name=f"const_{name}", value=numpy_helper.from_array(np.asarray(value))))
+    return name
+
+
+def _squeeze_unsqueeze(nodes, p, h, C, rng):
+    nodes.append(helper.make_node("Unsqueeze", [h, _const(nodes, "ax_u", np.array([2], np.int64))], ["u"], name="op_unsqueeze"))
+    nodes.append(helper.make_node("Relu", ["u"], ["ur"], name="op_relu"))
+    nodes.append(helper.make_node("Squeeze", ["ur", _const(nodes, "ax_s", np.array([2], np.int64))], ["o"], name="op"))
+    return "o"
+
+
+def _gather_select(nodes, p, h, C, rng):  # x[:, :, 1] as a class-token select writes it, put back as a row
+    nodes.append(helper.make_node("Gather", [h, _const(nodes, "index", np.array(1, np.int64))], ["g"], name="op", axis=2))
+    nodes.append(helper.make_node("Unsqueeze", ["g", _const(nodes, "ax", np.array([2], np.int64))], ["o"], name="op_unsqueeze"))
+    return "o"
+
+
+def _gather_table(nodes, p, h, C, rng):  # an embedding: rows of a parameter table picked by constant indices
+    table = p("op.table", rng.normal(0, 0.5, (5, 6)))
+    nodes.append(helper.make_node("Gather", [table, _const(nodes, "rows", np.array([4, 0, 2, 2, 1, 3], np.int64))], ["e"], name="op", axis=0))
+    nodes.append(helper.make_node("Add", [h, "e"], ["o"], name="op_add"))
+    return "o"
+
+
+def _slice(step: int) -> Body:
+    def body(nodes, p, h, C, rng):  # rows 1..4 (every `step`-th), all columns but the last, reversed channels not
+        starts = _const(nodes, "starts", np.array([1, 0], np.int64))
+        ends = _const(nodes, "ends", np.array([5, -1], np.int64))
+        axes = _const(nodes, "axes", np.array([2, 3], np.int64))
+        steps = _const(nodes, "steps", np.array([step, 1], np.int64))
+        nodes.append(helper.make_node("Slice", [h, starts, ends, axes, steps], ["o"], name="op"))
+        return "o"
+
+    return body
+
+
+def _split(nodes, p, h, C, rng):  # ShuffleNet's channel split, halves swapped
+    nodes.append(helper.make_node("Split", [h, _const(nodes, "sizes", np.array([C // 2, C // 2], np.int64))], ["a", "b"], name="op", axis=1))
+    nodes.append(helper.make_node("Relu", ["a"], ["ar"], name="op_relu"))
+    nodes.append(helper.make_node("Concat", ["b", "ar"], ["o"], name="op_concat", axis=1))
+    return "o"
+
+
+def _expand_param(nodes, p, h, C, rng):  # a class token: one parameter broadcast to the batch
+    nodes.append(helper.make_node("Shape", [h], ["hs"], name="op_shape"))
+    nodes.append(helper.make_node("Expand", [p("op.token", rng.normal(0, 0.5, (1, C, 1, 6))), "hs"], ["e"], name="op"))
+    nodes.append(helper.make_node("Mul", [h, "e"], ["o"], name="op_mul"))
+    return "o"
+
+
+def _where(nodes, p, h, C, rng):
+    mask = _const(nodes, "mask", rng.uniform(size=(1, 1, 6, 6)) > 0.5)
+    nodes.append(helper.make_node("Where", [mask, h, _const(nodes, "fill", np.array(-0.5, np.float32))], ["o"], name="op"))
+    return "o"
+
+
+def _attention(nodes, p, h, C, rng):  # softmax(h h^T / 2) h over each channel's 6x6 map: batched MatMuls
+    nodes.append(helper.make_node("Transpose", [h], ["ht"], name="op_t", perm=[0, 1, 3, 2]))
+    nodes.append(helper.make_node("MatMul", [h, "ht"], ["s"], name="op_scores"))
+    nodes.append(helper.make_node("Mul", ["s", _const(nodes, "scale", np.array(0.5, np.float32))], ["ss"], name="op_scale"))
+    nodes.append(helper.make_node("Softmax", ["ss"], ["a"], name="op_softmax", axis=-1))
+    nodes.append(helper.make_node("MatMul", ["a", h], ["o"], name="op"))
+    return "o"
+
+
+def _silu(nodes, p, h, C, rng):  # SiLU as exporters write it (squeeze-excitation, EfficientNet)
+    nodes.append(helper.make_node("Sigmoid", [h], ["s"], name="op_sigmoid"))
+    nodes.append(helper.make_node("Mul", [h, "s"], ["o"], name="op"))
+    return "o"
+
+
 OP_PATTERNS: dict[str, Body] = {
     "Relu": _unary("Relu"),
     "Clip(ReLU6)": _clip,
@@ -165,8 +237,22 @@ OP_PATTERNS: dict[str, Body] = {
     "GroupedConv3x3": _conv(3, 1, "grouped"),
     "LayerNormalization": _channels_last(_layernorm),
     "MatMul+Transpose": _channels_last(_matmul),
+    "MaxPool3x3s2ceil": _unary("MaxPool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+    "Squeeze+Unsqueeze": _squeeze_unsqueeze,
+    "Gather(select)": _gather_select,
+    "Gather(table)": _gather_table,
+    "Slice": _slice(1),
+    "Slice(step 2)": _slice(2),
+    "Split": _split,
+    "Expand(token)": _expand_param,
+    "Where": _where,
+    "BatchedMatMul+Softmax": _attention,
+    "SiLU": _silu,
 }
-TRAINABLE_OP = {"Conv1x1", "Conv5x5", "Conv7x7s2", "DepthwiseConv3x3s2", "DepthwiseConv5x5", "GroupedConv3x3", "LayerNormalization", "MatMul+Transpose"}
+TRAINABLE_OP = {
+    "Conv1x1", "Conv5x5", "Conv7x7s2", "DepthwiseConv3x3s2", "DepthwiseConv5x5", "GroupedConv3x3", "LayerNormalization",
+    "MatMul+Transpose", "Gather(table)", "Expand(token)",
+}
 
 
 def op_pattern_model(path: Path, pattern: str, seed: int = 0) -> Path:

@@ -117,10 +117,44 @@ def _(ctx):
     return Case(ctx.plan("--model", str(dynamic)), "dynamic non-batch dimensions")
 
 
-@case("op without gradient")
+@case("space lists a layer behind an op without gradient")
 def _(ctx):
     blocked = tiny_cnn(ctx.tmp / "blocked.onnx", extra_op="Floor")
-    return Case(ctx.plan("--model", str(blocked)), "node 'blocker' (Floor)")
+    space = ctx.yaml("c1.yaml", "name: c1\nlayers: [c1, fc]\n")
+    return Case(ctx.plan("--model", str(blocked), "--space", space), "cannot train layer 'c1': node 'blocker' (Floor)")
+
+
+@case("no layer trainable")
+def _(ctx):
+    proto = onnx.load(ctx.model)
+    head = proto.graph.node[-1]
+    head.output[0] = "pre"
+    proto.graph.node.append(onnx.helper.make_node("Floor", ["pre"], ["logits"], name="floor"))
+    onnx.save(proto, ctx.tmp / "floored.onnx")
+    return Case(ctx.plan("--model", str(ctx.tmp / "floored.onnx")), "no layer of floored.onnx can be trained: node 'floor' (Floor)")
+
+
+@case("external data missing")
+def _(ctx):
+    proto = onnx.load(ctx.model)
+    onnx.save(proto, ctx.tmp / "ext.onnx", save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    (ctx.tmp / "ext.onnx.data").unlink()
+    return Case(ctx.plan("--model", str(ctx.tmp / "ext.onnx")), "its weights are in 'ext.onnx.data', which is missing beside it")
+
+
+@case("external data outside the model's folder")
+def _(ctx):
+    proto = onnx.load(ctx.model)
+    (ctx.tmp / "inner").mkdir()
+    onnx.save(proto, ctx.tmp / "inner" / "ext.onnx", save_as_external_data=True, location="ext.data", size_threshold=0)
+    proto = onnx.load(ctx.tmp / "inner" / "ext.onnx", load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../ext.data"
+    (ctx.tmp / "inner" / "ext.data").rename(ctx.tmp / "ext.data")
+    onnx.save(proto, ctx.tmp / "inner" / "ext.onnx")
+    return Case(ctx.plan("--model", str(ctx.tmp / "inner" / "ext.onnx")), "lies outside the model's folder")
 
 
 # --- the data ----------------------------------------------------------------------------------

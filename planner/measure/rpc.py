@@ -18,7 +18,7 @@ import numpy as np
 
 from ..board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
 from ..compile import CompiledStep
-from ..errors import BoardLost, BoardUnreachable, PlannerError
+from ..errors import BoardLost, BoardUnreachable, PlannerError, last_line
 from ..session import TrainingSession
 from . import Measurement
 from .latency import time_step
@@ -65,7 +65,7 @@ class BoardPool:
             tracker = rpc.connect_tracker(*self.tracker)
             return tracker.request(self.key, priority=self.priority, session_timeout=self.session_timeout_s, max_retry=2)
         except (OSError, RuntimeError, BoardUnreachable) as exc:
-            raise BoardLost(f"no session on a '{self.key}' board: {_last_line(exc)}") from None
+            raise BoardLost(f"no session on a '{self.key}' board: {last_line(exc)}") from None
 
     def run(self, library: Path, fn: Callable):
         """`fn(remote, lib, device)` with `library` loaded on a free board of the key.
@@ -85,7 +85,7 @@ class BoardPool:
                 raise
             except Exception as exc:  # a dropped connection or a timeout surfaces as TVM errors
                 if attempt:
-                    raise BoardLost(f"board lost: {_last_line(exc)}") from None
+                    raise BoardLost(f"board lost: {last_line(exc)}") from None
         raise AssertionError("unreachable")
 
     def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
@@ -121,8 +121,3 @@ def _address(remote, key: str) -> str:
     """Which board: planner's probe names its host and server process; a stock server stays anonymous."""
     board_id = _probe(remote, BOARD_ID)
     return str(board_id()) if board_id else f"rpc:{key}"
-
-
-def _last_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__

@@ -70,8 +70,16 @@ def _layer_map(model: Model, choice: dict | None) -> list[dict]:
             "layer": layer.name, "op": layer.op, "param_bytes": layer.param_bytes,
             "mode": t["mode"] if t else frozen, "ratio": t.get("ratio") if t else None,
             "params": t["params"] if t else [], "precision": choice["precision"] if t else None,
+            "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can
         })
     return rows
+
+
+def updated(row: dict) -> str:
+    """A per-layer row's "parameters updated" cell: the parameters, or why there are none."""
+    if row["params"]:
+        return ", ".join(row["params"])
+    return f"— (not trainable: {row['excluded']})" if row.get("excluded") else "—"
 
 
 def from_plan_dir(plan_dir: str | Path) -> ReportContent:

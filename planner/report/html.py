@@ -14,7 +14,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from ..evaluate import TrialRecord
-from .content import MEMORY_PARTS, ReportContent
+from .content import MEMORY_PARTS, ReportContent, updated
 
 KIB = 1024
 COLORS = {"pareto": "#1f77b4", "feasible": "#9ecae1", "infeasible": "#ff7f0e", "fail": "#7f7f7f", "chosen": "#d62728"}
@@ -189,7 +189,7 @@ def _layers(content: ReportContent) -> str:
         out.append(
             f"<tr><td>{escape(r['layer'])}</td><td>{escape(r['op'])}</td>"
             f"<td><span class='mode' style='background:{color};color:{'#fff' if mode in MODE_COLORS else '#333'}'>{escape(label)}</span></td>"
-            f"<td>{escape(', '.join(r['params'])) or '—'}</td><td>{escape(r['precision'] or '—')}</td>"
+            f"<td>{escape(updated(r))}</td><td>{escape(r['precision'] or '—')}</td>"
             f"<td><div class='bar' style='width:{width:.1f}%'></div>{r['param_bytes']:,}</td></tr>"
         )
     return "".join(out) + "</table>"

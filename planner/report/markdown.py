@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .content import MEMORY_PARTS, ReportContent
+from .content import MEMORY_PARTS, ReportContent, updated
 
 
 def _kib(n: float) -> str:
@@ -54,7 +54,7 @@ def render(content: ReportContent) -> str:
     if content.layers:
         lines += ["", "## Per-layer map", "", "| layer | op | mode | parameters updated | parameter bytes |", "|---|---|---|---|---|"]
         for r in content.layers:
-            lines.append(f"| {r['layer']} | {r['op']} | {_mode(r)} | {', '.join(r['params']) or '—'} | {r['param_bytes']:,} |")
+            lines.append(f"| {r['layer']} | {r['op']} | {_mode(r)} | {updated(r)} | {r['param_bytes']:,} |")
     if m is not None:
         mem = m["peak_memory_bytes"]
         lines += ["", "## Memory at the step's peak", "", "| part | bytes | share |", "|---|---|---|"]

@@ -1,0 +1,183 @@
+"""ONNX graph fix-ups: what exporters write that TVM's importer or planner's analysis cannot use as is.
+
+PyTorch's exporters compute shapes inside the graph. The legacy exporter turns every `view`,
+`flatten` and attention head split into chains of `Shape -> Gather -> Unsqueeze -> Concat ->
+Reshape` over the symbolic batch; the dynamo exporter does less of it but still emits
+`Shape`/`Expand` for a class token. TVM's importer rejects some of these chains outright
+(`shape_of expects a tensor input, but received R.Shape`) and turns others into ops without a
+gradient, and a shape computation on the path to a parameter would make planner call it
+untrainable although no gradient ever flows through a shape.
+
+A training step has a fixed batch, so every one of those shapes is a constant: `for_import`
+binds the batch and folds every node whose inputs are all constants, evaluating each with ONNX's
+own reference implementation (`onnx.reference`). Parameters are never constants — folding stops
+at them, so no computation on a weight is ever baked in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+# Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
+# big is better computed by the step than stored in it.
+_MAX_FOLDED_ELEMENTS = 1 << 20
+_NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+
+
+def name_nodes(graph: onnx.GraphProto) -> None:
+    """Give every unnamed (or duplicate-named) node a name: planner addresses nodes by name."""
+    seen: set[str] = set()
+    for i, node in enumerate(graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{i}"
+        seen.add(node.name)
+
+
+def untie_identities(graph: onnx.GraphProto) -> None:
+    """`Identity(initializer)` becomes an initializer of its own, under the Identity's output name.
+
+    Why: the legacy exporter stores equal-valued tensors once and hands each user an Identity of
+    it (a fresh model's zero biases, say). Those are separate PyTorch parameters; fine-tuned, they
+    part ways, so each needs its own tensor.
+    """
+    inits = {t.name: t for t in graph.initializer}
+    kept = []
+    for node in graph.node:
+        if node.op_type == "Identity" and len(node.input) == 1 and node.input[0] in inits:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(inits[node.input[0]])
+            copy.name = node.output[0]
+            graph.initializer.append(copy)
+        else:
+            kept.append(node)
+    if len(kept) == len(graph.node):
+        return
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for tensor in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(tensor)
+
+
+def _static_shapes(proto: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Every tensor whose shape ONNX shape inference knows fully, and every tensor's element type."""
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    shapes: dict[str, tuple[int, ...]] = {}
+    types: dict[str, int] = {}
+    g = inferred.graph
+    for vi in [*g.input, *g.value_info, *g.output]:
+        tt = vi.type.tensor_type
+        types[vi.name] = tt.elem_type
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            shapes[vi.name] = tuple(d.dim_value for d in tt.shape.dim)
+    for t in g.initializer:
+        shapes[t.name] = tuple(t.dims)
+        types[t.name] = t.data_type
+    return shapes, types
+
+
+def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """The element type (`onnx.TensorProto.FLOAT`, …) of every tensor shape inference can type."""
+    return _static_shapes(proto)[1]
+
+
+def _shape_value(node: onnx.NodeProto, shape: tuple[int, ...]) -> np.ndarray:
+    if node.op_type == "Size":
+        return np.array(math.prod(shape), np.int64)
+    attrs = {a.name: a.i for a in node.attribute}
+    rank = len(shape)
+    start, end = attrs.get("start", 0), attrs.get("end", rank)
+    start, end = (max(0, min(rank, v + rank if v < 0 else v)) for v in (start, end))
+    return np.array(shape[start:end], np.int64)
+
+
+def _evaluate(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> list[np.ndarray] | None:
+    """The node's outputs by ONNX's reference implementation, or None when it cannot run it."""
+    try:
+        out = ReferenceEvaluator(node, opsets={"": opset}).run(None, {n: values[n] for n in node.input if n})
+    except Exception:  # an op or attribute combination the reference does not implement
+        return None
+    return [np.asarray(v) for v in out]
+
+
+def bind_batch(proto: onnx.ModelProto, batch: int) -> None:
+    """The model's input and output batch dimension set to `batch` (in place)."""
+    g = proto.graph
+    inits = {t.name for t in g.initializer}
+    for vi in [*(i for i in g.input if i.name not in inits), *g.output]:
+        dims = vi.type.tensor_type.shape.dim
+        if dims and not dims[0].HasField("dim_value"):
+            dims[0].Clear()
+            dims[0].dim_value = batch
+    del g.value_info[:]  # inferred for a symbolic batch; inferred again where needed
+
+
+def for_import(proto: onnx.ModelProto, batch: int, parameters: set[str]) -> onnx.ModelProto:
+    """A copy of `proto` as planner hands it to TVM: batch `batch`, every initializer that is
+    not in `parameters` a Constant node, and every computation on constants (shapes included)
+    folded into a Constant."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    bind_batch(out, batch)
+    g = out.graph
+    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 17)
+    values = {t.name: numpy_helper.to_array(t) for t in g.initializer if t.name not in parameters}
+    for t in [t for t in g.initializer if t.name not in parameters]:
+        g.initializer.remove(t)
+        for graph_input in [i for i in g.input if i.name == t.name]:
+            g.input.remove(graph_input)
+    nodes = [_constant(n, v) for n, v in values.items()] + list(g.node)
+    del g.node[:]
+    g.node.extend(nodes)
+    while _fold_constants(out, values, opset):  # a folded shape lets inference see further
+        pass
+    return out
+
+
+def _fold_constants(proto: onnx.ModelProto, values: dict[str, np.ndarray], opset: int) -> bool:
+    """One pass: every node computable from `values` (and the shapes inference knows) becomes a
+    Constant; `values` grows by the folded outputs. Whether anything was folded."""
+    g = proto.graph
+    shapes, _ = _static_shapes(proto)
+    kept: list[onnx.NodeProto] = []
+    folded_any = False
+    for node in g.node:
+        folded = _fold(node, values, shapes, opset)
+        if folded is None:
+            kept.append(node)
+        else:
+            folded_any = folded_any or node.op_type != "Constant"
+            values.update(zip(node.output, folded))
+    needed = [n for n in dict.fromkeys(i for node in kept for i in node.input) if n in values]
+    needed += [o.name for o in g.output if o.name in values and o.name not in needed]
+    del g.node[:]
+    g.node.extend([_constant(n, values[n]) for n in needed] + kept)
+    return folded_any
+
+
+def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=f"const:{name}", value=numpy_helper.from_array(np.asarray(value), name))
+
+
+def _fold(node: onnx.NodeProto, values: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]], opset: int) -> list[np.ndarray] | None:
+    """The node's outputs when they are constants (None when the node must stay)."""
+    if node.domain not in ("", "ai.onnx") or node.op_type in _NONDETERMINISTIC:
+        return None
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return None
+    if node.op_type in ("Shape", "Size") and node.input[0] in shapes:
+        return [_shape_value(node, shapes[node.input[0]])]
+    if node.op_type == "Constant":
+        known = values.get(node.output[0])
+        return [known] if known is not None else _evaluate(node, values, opset)
+    if not all(n in values for n in node.input if n):
+        return None
+    out = _evaluate(node, values, opset)
+    if out is None or any(v.size > _MAX_FOLDED_ELEMENTS for v in out):
+        return None
+    return out

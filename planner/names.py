@@ -1,0 +1,88 @@
+"""PyTorch module paths for the layers of an exported ONNX model.
+
+A PyTorch user knows a layer as `features.0.0` or `encoder.layers.1.self_attn`, never as the
+node name an exporter happened to write. Each exporter leaves the module path somewhere else:
+
+- the dynamo exporter (torch >= 2.9's default) names nodes by position (`node_Conv_292`) but keeps
+  PyTorch's parameter names (`features.0.0.weight`; a BatchNorm folded into a convolution leaves
+  `conv1.weight_bias`) and records the module stack in each node's `namespace` metadata;
+- the legacy exporter (`dynamo=False`) writes anonymous parameters (`onnx::Conv_193`) but names
+  each node by its module path (`/features/features.0/features.0.0/Conv`).
+
+`layer_name` tries them in that order, so one architecture gets the same layer names from
+either exporter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import onnx
+
+# What an exporter invents: legacy `onnx::Conv_193`, dynamo constants `val_12`, paths.
+_INVENTED = re.compile(r"^(onnx::|val_\d+$|_val_)|::|/")
+_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*$")  # regnet has `block1-0`
+
+
+def is_pytorch_name(name: str) -> bool:
+    """Whether an initializer name is a PyTorch parameter path rather than an exporter's invention."""
+    return bool(_IDENTIFIER_PATH.match(name)) and not _INVENTED.search(name)
+
+
+def owner_module(param: str) -> str | None:
+    """`layer1.0.conv1.weight` -> `layer1.0.conv1`: the module a named parameter belongs to."""
+    if not is_pytorch_name(param) or "." not in param:
+        return None
+    return param.rsplit(".", 1)[0]
+
+
+def _metadata_path(node: onnx.NodeProto) -> str | None:
+    """The innermost module of a dynamo export's `namespace` entry
+    (`: ResNet/layer1: Sequential/layer1.0: BasicBlock/add: aten.add.Tensor` -> `layer1.0`)."""
+    namespace = next((p.value for p in node.metadata_props if p.key == "namespace"), None)
+    if not namespace:
+        return None
+    path = None
+    for entry in namespace.split("/"):
+        name, _, kind = entry.partition(": ")
+        if name and kind and not kind.startswith("aten.") and _IDENTIFIER_PATH.match(name):
+            path = name
+    return path
+
+
+def _legacy_path(node: onnx.NodeProto) -> str | None:
+    """A legacy export's node path as a module path: `/layer1/layer1.0/conv1/Conv` ->
+    `layer1.0.conv1` (a scope repeats its parent's name for container children)."""
+    if not node.name.startswith("/"):
+        return None
+    scopes = node.name.strip("/").split("/")[:-1]
+    path, last = "", ""
+    for scope in scopes:
+        if path and scope.startswith(last + "."):
+            path += scope[len(last):]
+        else:
+            path = f"{path}.{scope}" if path else scope
+        last = scope
+    return path or None
+
+
+def layer_name(nodes: Iterable[onnx.NodeProto], params: Iterable[str], taken: set[str]) -> str:
+    """The name for a layer made of `nodes` owning `params` (weight first): the module path its
+    parameters carry, else the module path its node records, else its node name — the first
+    one no earlier layer has taken."""
+    nodes = list(nodes)
+    options = [owner_module(p) for p in params]
+    options += [_metadata_path(n) for n in nodes] + [_legacy_path(n) for n in nodes] + [n.name for n in nodes]
+    for option in options:
+        if option and option not in taken:
+            return option
+    return nodes[0].name
+
+
+def standalone_name(node: onnx.NodeProto, param: str, taken: set[str]) -> str:
+    """The name of a parameter used on its own (a class token, a positional embedding): the
+    parameter's own PyTorch name when it has one, else as for any layer."""
+    if is_pytorch_name(param) and param not in taken:
+        return param
+    return layer_name([node], [param], taken)

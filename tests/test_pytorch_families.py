@@ -1,0 +1,154 @@
+"""Models as PyTorch users export them, checked against PyTorch itself.
+
+Every family in `torch_families` (torchvision's mobilenet_v2, mobilenet_v3_small, efficientnet_b0,
+mnasnet0_5, resnet18, regnet_x_400mf, shufflenet_v2_x0_5, squeezenet1_1, a small
+VisionTransformer, and TransformerEncoder classifiers with pre- and post-norm), exported by
+`torch.onnx.export` with the dynamo exporter (external data) and the legacy one: inspected (names,
+trainability), measured (full update, bias only, last layer) and stepped once against PyTorch
+autograd in float64 on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+
+torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
+import torch_families as tf  # noqa: E402
+
+from planner import api  # noqa: E402
+from planner.compile import compile_candidate  # noqa: E402
+from planner.session import TrainingSession  # noqa: E402
+from planner.space import Candidate  # noqa: E402
+
+CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in tf.FAMILIES for e in tf.EXPORTERS]
+HOST = tvm.target.Target({"kind": "llvm"})
+BATCH = 2  # one batch size for every compile here: candidates share their forward and backward kernels
+
+# A step of plain SGD with a large learning rate: float32 stores the updated weight, so with a
+# small step its rounding (about 6e-8 of the weight) would be what the comparison sees. With
+# lr 1000 the update dwarfs the weight, and the update's relative error is the gradient's.
+LR = 1000.0
+FLOAT32_NOISE = 1e-4  # the relative error float32 arithmetic may leave in a gradient
+NOISE_FACTOR = 10  # ... or this many times what PyTorch's own float32 step shows for that tensor
+
+
+@pytest.mark.parametrize("family, exporter", CASES)
+def test_layers_are_pytorch_modules_and_all_train(family, exporter):
+    """`inspect` names each layer by its PyTorch module path (or parameter name), whichever
+    exporter wrote the file; every layer of these families can train; and every parameter planner
+    would train is a PyTorch tensor (a constant, such as an attention scale, never is)."""
+    path = tf.export(family, exporter)
+    model = api.inspect_model(path)
+    assert {layer.name for layer in model.layers} == tf.pytorch_layer_names(family)
+    assert [(layer.name, layer.problem) for layer in model.layers if not layer.trainable] == []
+    params = [p for layer in model.layers for p in layer.params_for("full")]
+    assert set(tf.parameter_map(family, path, params)) == set(params)  # raises on a non-PyTorch tensor
+
+
+@pytest.mark.parametrize("family, exporter", CASES)
+def test_one_sgd_step_matches_pytorch_autograd_in_float64(family, exporter):
+    """Every layer trained: each updated tensor within float32 noise of PyTorch's float64 step.
+
+    How it is judged: the relative error of the update, ||planner - reference|| / ||reference
+    step||, must be at most 1e-4, or — where float32 itself cannot do better (a ReLU whose input
+    rounds to the other side of zero) — at most ten times the error of PyTorch's own float32 step
+    on the same weights and batch."""
+    path = tf.export(family, exporter)
+    model = api.inspect_model(path)
+    candidate = Candidate(tuple((layer.name, "full") for layer in model.layers), BATCH, "sgd", LR)
+    step = compile_candidate(model, candidate, HOST)
+    x, y = tf.sample_batch(family, BATCH)
+    before = {name: value.copy() for name, value in model.initializers.items()}
+    session = TrainingSession(step.library, step.signature, before)
+    session.step(x, y)
+    after = session.weights()
+    trained = list(step.signature.trainable)
+    assert set(trained) == set(tf.parameter_map(family, path))  # all of them, nothing else
+    expected = tf.reference_update(family, path, x, y, LR, trained)
+    float32 = tf.reference_update(family, path, x, y, LR, trained, dtype=torch.float32)
+    errors = {n: tf.update_error(before[n], after[n], expected[n]) for n in trained}
+    allowed = {n: max(FLOAT32_NOISE, NOISE_FACTOR * tf.update_error(before[n], float32[n], expected[n])) for n in trained}
+    wrong = {n: f"{errors[n]:.2e} > {allowed[n]:.1e}" for n in trained if not errors[n] <= allowed[n]}
+    assert wrong == {}, wrong
+
+
+def _scheme(path: Path, layers: list[tuple[str, str]]) -> Path:
+    entries = "\n".join(f"  - {{layer: '{name}', mode: {mode}}}" for name, mode in layers)
+    path.write_text(f"name: {path.stem}\ntrainable:\n{entries}\nbatch_size: {BATCH}\noptimizer: {{name: sgd, lr: 0.01}}\n")
+    return path
+
+
+def _dataset(path: Path, family: str, n: int = 24) -> Path:
+    x, _ = tf.sample_batch(family, n, seed=3)
+    np.savez(path, x=x, y=np.arange(n) % 10)
+    return path
+
+
+@pytest.mark.parametrize("family, exporter", CASES)
+def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
+    """`planner measure` of the three classic schemes writes a plan each; the full update holds
+    more memory than the last layer alone."""
+    path = tf.export(family, exporter)
+    model = api.inspect_model(path)
+    data = _dataset(tmp_path / "data.npz", family)
+    schemes = {
+        "full": [(layer.name, "full") for layer in model.layers],
+        "bias": [(layer.name, "bias") for layer in model.layers if layer.bias],
+        "last": [(model.layers[-1].name, "full")],
+    }
+    peak = {}
+    for name, layers in schemes.items():
+        out = tmp_path / name
+        result = api.measure(path, _scheme(tmp_path / f"{name}.yaml", layers), data, out=out, accuracy_steps=2, latency_repeats=2)
+        metrics = result.plan.metrics
+        assert metrics["step_latency_ms"]["median"] > 0 and np.isfinite(metrics["accuracy"]["after"])
+        peak[name] = metrics["peak_memory_bytes"]["total"]
+        for data_file in model.data_files:  # the plan directory stands alone
+            assert (out / data_file).read_bytes() == (path.parent / data_file).read_bytes()
+    assert peak["full"] > peak["last"], peak
+
+
+def _planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=900, cwd=cwd)
+
+
+def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
+    """The dynamo exporter's two files, from another folder: inspect, plan with the default space,
+    then the plan directory moved elsewhere runs and writes its fine-tuned model the same way
+    (graph + external data), which loads with the fine-tuned weights."""
+    family = "encoder_postnorm"
+    source = tf.export(family, "dynamo")
+    user = tmp_path / "models"
+    user.mkdir()
+    shutil.copy(source, user / "encoder.onnx")
+    shutil.copy(source.parent / f"{source.name}.data", user / f"{source.name}.data")  # the name the model refers to
+    data = _dataset(tmp_path / "data.npz", family, n=40)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    res = _planner("inspect", str(user / "encoder.onnx"), "--json", cwd=elsewhere)
+    assert res.returncode == 0, res.stderr
+    assert {r["layer"] for r in json.loads(res.stdout)["layers"]} == tf.pytorch_layer_names(family)
+
+    res = _planner("plan", "--model", str(user / "encoder.onnx"), "--data", str(data), "--trials", "3",
+                   "--accuracy-steps", "4", "--out", str(tmp_path / "plan"), cwd=elsewhere)
+    assert res.returncode == 0, res.stderr
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "plan", moved)
+    assert (moved / f"{source.name}.data").is_file()
+
+    res = _planner("run", str(moved), "--data", str(data), "--steps", "3", "--out", str(tmp_path / "tuned"), cwd=elsewhere)
+    assert res.returncode == 0, res.stderr
+    tuned = api.inspect_model(tmp_path / "tuned" / "model.onnx")
+    assert tuned.data_files == ("model.onnx.data",)
+    with np.load(tmp_path / "tuned" / "weights.npz") as npz:
+        for name, value in tuned.initializers.items():
+            np.testing.assert_array_equal(value, npz[name])

@@ -1,0 +1,642 @@
+"""Real PyTorch models exported to ONNX, and what PyTorch autograd says one SGD step does to them.
+
+Tests use this to check planner's gradients against PyTorch itself on graphs made by
+`torch.onnx.export`, with both exporters:
+
+- `FAMILIES`: torchvision classifiers and two small transformer encoders, each at a small input
+  size (odd and even sizes: padding, `ceil_mode` pooling and strided convs differ between them);
+  `sample_batch(family, n)` gives inputs and labels.
+- `export(family, exporter)`: the ONNX file, cached per torch/torchvision version.
+- `torch_module(family)`: the same eval-mode model with the same weights.
+- `reference_update(family, onnx_path, x, y, lr, names)`: every named initializer after one plain
+  SGD step on the mean cross-entropy, computed by PyTorch autograd (float64 by default) on the
+  original architecture holding exactly the ONNX file's weights; `reference_logits` its forward.
+- `parameter_map(family, onnx_path)`: which PyTorch tensor each initializer is.
+- `update_error(before, after, expected)`: how far an update is from the expected one.
+- `pytorch_layer_names(family)`: the layer names a PyTorch user knows.
+
+Weights are random, drawn from a seeded generator, never torchvision's defaults: the exporters
+deduplicate equal initializers (dynamo shares one tensor, legacy adds Identity nodes) and the
+dynamo one drops all-zero conv biases, so with default weights (BatchNorm at 1/0/0/1) several
+layers would share, or lose, their parameters. Every parameter and BatchNorm statistic differs
+here, so each ONNX initializer is exactly one PyTorch tensor.
+
+The exporters rename what they rewrite: BatchNorm is folded into the conv before it (dynamo keeps
+`conv1.weight` and names the new bias `conv1.weight_bias`, legacy writes `onnx::Conv_193`),
+Linear weights multiplied from the right become transposed constants (`val_6`,
+`onnx::MatMul_379`). So initializers are matched to the BatchNorm-folded PyTorch model by value
+(up to float32 rounding, transposed or not), and a name that is a PyTorch name must agree.
+
+torchvision from the registry is built against CUDA torch and its C ops do not load with CPU
+torch; the classification models need none of them, so the two modules that register them are
+stubbed before torchvision is imported (see `_torchvision_models`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import hashlib
+import importlib.metadata
+import math
+import os
+import shutil
+import sys
+import tempfile
+import types
+import warnings
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+# One thread: the float64 reference of depthwise convolutions runs PyTorch's slow path, thousands
+# of per-group GEMMs, and with two OpenMP threads beside TVM's runtime threads it took 29 s for
+# mobilenet_v2 at batch 2 where one thread takes 0.3 s.
+torch.set_num_threads(1)
+
+Exporter = Literal["dynamo", "legacy"]
+EXPORTERS: tuple[Exporter, ...] = ("dynamo", "legacy")
+NUM_CLASSES = 10
+SEED = 20240611  # the base of every family's weights; change it and every export changes
+
+
+# ---------------------------------------------------------------------------------- the families
+
+
+@dataclass(frozen=True)
+class Family:
+    """One test model: how to build the architecture and what one input example looks like."""
+
+    name: str
+    input_shape: tuple[int, ...]  # one example, without the batch dimension
+    build: Callable[[], nn.Module]  # the architecture; its initial weights are all replaced
+    num_classes: int = NUM_CLASSES
+
+
+def _torchvision_models() -> types.ModuleType:
+    """`torchvision.models`, importable with CPU torch (see the module docstring)."""
+    for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    import torchvision.models
+
+    return torchvision.models
+
+
+def _torchvision_version() -> str:
+    _torchvision_models()
+    import torchvision
+
+    return torchvision.__version__
+
+
+def _torchvision(name: str) -> Callable[[], nn.Module]:
+    return lambda: getattr(_torchvision_models(), name)(num_classes=NUM_CLASSES)
+
+
+def _vit() -> nn.Module:
+    return _torchvision_models().VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128, num_classes=NUM_CLASSES,
+    )
+
+
+class EncoderClassifier(nn.Module):
+    """Sequence classifier on `nn.TransformerEncoder`: input [batch, 16, 8], logits [batch, 10].
+
+    Linear(8->32) token embedding + a learned position table + 2 encoder layers (4 heads,
+    feed-forward 64, no dropout) + mean over the sequence + Linear(32->10). `norm_first` picks
+    pre-norm or post-norm layers: the LayerNorms sit on different sides of the residual adds.
+    """
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.pos = nn.Parameter(torch.zeros(1, 16, 32))
+        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("mobilenet_v2", (3, 33, 33), _torchvision("mobilenet_v2")),
+        Family("mobilenet_v3_small", (3, 40, 40), _torchvision("mobilenet_v3_small")),
+        Family("efficientnet_b0", (3, 35, 35), _torchvision("efficientnet_b0")),
+        Family("mnasnet0_5", (3, 32, 32), _torchvision("mnasnet0_5")),
+        Family("resnet18", (3, 32, 32), _torchvision("resnet18")),
+        Family("regnet_x_400mf", (3, 33, 33), _torchvision("regnet_x_400mf")),
+        Family("shufflenet_v2_x0_5", (3, 40, 40), _torchvision("shufflenet_v2_x0_5")),
+        # odd: its MaxPools use ceil_mode=True, which at 35 (17 -> 8 -> 4 -> 2) keeps partial windows
+        Family("squeezenet1_1", (3, 35, 35), _torchvision("squeezenet1_1")),
+        Family("vit", (3, 32, 32), _vit),
+        Family("encoder_prenorm", (16, 8), lambda: EncoderClassifier(norm_first=True)),
+        Family("encoder_postnorm", (16, 8), lambda: EncoderClassifier(norm_first=False)),
+    )
+}
+
+
+def _family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def _rng(family: str, purpose: str) -> np.random.Generator:
+    """A generator for one use of one family: numpy's PCG64 draws the same numbers everywhere."""
+    return np.random.default_rng([SEED, zlib.crc32(family.encode()), zlib.crc32(purpose.encode())])
+
+
+def sample_batch(family: str, batch: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A random input batch (float32, standard normal: the inputs BatchNorm was calibrated on)
+    and random labels (int64) for `family`."""
+    fam = _family(family)
+    rng = np.random.default_rng([seed, zlib.crc32(family.encode())])
+    x = rng.standard_normal((batch, *fam.input_shape)).astype(np.float32)
+    return x, rng.integers(0, fam.num_classes, batch).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------ the weights
+
+
+def _draw(module: nn.Module, name: str, shape: torch.Size, rng: np.random.Generator) -> np.ndarray:
+    """Values for one parameter, in ranges that keep activations O(1) through the whole network.
+
+    Conv and Linear weights are He/LeCun normal (gain sqrt(2) before ReLU-like convs, 1 for
+    Linear); norm scales uniform in [0.7, 1.3] (not 1: a scale of ones would be deduplicated);
+    biases N(0, 0.1) (never zero: the dynamo exporter drops zero conv biases); standalone tensors
+    (class token, position tables) N(0, 0.5).
+
+    BatchNorm shifts are N(0.5, 0.1), not centred: with BatchNorm outputs ~N(0, 1) half of all
+    ReLU inputs sit near the kink, the random network is chaotic (float32 rounding grows ~200x
+    through regnet_x_400mf) and a few ReLUs switch sides between float32 and float64, which
+    moves whole gradients by up to 1e-2. Shifted, most ReLUs are on and float32 and float64
+    gradients agree to ~1e-5 (median ~3e-6, batches of 4). A ReLU still lands within rounding of
+    its kink now and then (about one batch in ten for the deepest ReLU nets, mobilenet_v2,
+    mnasnet0_5, regnet_x_400mf: then ~1e-2), which is why `reference_update` also does float32.
+    """
+    size = tuple(shape)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and name == "bias":
+        return rng.normal(0.5, 0.1, size)
+    if name.endswith("bias"):
+        return rng.normal(0.0, 0.1, size)
+    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
+        return rng.uniform(0.7, 1.3, size)
+    if isinstance(module, (nn.modules.conv._ConvNd, nn.Linear, nn.MultiheadAttention)) and len(size) >= 2:
+        fan_in = math.prod(size[1:])
+        gain = math.sqrt(2.0) if isinstance(module, nn.modules.conv._ConvNd) else 1.0
+        return rng.normal(0.0, gain / math.sqrt(fan_in), size)
+    return rng.normal(0.0, 0.5, size)
+
+
+def _calibrate_batchnorm(model: nn.Module, fam: Family, rng: np.random.Generator) -> None:
+    """Set every BatchNorm's running statistics to those of its actual input on random inputs.
+
+    Random running statistics (rather than measured ones) compound through 20-50 BatchNorms:
+    logits blow up or collapse. Measured ones make each BatchNorm normalize for real, so every
+    layer sees O(1) activations and a gradient worth checking. The batch is large (256) because
+    the last stages see only 1-4 positions per image: statistics of 16 images fit those images
+    and not others (efficientnet_b0's logits then have std ~7 on new inputs, ~1 with 256).
+    Float32, as the model (float64 is several times slower): the statistics came out
+    bit-identical with 1 and 2 threads.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one batch, exactly that batch's statistics
+        m.train()  # only the norms: dropout and stochastic depth stay off
+    x = torch.from_numpy(rng.standard_normal((256, *fam.input_shape)).astype(np.float32))
+    with torch.no_grad():
+        model(x)
+    for m, momentum in zip(norms, momenta, strict=True):
+        m.momentum = momentum
+        m.eval()
+
+
+def _normalize_head(model: nn.Module, fam: Family, rng: np.random.Generator) -> None:
+    """Scale the classifier (the last module owning a weight) so logits have std 1 on random
+    inputs: softmax neither saturated nor flat, every sample's gradient counts. Without it the
+    std ranges 0.2 (mobilenet_v3_small) to 5 (regnet_x_400mf, whose residual stream grows)."""
+    head = [m for m in model.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)][-1]
+    x = torch.from_numpy(rng.standard_normal((32, *fam.input_shape)).astype(np.float32))
+    with torch.no_grad():
+        scale = 1.0 / float(model(x).std())
+        for param in head.parameters(recurse=False):
+            param.mul_(scale)
+
+
+@functools.cache
+def _seeded_module(family: str) -> nn.Module:
+    fam = _family(family)
+    rng = _rng(family, "weights")
+    with torch.random.fork_rng(devices=[]):  # the default init draws from torch's global generator
+        model = fam.build().eval()
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                param.copy_(torch.from_numpy(_draw(module, name, param.shape, rng)))
+    _calibrate_batchnorm(model, fam, rng)
+    _normalize_head(model, fam, rng)
+    return model
+
+
+def torch_module(family: str) -> nn.Module:
+    """The eval-mode PyTorch model that `export(family, ...)` exports, with the same weights.
+
+    Deterministic: the same weights in every call and every process on a machine (the
+    BatchNorm statistics are measured in float32, see `_calibrate_batchnorm`). A fresh copy
+    each call: change it freely.
+    """
+    return copy.deepcopy(_seeded_module(family))
+
+
+@functools.cache
+def _folded_module(family: str) -> tuple[nn.Module, frozenset[str]]:
+    """`torch_module(family)` in float64 with each BatchNorm folded into the conv before it, as
+    both exporters do in eval mode, and the module paths of the folded BatchNorms.
+
+    The fold changes what the parameters are (a conv gains a bias; BN's scale and statistics
+    disappear into the conv's weight and bias), so gradients must be taken on the folded model
+    to be comparable with those of the ONNX graph.
+    """
+    model = torch_module(family).double()
+    norms = {p for p, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if not norms:
+        return model, frozenset()
+    from torch.fx.experimental.optimization import fuse
+
+    folded = fuse(model)
+    for param in folded.parameters():
+        param.requires_grad_(True)  # the fold makes the new conv biases from buffers: no grad
+    left = {p for p, m in folded.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    return folded, frozenset(norms - left)
+
+
+def pytorch_layer_names(family: str) -> set[str]:
+    """What a PyTorch user calls the trainable layers of `family`.
+
+    The paths of the torch.nn modules that own parameters directly (`layer1.0.conv1`,
+    `encoder.layers.0.self_attn` for its packed input projection, `...self_attn.out_proj`), and
+    the full names of parameters that user-written modules own directly (`class_token`,
+    `encoder.pos_embedding`, `pos`): those are layers on their own. A BatchNorm folded into its
+    conv is not a layer of the exported graph; the conv is.
+    """
+    model = _seeded_module(family)
+    _, folded = _folded_module(family)
+    names: set[str] = set()
+    for path, module in model.named_modules():
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if not own or path in folded:
+            continue
+        if type(module).__module__.startswith("torch.nn."):
+            names.add(path)
+        else:
+            names.update(f"{path}.{name}" if path else name for name in own)
+    return names
+
+
+# ------------------------------------------------------------------------------------- exporting
+
+
+def _default_cache_dir() -> Path:
+    """`$PLANNER_CACHE_DIR`, else `~/.cache/planner` (as planner's compile cache)."""
+    env = os.environ.get("PLANNER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "planner"
+
+
+def default_export_dir() -> Path:
+    """Where `export` caches files: one folder per torch and torchvision version."""
+    return _default_cache_dir() / "torch-exports" / f"torch-{torch.__version__}-tv-{_torchvision_version()}"
+
+
+@functools.cache
+def _recipe() -> str:
+    """A digest of everything else an export depends on: this file (families, sizes, weights)
+    and the ONNX packages the dynamo exporter writes and optimizes with."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for package in ("onnx", "onnxscript", "onnx-ir"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            digest.update(f"{package}={importlib.metadata.version(package)}".encode())
+    return digest.hexdigest()[:10]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Swallow the exporters' progress lines, warnings and C++ messages (file descriptors 1 and
+    2 included); if the block raises, their tail is attached to the exception."""
+    with tempfile.TemporaryFile(mode="w+") as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        try:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        except BaseException as exc:
+            log.flush()
+            log.seek(0)
+            exc.add_note("exporter output (tail):\n" + log.read()[-4000:])
+            raise
+        finally:
+            log.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _export_to(family: str, exporter: Exporter, path: Path) -> None:
+    model = torch_module(family)
+    x = torch.from_numpy(sample_batch(family, 2, seed=1)[0])  # batch 2: a batch of 1 would be specialized
+    with _quiet():
+        if exporter == "dynamo":
+            torch.onnx.export(
+                model, (x,), str(path), input_names=["x"], output_names=["logits"], dynamo=True,
+                dynamic_shapes={"x": {0: torch.export.Dim("batch")}}, external_data=True, verbose=False,
+            )
+        else:
+            torch.onnx.export(
+                model, (x,), str(path), input_names=["x"], output_names=["logits"], dynamo=False,
+                dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+            )
+
+
+def export(family: str, exporter: Exporter, directory: Path | None = None) -> Path:
+    """`torch_module(family)` exported to ONNX: input `x`, output `logits`, dynamic batch, the
+    exporter's default opset. Returns the .onnx path (dynamo: its weights in `<name>.onnx.data`
+    beside it).
+
+    Cached in `directory` (default: `default_export_dir()`) under `<family>-<exporter>-<recipe>/`,
+    the recipe a digest of this file and the ONNX packages' versions, so an edit here never reads
+    a stale export. Written to a temporary folder first and renamed into place as a whole, so a
+    concurrent reader (another test worker) sees the complete pair of files or nothing; if two
+    workers export at once, the first rename wins and the other's copy is discarded.
+    """
+    _family(family)
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
+    root = Path(directory) if directory is not None else default_export_dir()
+    entry = root / f"{family}-{exporter}-{_recipe()}"
+    path = entry / f"{family}.onnx"
+    if path.exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    try:
+        _export_to(family, exporter, staging / path.name)
+        try:
+            staging.rename(entry)
+        except OSError:
+            if not path.exists():  # not "another worker was first"
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+# ------------------------------------------------------------------------ initializer <-> tensor
+
+
+@dataclass(frozen=True)
+class TorchTensor:
+    """Which tensor of the BatchNorm-folded PyTorch model an ONNX initializer holds."""
+
+    name: str  # parameter name in the folded model, e.g. "layer1.0.conv1.bias" (the folded bias)
+    transposed: bool  # the initializer is the 2-D transpose of the parameter (Linear as MatMul)
+
+    def to_onnx(self, value: np.ndarray, onnx_shape: tuple[int, ...]) -> np.ndarray:
+        """A value of the PyTorch tensor, laid out as the initializer."""
+        if self.transposed:
+            value = value.reshape(_squeezed(value.shape)).T
+        return value.reshape(onnx_shape)
+
+    def to_torch(self, value: np.ndarray, torch_shape: tuple[int, ...]) -> np.ndarray:
+        """A value of the initializer, laid out as the PyTorch tensor."""
+        if self.transposed:
+            value = value.reshape(_squeezed(value.shape)).T
+        return value.reshape(torch_shape)
+
+
+_MATCH_RTOL = 1e-4  # of the tensor's largest magnitude: float32 rounding of the exporters' folding
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    scale = max(float(np.max(np.abs(b))), 1e-30)
+    return float(np.max(np.abs(a - b))) <= _MATCH_RTOL * scale
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _layouts(onnx_shape: tuple[int, ...], torch_shape: tuple[int, ...]) -> list[bool]:
+    """The ways (transposed or not) an initializer of `onnx_shape` can hold a tensor of
+    `torch_shape`; size-1 dimensions do not count (a [1,1,64] token may become [64])."""
+    o, t = _squeezed(onnx_shape), _squeezed(torch_shape)
+    if math.prod(onnx_shape) != math.prod(torch_shape):
+        return []
+    out = [False] if o == t else []
+    if len(t) == 2 and o == t[::-1]:
+        out.append(True)
+    return out
+
+
+def _float_initializers(onnx_path: Path) -> dict[str, np.ndarray]:
+    """The ONNX file's float initializers (external data included), in float64."""
+    model = onnx.load(str(onnx_path))
+    out = {}
+    for init in model.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if value.dtype.kind == "f":
+            out[init.name] = value.astype(np.float64)
+    return out
+
+
+def _expected_name(onnx_name: str, torch_names: set[str]) -> str | None:
+    """The PyTorch tensor an initializer's name claims to be, if it names one (dynamo: the
+    parameter's own name; `X.weight_bias` for the bias a BatchNorm fold gave conv X)."""
+    if onnx_name in torch_names:
+        return onnx_name
+    if onnx_name.endswith(".weight_bias") and (name := onnx_name.removesuffix("weight_bias") + "bias") in torch_names:
+        return name
+    return None
+
+
+def _match_all(inits: dict[str, np.ndarray], folded: nn.Module) -> tuple[dict[str, list[TorchTensor]], dict[str, str]]:
+    """Every float initializer's candidate tensors (all layouts whose values agree), and the
+    reason an initializer is wrongly matched where its name says another tensor."""
+    params = {n: p.detach().numpy() for n, p in folded.named_parameters()}
+    candidates: dict[str, list[TorchTensor]] = {}
+    problems: dict[str, str] = {}
+    for onnx_name, value in inits.items():
+        found = []
+        for torch_name, tensor in params.items():
+            for transposed in _layouts(value.shape, tensor.shape):
+                ref = TorchTensor(torch_name, transposed)
+                if _close(value, ref.to_onnx(tensor, value.shape)):
+                    found.append(ref)
+        candidates[onnx_name] = found
+        claimed = _expected_name(onnx_name, set(params))
+        if claimed is not None and [r.name for r in found] != [claimed]:
+            problems[onnx_name] = (
+                f"its name says PyTorch tensor {claimed!r} but its values match {[r.name for r in found] or 'nothing'}"
+            )
+    return candidates, problems
+
+
+def parameter_map(family: str, onnx_path: Path, names: Iterable[str] | None = None) -> dict[str, TorchTensor]:
+    """Which tensor of the BatchNorm-folded PyTorch model each named initializer holds.
+
+    `names` defaults to the trainable ones: every float initializer with more than one element.
+    Raises ValueError, saying which and why, unless each name is exactly one PyTorch tensor and
+    no other initializer is that tensor too (the ONNX graph would train two copies of it).
+    """
+    return _parameter_map(family, Path(onnx_path), _float_initializers(Path(onnx_path)), names)[0]
+
+
+def _parameter_map(
+    family: str, onnx_path: Path, inits: dict[str, np.ndarray], names: Iterable[str] | None,
+) -> tuple[dict[str, TorchTensor], dict[str, list[TorchTensor]]]:
+    folded, _ = _folded_module(family)
+    candidates, problems = _match_all(inits, folded)
+    wanted = list(names) if names is not None else [n for n, v in inits.items() if v.size > 1]
+    owners: dict[str, list[str]] = {}
+    for onnx_name, refs in candidates.items():
+        for ref in refs:
+            owners.setdefault(ref.name, []).append(onnx_name)
+    shapes = {n: tuple(p.shape) for n, p in folded.named_parameters()}
+    errors, mapping = [], {}
+    for name in wanted:
+        if name not in inits:
+            errors.append(f"{name!r}: no float initializer of that name")
+            continue
+        refs = candidates[name]
+        if name in problems:
+            errors.append(f"{name!r}: {problems[name]}")
+        elif len(refs) != 1:
+            same = [n for n, s in shapes.items() if math.prod(s) == inits[name].size]
+            errors.append(
+                f"{name!r} {list(inits[name].shape)}: its values match {len(refs)} PyTorch tensors "
+                f"{[r.name for r in refs]} (same size: {same})"
+            )
+        elif len(owners[refs[0].name]) > 1:
+            errors.append(f"{name!r}: PyTorch tensor {refs[0].name!r} is also in {owners[refs[0].name]}")
+        else:
+            mapping[name] = refs[0]
+    if errors:
+        more = [f"... and {len(errors) - 20} more"] if len(errors) > 20 else []
+        raise ValueError(
+            f"{family}: cannot map initializers of {onnx_path} to the BatchNorm-folded PyTorch model "
+            f"(is the file an unmodified export of {family!r}?):\n  " + "\n  ".join(errors[:20] + more)
+        )
+    return mapping, candidates
+
+
+# ----------------------------------------------------------------------------- the reference step
+
+
+def _with_onnx_weights(
+    family: str, onnx_path: Path, names: Iterable[str] | None, dtype: torch.dtype,
+) -> tuple[nn.Module, dict[str, TorchTensor], dict[str, np.ndarray]]:
+    """A fresh BatchNorm-folded model of `family` in `dtype` holding exactly the weights of
+    `onnx_path`, the map of `names` (see `parameter_map`), and the file's float initializers."""
+    onnx_path = Path(onnx_path)
+    inits = _float_initializers(onnx_path)
+    mapping, candidates = _parameter_map(family, onnx_path, inits, names)
+    model = copy.deepcopy(_folded_module(family)[0])
+    params = dict(model.named_parameters())
+    covered: set[str] = set()
+    with torch.no_grad():
+        for onnx_name, refs in candidates.items():
+            for ref in refs:
+                param = params[ref.name]
+                param.copy_(torch.from_numpy(ref.to_torch(inits[onnx_name], tuple(param.shape))))
+                covered.add(ref.name)
+    missing = [n for n, p in params.items() if n not in covered and bool(torch.any(p != 0))]
+    if missing:
+        raise ValueError(f"{family}: PyTorch tensors in no initializer of {onnx_path}: {missing}")
+    return model.to(dtype), mapping, inits
+
+
+def reference_logits(family: str, onnx_path: Path, x: np.ndarray, *, dtype: torch.dtype = torch.float64) -> np.ndarray:
+    """The logits PyTorch computes for `x` with exactly the weights of `onnx_path` (the model
+    `reference_update` differentiates), in `dtype`."""
+    model, _, _ = _with_onnx_weights(family, onnx_path, (), dtype)
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(x), dtype=dtype)).numpy()
+
+
+def reference_update(
+    family: str,
+    onnx_path: Path,
+    x: np.ndarray,
+    y: np.ndarray,
+    lr: float,
+    names: Iterable[str],
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> dict[str, np.ndarray]:
+    """Each named initializer of `onnx_path` after ONE plain SGD step, `w <- w - lr * dL/dw`,
+    `L` the mean cross-entropy of the logits for inputs `x` and int labels `y`.
+
+    Computed by PyTorch autograd in `dtype` (float64 by default: the reference; float32 shows
+    how much of a difference is float32 noise) on the original PyTorch architecture, BatchNorm
+    folded into the convs as the exporters do, with every parameter set to the ONNX file's
+    value (read with onnx.load, external data included): a weight the exporter rounded (the
+    folded ones) is the weight used. Returned in the initializers' layouts (transposed Linear
+    weights stay transposed), as `dtype` arrays.
+
+    Raises ValueError if a name is not exactly one PyTorch tensor (see `parameter_map`), or if
+    a PyTorch tensor (other than an all-zero bias the dynamo exporter drops) is in no
+    initializer: the reference would not be computing with the file's weights.
+    """
+    model, mapping, inits = _with_onnx_weights(family, onnx_path, list(names), dtype)
+    logits = model(torch.as_tensor(np.asarray(x), dtype=dtype))
+    loss = nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(y), dtype=torch.int64))
+    loss.backward()
+    params = dict(model.named_parameters())
+    out = {}
+    for name, ref in mapping.items():
+        param = params[ref.name]
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        out[name] = ref.to_onnx((param.detach() - lr * grad).numpy(), inits[name].shape)
+    return out
+
+
+def update_error(before: np.ndarray, after: np.ndarray, expected: np.ndarray) -> float:
+    """Relative error of an update: `||(after-before) - (expected-before)|| / ||expected-before||`
+    (Frobenius norms, all in float64).
+
+    The step is compared with the step, not the weights with the weights: a one-step update
+    moves a weight by a tiny fraction of itself, so a relative error of the weights would be
+    small even for a wrong gradient. 0 is exact, 1 is as wrong as not updating at all.
+
+    `before` is the weight the step started from (the ONNX initializer). The error's floor is
+    float32 storage: if `after` is float32, its rounding (~6e-8 of the weight) counts against
+    the step, so pick `lr` to make the step well above that. Returns inf if the expected step
+    is zero and the update is not (0.0 if both are).
+    """
+    b, a, e = (np.asarray(v, dtype=np.float64) for v in (before, after, expected))
+    num = float(np.linalg.norm((a - b) - (e - b)))
+    den = float(np.linalg.norm(e - b))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
