@@ -106,7 +106,7 @@ def plan(
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
     hw = resolve_target(target, tracker, key)
-    sp = load_space(space).for_target(hw.precisions)
+    sp = load_space(space).for_target(hw.precisions).for_model(m)
     layer_names = sp.layer_names(m)
     check_importable(m)
     capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
@@ -193,7 +193,7 @@ def work(
     if (m.sha256, dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")
     hw = resolve_target(inputs["target"], inputs["tracker"], inputs["key"])
-    sp = load_space(inputs["space"]).for_target(hw.precisions)
+    sp = load_space(inputs["space"]).for_target(hw.precisions).for_model(m)
     capacity(hw)
     anchors = sp.anchors(m) if inputs["anchors"] and inputs["sampler"] == "tpe" else None
     evaluation = EvalSettings(

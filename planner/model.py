@@ -321,6 +321,9 @@ def save_onnx(model: Model, weights: dict[str, np.ndarray], path: str | Path) ->
             proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(value, tensor.name))
     path = Path(path)
     if model.data_files:
-        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=f"{path.name}.data")
+        data = path.with_name(f"{path.name}.data")
+        data.unlink(missing_ok=True)  # onnx appends to an existing data file
+        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
+        data.chmod(path.stat().st_mode & 0o777)  # onnx creates it private (0600); it is the model, as readable
     else:
         onnx.save(proto, str(path))

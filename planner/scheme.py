@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import BadInput
 from .model import Model
-from .space import Candidate, Precision
+from .space import FIXED_BATCH_HINT, Candidate, Precision
 from .spec import load_spec
 
 
@@ -84,6 +84,9 @@ class Scheme(_Strict):
                 if mode is None:
                     raise BadInput(f"scheme {self.name}: {', '.join(sorted(wanted))} of layer '{layer.name}' is not an update planner supports (full, bias or weight)")
                 modes[layer.name] = mode
+        if model.fixed_batch not in (None, self.batch_size):
+            raise BadInput(f"scheme {self.name}: {model.path.name} was exported for batch {model.fixed_batch} only, "
+                           f"the scheme asks for {self.batch_size}: {FIXED_BATCH_HINT}")
         for name in modes:
             problem = model.layer(name).problem
             if problem:

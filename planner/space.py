@@ -20,6 +20,10 @@ from .model import Model
 from .spec import load_spec
 
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+FIXED_BATCH_HINT = (
+    "export it with a dynamic batch (torch.onnx.export(..., dynamic_shapes={'x': {0: torch.export.Dim('batch')}}), "
+    "or dynamic_axes={'x': {0: 'batch'}} with dynamo=False), or plan at that batch"
+)
 DEFAULT_SPACE = "per-layer"
 
 Mode = Literal["frozen", "bias", "full", "ratio"]
@@ -127,6 +131,18 @@ class SearchSpace(_Strict):
                 f"the target supports only {', '.join(precisions)}"
             )
         return self.model_copy(update={"precision": allowed})
+
+    def for_model(self, model: Model) -> SearchSpace:
+        """This space restricted to the batch size a model was exported with, when its batch is
+        not symbolic: a graph exported for batch N computes shapes for N and runs at no other."""
+        if model.fixed_batch is None:
+            return self
+        if model.fixed_batch not in self.batch_size:
+            raise BadInput(
+                f"{model.path.name} was exported for batch {model.fixed_batch} only, and search space '{self.name}' "
+                f"proposes batch {', '.join(map(str, self.batch_size))}: {FIXED_BATCH_HINT}"
+            )
+        return self.model_copy(update={"batch_size": [model.fixed_batch]})
 
     @field_validator("batch_size", "grad_accum")
     @classmethod

@@ -134,6 +134,14 @@ def _(ctx):
     return Case(ctx.plan("--model", str(ctx.tmp / "floored.onnx")), "no layer of floored.onnx can be trained: node 'floor' (Floor)")
 
 
+@case("fixed batch outside the space")
+def _(ctx):
+    proto = onnx.load(ctx.model)
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    onnx.save(proto, ctx.tmp / "batch2.onnx")
+    return Case(ctx.plan("--model", str(ctx.tmp / "batch2.onnx")), "batch2.onnx was exported for batch 2 only")
+
+
 @case("external data missing")
 def _(ctx):
     proto = onnx.load(ctx.model)

@@ -23,6 +23,8 @@ from planner.plan import read_plan, select
 from planner.evaluate import TrialRecord
 from planner.space import Candidate
 
+from builders import tiny_cnn
+
 
 @pytest.fixture(scope="module")
 def tiny_plan(tiny_model, tiny_data, tmp_path_factory):
@@ -69,6 +71,19 @@ def _rec(n, acc, mem, feasible):
         latency=Latency(1.0, 1.1, 0.9, 1.2, 5, 1, "local"),
         memory=MemoryBreakdown(mem, mem, 0, 0, 0, 0), feasible=feasible,
     )
+
+
+def test_layers_behind_an_op_without_gradient_stay_frozen_and_are_named(tiny_data, tmp_path):
+    """A model with an op planner cannot differentiate plans over the layers after it; the plan
+    and its report name each excluded layer and why."""
+    blocked = tiny_cnn(tmp_path / "blocked.onnx", extra_op="Floor")
+    result = api.plan(model=blocked, data=tiny_data, out=tmp_path / "p", trials=3, accuracy_steps=10, latency_repeats=2)
+    assert result.plan.selection["layers_searched"] == ["fc"]
+    excluded = {e["layer"]: e["reason"] for e in result.plan.selection["layers_excluded"]}
+    assert set(excluded) == {"c1", "bn", "c2"} and all("'blocker' (Floor)" in r for r in excluded.values())
+    assert [t["layer"] for t in result.plan.choice.trainable] == ["fc"]
+    report = (tmp_path / "p" / "report.md").read_text()
+    assert "not trainable: node 'blocker' (Floor) has no gradient in planner" in report
 
 
 def test_selection_policies_never_pick_an_over_budget_trial():

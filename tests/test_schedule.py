@@ -109,6 +109,11 @@ OTHERS: list[tuple[Op, ...]] = [
     (("reduce", "ReduceMean", 3),),
     (("residual",),),  # h + conv(relu(bn(conv(h)))): a 3x3 block with BatchNorm
     (("scale_shift",),),  # learned per-channel Mul and Add, a Sub and Div by constants
+    (("slice", 1),),  # rows 1 to the last but one, every other column: strided_slice and its gradient
+    (("slice", 2),),  # ... every other row too
+    (("select_row",),),  # Gather of one row (a class token's select), Unsqueeze back
+    (("token",),),  # a [1, C, 1, 1] parameter Expanded over the activation, multiplied in
+    (("where",),),  # Where with a constant per-channel mask
 ]
 BRANCHES_PER_CASE = 3  # a model compiles in about the same time for one branch as for three
 SIZES = [5, 6, 7, 8, 9, 10, 11, 12, 13, 16]
@@ -284,6 +289,20 @@ def _emit(g: _Graph, op: Op, h: str, c: int, name: str) -> tuple[str, int]:
         y = g.node("Add", [y, g.param(f"{name}.shift", r.normal(0, 0.1, (1, c, 1, 1)))], f"{name}.add")
         y = g.node("Sub", [y, g.const(f"{name}.k", np.float32(0.5))], f"{name}.sub")
         return g.node("Div", [y, g.const(f"{name}.d", np.float32(1.5))], name), c
+    if kind == "slice":  # negative and past-the-end bounds, as exporters write them
+        bounds = [g.const(f"{name}.{k}", np.array(v)) for k, v in
+                  (("starts", [1, 1]), ("ends", [-1, 2**31 - 1]), ("axes", [2, 3]), ("steps", [args[0], 2]))]
+        return g.node("Slice", [h, *bounds], name), c
+    if kind == "select_row":
+        row = g.node("Gather", [h, g.const(f"{name}.index", np.array(1))], f"{name}.gather", axis=2)
+        return g.node("Unsqueeze", [row, g.const(f"{name}.axes", np.array([2]))], name), c
+    if kind == "token":
+        token = g.node("Expand", [g.param(f"{name}.token", r.normal(1, 0.3, (1, c, 1, 1))), g.node("Shape", [h], f"{name}.shape")],
+                       f"{name}.expand")
+        return g.node("Mul", [h, token], name), c
+    if kind == "where":
+        mask = g.const(f"{name}.mask", r.uniform(size=(1, c, 1, 1)) > 0.5)
+        return g.node("Where", [mask, h, g.const(f"{name}.fill", np.float32(-0.5))], name), c
     raise ValueError(f"unknown op {kind!r}")
 
 
@@ -318,6 +337,7 @@ def _run(mod: tvm.IRModule, target: tvm.target.Target, args: list[np.ndarray]) -
     return [out.numpy().astype(np.float64) for out in vm[STEP_FUNC](*map(tvm.runtime.tensor, args))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_scheduled_step_computes_what_the_unscheduled_one_does(case, tmp_path):
     model = load_model(build_model(case, tmp_path / "case.onnx"))

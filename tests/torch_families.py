@@ -362,25 +362,25 @@ def _quiet() -> Iterator[None]:
             os.close(saved[1])
 
 
-def _export_to(family: str, exporter: Exporter, path: Path) -> None:
+def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None) -> None:
     model = torch_module(family)
     x = torch.from_numpy(sample_batch(family, 2, seed=1)[0])  # batch 2: a batch of 1 would be specialized
     with _quiet():
         if exporter == "dynamo":
             torch.onnx.export(
-                model, (x,), str(path), input_names=["x"], output_names=["logits"], dynamo=True,
+                model, (x,), str(path), input_names=["x"], output_names=["logits"], dynamo=True, opset_version=opset,
                 dynamic_shapes={"x": {0: torch.export.Dim("batch")}}, external_data=True, verbose=False,
             )
         else:
             torch.onnx.export(
-                model, (x,), str(path), input_names=["x"], output_names=["logits"], dynamo=False,
+                model, (x,), str(path), input_names=["x"], output_names=["logits"], dynamo=False, opset_version=opset,
                 dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
             )
 
 
-def export(family: str, exporter: Exporter, directory: Path | None = None) -> Path:
+def export(family: str, exporter: Exporter, directory: Path | None = None, opset: int | None = None) -> Path:
     """`torch_module(family)` exported to ONNX: input `x`, output `logits`, dynamic batch, the
-    exporter's default opset. Returns the .onnx path (dynamo: its weights in `<name>.onnx.data`
+    exporter's default opset unless `opset` says another. Returns the .onnx path (dynamo: its weights in `<name>.onnx.data`
     beside it).
 
     Cached in `directory` (default: `default_export_dir()`) under `<family>-<exporter>-<recipe>/`,
@@ -393,7 +393,7 @@ def export(family: str, exporter: Exporter, directory: Path | None = None) -> Pa
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     root = Path(directory) if directory is not None else default_export_dir()
-    entry = root / f"{family}-{exporter}-{_recipe()}"
+    entry = root / f"{family}-{exporter}{'' if opset is None else f'-opset{opset}'}-{_recipe()}"
     path = entry / f"{family}.onnx"
     if path.exists():
         return path
@@ -401,7 +401,7 @@ def export(family: str, exporter: Exporter, directory: Path | None = None) -> Pa
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     try:
-        _export_to(family, exporter, staging / path.name)
+        _export_to(family, exporter, staging / path.name, opset)
         try:
             staging.rename(entry)
         except OSError:
