@@ -21,7 +21,7 @@ from .graph import check_importable
 from .measure import capacity
 from .model import Model, load_model
 from .outdir import prepare_out_dir, study_storage_writes
-from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, read_plan, select, write_plan_dir
+from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, model_files, read_plan, select, write_plan_dir
 from .report import content as report_content
 from .report import html as report_html
 from .report import markdown
@@ -108,6 +108,7 @@ def plan(
     hw = resolve_target(target, tracker, key)
     sp = load_space(space).for_target(hw.precisions).for_model(m)
     layer_names = sp.layer_names(m)
+    model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
 
@@ -227,6 +228,7 @@ def measure(
     dataset = load_dataset(data, m)
     hw = resolve_target(target, tracker, key)
     candidate = load_scheme(scheme).candidate(m)
+    model_files(m)
     if candidate.precision not in hw.precisions:
         raise BadInput(
             f"scheme {Path(scheme).name} trains in {candidate.precision}; target {hw.name} supports only "
@@ -352,7 +354,7 @@ def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: 
     write_plan_dir(
         out,
         plan,
-        files={STEP_LIBRARY: compiled.library, MODEL_FILE: model.path, **model.data_paths},
+        files={STEP_LIBRARY: compiled.library, **model_files(model)},
         weights=model.initializers,
         texts={
             "report.md": markdown.render(content),

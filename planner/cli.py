@@ -212,6 +212,7 @@ def inspect(
             "output_shape": list(layer.output_shape),
             "trainable": layer.trainable,
             "reason": layer.problem,
+            "shared_by": list(layer.shared_by),
         }
         for layer in m.layers
     ]
@@ -225,7 +226,8 @@ def inspect(
     for col in ("op", "parameters", "bytes", "output", "trainable"):
         table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
     for layer, r in zip(m.layers, rows):
-        cells = (r["layer"], r["op"], _param_roles(layer), f"{r['param_bytes']:,}", str(tuple(r["output_shape"])),
+        op = f"{r['op']} ×{1 + len(layer.shared_by)} (shared)" if layer.shared_by else r["op"]
+        cells = (r["layer"], op, _param_roles(layer), f"{r['param_bytes']:,}", str(tuple(r["output_shape"])),
                  "yes" if r["trainable"] else f"no: {r['reason']}")
         table.add_row(*map(escape, cells))
     stdout.print(table)

@@ -174,7 +174,7 @@ class Evaluator:
             record("fail_reason", str(exc))
             raise CandidateFailed(str(exc)) from None
         except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
-            reason = f"{type(exc).__name__}: {last_line(exc)}"
+            reason = f"{type(exc).__name__}: {last_line(exc)}" if str(exc).strip() else type(exc).__name__
             log.debug("%s: failed", _label(candidate), exc_info=True)
             record("fail_reason", reason)
             raise CandidateFailed(reason) from exc

@@ -29,6 +29,16 @@ _MAX_FOLDED_ELEMENTS = 1 << 20
 _NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
 
 
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """Every tensor name a node reads: its inputs, and what the bodies of its subgraphs (an If's
+    branches, a Loop's body) read from outside them."""
+    names = list(node.input)
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+            names += [name for inner in sub.node for name in _reads(inner)]
+    return names
+
+
 def name_nodes(graph: onnx.GraphProto) -> None:
     """Give every unnamed (or duplicate-named) node a name: planner addresses nodes by name."""
     seen: set[str] = set()
@@ -59,7 +69,7 @@ def untie_identities(graph: onnx.GraphProto) -> None:
         return
     del graph.node[:]
     graph.node.extend(kept)
-    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    used = {name for node in graph.node for name in _reads(node)} | {o.name for o in graph.output}
     for tensor in [t for t in graph.initializer if t.name not in used]:
         graph.initializer.remove(tensor)
 
@@ -84,6 +94,15 @@ def _static_shapes(proto: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], 
 def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
     """The element type (`onnx.TensorProto.FLOAT`, …) of every tensor shape inference can type."""
     return _static_shapes(proto)[1]
+
+
+def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The value of every tensor a `Constant` node of `graph` holds (as `for_import` writes them)."""
+    return {
+        node.output[0]: numpy_helper.to_array(node.attribute[0].t)
+        for node in graph.node
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"
+    }
 
 
 def _shape_value(node: onnx.NodeProto, shape: tuple[int, ...]) -> np.ndarray:
@@ -153,7 +172,7 @@ def _fold_constants(proto: onnx.ModelProto, values: dict[str, np.ndarray], opset
         else:
             folded_any = folded_any or node.op_type != "Constant"
             values.update(zip(node.output, folded))
-    needed = [n for n in dict.fromkeys(i for node in kept for i in node.input) if n in values]
+    needed = [n for n in dict.fromkeys(i for node in kept for i in _reads(node)) if n in values]
     needed += [o.name for o in g.output if o.name in values and o.name not in needed]
     del g.node[:]
     g.node.extend([_constant(n, values[n]) for n in needed] + kept)

@@ -1,118 +1,19 @@
-"""Which ONNX ops planner can train through, and which layers that makes trainable.
+"""Gradients TVM 0.27 lacks, or keeps more memory for, registered with Relax's own mechanism.
 
-TVM's Relax gradient pass knows a fixed set of ops; an ONNX model lowers to them through the ONNX
-frontend. The table below lists the ONNX ops whose lowering planner has *verified* against finite
-differences (tests/test_gradients.py); anything else is refused by name before any compile, so a
-user learns which node blocks which layer instead of reading a TVM traceback.
-
-A layer is trainable when its own op has a parameter gradient and every node between it and the
-model output passes a gradient to its input: ops upstream of every trainable layer need none.
+Each is checked against float64 finite differences (tests/test_gradients.py) and, in the models
+PyTorch exports, against PyTorch autograd (tests/test_pytorch_families.py). `register()` installs
+them; the training graph builder calls it before differentiating.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 
-import onnx
 import tvm
 from tvm import relax
 from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad
 
-# ONNX ops whose lowering passes a gradient from output to (data) input.
-PASSES_GRADIENT: frozenset[str] = frozenset(
-    {
-        "Add",
-        "AveragePool",
-        "BatchNormalization",
-        "Clip",
-        "Concat",
-        "Conv",
-        "Div",
-        "Erf",
-        "Expand",
-        "Flatten",
-        "Gather",
-        "Gelu",
-        "Gemm",
-        "GlobalAveragePool",
-        "HardSigmoid",
-        "HardSwish",
-        "Identity",
-        "LayerNormalization",
-        "MatMul",
-        "MaxPool",
-        "Mul",
-        "ReduceMean",
-        "Relu",
-        "Reshape",
-        "Sigmoid",
-        "Slice",
-        "Softmax",
-        "Split",
-        "Squeeze",
-        "Sub",
-        "Tanh",
-        "Transpose",
-        "Unsqueeze",
-        "Where",
-    }
-)
-
-# ONNX ops whose parameters (initializer inputs) planner can train.
-HAS_PARAM_GRADIENT: frozenset[str] = frozenset(
-    {"Add", "BatchNormalization", "Concat", "Conv", "Expand", "Gather", "Gemm", "LayerNormalization", "MatMul", "Mul", "Sub"}
-)
-
-
-def node_gradient_problem(node: onnx.NodeProto) -> str | None:
-    """Why a gradient cannot flow through `node`, or None when it can."""
-    if node.op_type not in PASSES_GRADIENT:
-        return f"node '{node.name}' ({node.op_type}) has no gradient in planner"
-    return None
-
-
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
-
-
-def blocking_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str], types: Mapping[str, int]) -> dict[str, str]:
-    """For each node, the first problem on its path to the model output ('' when none).
-
-    Walks the graph backwards from the outputs: a node is blocked when any consumer of its output
-    is blocked or cannot pass a gradient itself. No gradient flows along an integer or boolean
-    tensor (an index, a mask), so such edges block nothing.
-    """
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in nodes:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    result: dict[str, str] = {}
-    for node in reversed(nodes):  # ONNX nodes are topologically sorted
-        problem = ""
-        for out in node.output:
-            if types.get(out, onnx.TensorProto.FLOAT) not in _FLOAT_TYPES:
-                continue
-            for user in consumers.get(out, []):
-                problem = problem or result[user.name] or (node_gradient_problem(user) or "")
-        result[node.name] = problem
-    return result
-
-
-def layer_problem(nodes: Sequence[onnx.NodeProto], downstream: Mapping[str, str]) -> str | None:
-    """Why the parameters a layer's `nodes` take cannot be trained, or None when they can."""
-    for node in nodes:
-        if node.op_type not in HAS_PARAM_GRADIENT:
-            return f"node '{node.name}' ({node.op_type}) has no parameter gradient in planner"
-        own = node_gradient_problem(node)
-        if own:
-            return own
-    return next((downstream[n.name] for n in nodes if downstream.get(n.name)), None)
-
-
-# --- Gradients TVM 0.27 lacks, or keeps more memory for, registered with Relax's own mechanism ----
-# Each is checked against float64 finite differences in tests/test_gradients.py.
-#
 # ReLU and Clip (ReLU6) take their mask from the output, as PyTorch's in-place ReLU does: TVM's
 # own ReLU gradient reads the input, so the backward pass kept every pre-activation alive next to
 # the activation itself — one activation tensor too many per ReLU, and the input of a fused
@@ -181,7 +82,6 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return _TVM_CONV2D_GRAD(orig_var, orig_call, output_grad, ctx)
 
 
-
 def _shape(expr: relax.Expr) -> list[int]:
     return [int(d) for d in expr.ty.shape]
 
@@ -198,87 +98,113 @@ def _ints(expr: relax.Expr) -> list[int]:
 
 
 def _strided_slice_grad(orig_var, orig_call, output_grad, ctx):
-    """y = x[begin:end:stride] along `axes`: dy/dx is the output gradient placed back where the
-    slice came from, zeros elsewhere — padding for unit strides, a scatter per strided axis."""
+    """y = x[begin:end:step] along `axes`: dy/dx is the output gradient put back where the slice
+    came from, zeros elsewhere. Built from reshapes and padding only: along a strided axis each
+    gradient value gets `step - 1` zeros after it (a unit axis padded, then merged), the run is
+    cut or padded to the slice's end, then padded by its start. (TVM's slice_scatter would read
+    past the end of its source for an even-sized `x[..., ::2]`.)"""
     x, axes, begin, end, *rest = orig_call.args
     shape = _shape(x)
-    strides = _ints(rest[0]) if rest else [1] * len(_ints(axes))
+    steps = _ints(rest[0]) if rest else [1] * len(_ints(axes))
     grad = output_grad
-    pad = [0] * (2 * len(shape))
-    for axis, b, e, s in zip(_ints(axes), _ints(begin), _ints(end), strides):
+    current = _shape(output_grad)  # the shape of `grad` as each axis is put back
+    for axis, b, e, step in zip(_ints(axes), _ints(begin), _ints(end), steps):
         axis %= len(shape)
-        if s < 1:
+        if step < 1:
             raise ValueError("planner has no gradient for a reversing slice (negative step)")
         start = min(max(b + shape[axis] if b < 0 else b, 0), shape[axis])
         stop = min(max(e + shape[axis] if e < 0 else e, 0), shape[axis])
-        taken = len(range(start, stop, s))
-        if s == 1:
-            pad[2 * axis], pad[2 * axis + 1] = start, shape[axis] - start - taken
-            continue
-        full = _shape(grad)
-        full[axis] = shape[axis]
-        zeros = relax.op.zeros(full, x.ty.dtype)
-        grad = ctx.normalize(relax.op.slice_scatter(zeros, grad, start, start + (taken - 1) * s + 1, s, axis))
-    if any(pad):
-        grad = relax.op.nn.pad(grad, pad)
+        taken = len(range(start, stop, step))
+        if step > 1 and taken > 0:  # value k at position k * step
+            spread = [0] * (2 * (len(current) + 1))
+            spread[2 * (axis + 1) + 1] = step - 1
+            grad = relax.op.nn.pad(relax.op.expand_dims(grad, axis + 1), spread)
+            current[axis] = taken * step
+            grad = relax.op.reshape(grad, current)
+        run = min(current[axis], shape[axis] - start)  # the last value's trailing zeros may overhang
+        if run < current[axis]:
+            grad = relax.op.strided_slice(grad, axes=[axis], begin=[0], end=[run])
+        pad = [0] * (2 * len(shape))
+        pad[2 * axis], pad[2 * axis + 1] = start, shape[axis] - start - run
+        if any(pad):
+            grad = relax.op.nn.pad(grad, pad)
+        current[axis] = shape[axis]
     return [grad, no_grad(axes), no_grad(begin), no_grad(end), *(no_grad(r) for r in rest)]
 
 
 def _take_grad(orig_var, orig_call, output_grad, ctx):
-    """y = take(x, indices, axis). A scalar index (a class-token select, `qkv[0]`) puts the
-    gradient back as one slice, zero-padded; an index tensor of any rank is flattened to the
+    """y = take(x, indices, axis). A constant scalar index (a class-token select, `qkv[0]`) puts
+    the gradient back as one slice, zero-padded; an index tensor of any rank is flattened to the
     one-dimensional form TVM's scatter-add (`take_backward`) accepts."""
     x, indices = orig_call.args
     shape = _shape(x)
-    axis = int(orig_call.attrs.axis) % len(shape) if orig_call.attrs.axis is not None else None
-    if axis is None:  # take over the flattened tensor
-        flat = relax.op.reshape(x, [-1])
-        grad = relax.op.grad.take_backward(relax.op.reshape(output_grad, [-1]), flat, relax.op.reshape(indices, [-1]), 0)
-        return [relax.op.reshape(grad, shape), no_grad(indices)]
+    axis = int(orig_call.attrs.axis) % len(shape)  # the ONNX frontend always gives one
     index_shape = _shape(indices)
     if not index_shape and isinstance(indices, tvm.ir.Constant):
         i = int(indices.value.numpy()) % shape[axis]
         pad = [0] * (2 * len(shape))
         pad[2 * axis], pad[2 * axis + 1] = i, shape[axis] - i - 1
         return [relax.op.nn.pad(relax.op.expand_dims(output_grad, axis), pad), no_grad(indices)]
-    count = 1
-    for d in index_shape:
-        count *= d
+    count = math.prod(index_shape)
     grad = relax.op.reshape(output_grad, [*shape[:axis], count, *shape[axis + 1 :]])
-    return [relax.op.grad.take_backward(grad, x, relax.op.reshape(indices, [count]), axis), no_grad(indices)]
+    flat = relax.op.clip(relax.op.reshape(indices, [count]), 0, shape[axis] - 1)  # as the forward clamps them
+    return [relax.op.grad.take_backward(grad, x, flat, axis), no_grad(indices)]
 
 
 def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
-    """y = (x - mean) * rstd * gamma + beta over `axes`, mean and rstd recomputed from x:
-    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma; dgamma and dbeta are
-    dy * xhat and dy summed over the other axes."""
+    """y = (x - mean) * rstd * gamma + beta over the trailing `axes`, mean and rstd recomputed
+    from x (in float32, whatever x is: a half-precision variance overflows): dx = rstd * (g -
+    mean(g) - xhat * mean(g * xhat)) with g = dy * gamma; dgamma and dbeta are dy * xhat and dy
+    summed over the leading axes. TVM's lowering always scales by gamma and shifts by beta
+    (whatever the `scale`/`center` flags say), and so does this gradient."""
     x, gamma, beta = orig_call.args
-    a = orig_call.attrs
     rank = len(_shape(x))
-    axes = sorted(int(d) % rank for d in a.axes)
+    axes = sorted(int(d) % rank for d in orig_call.attrs.axes)
+    if axes != list(range(rank - len(axes), rank)):
+        raise ValueError(f"planner's layer_norm gradient normalises trailing axes only, not {axes}")
     dtype = x.ty.dtype
-    mean = relax.op.mean(x, axes, keepdims=True)
-    centred = x - mean
-    rstd = relax.op.rsqrt(relax.op.mean(centred * centred, axes, keepdims=True) + relax.const(float(a.epsilon), dtype))
+
+    def f32(e: relax.Expr) -> relax.Expr:
+        return e if dtype == "float32" else relax.op.astype(e, "float32")
+
+    xf, dy = f32(x), f32(output_grad)
+    mean = relax.op.mean(xf, axes, keepdims=True)
+    centred = xf - mean
+    eps = relax.const(float(orig_call.attrs.epsilon), "float32")
+    rstd = relax.op.rsqrt(relax.op.mean(centred * centred, axes, keepdims=True) + eps)
     xhat = centred * rstd
-    g = output_grad * gamma if a.scale else output_grad
+    g = dy * f32(gamma)
     dx = rstd * (g - relax.op.mean(g, axes, keepdims=True) - xhat * relax.op.mean(g * xhat, axes, keepdims=True))
-    others = [d for d in range(rank) if d not in axes]
-    dgamma = relax.op.reshape(relax.op.sum(output_grad * xhat, others), _shape(gamma))
-    dbeta = relax.op.reshape(relax.op.sum(output_grad, others), _shape(beta))
-    return [dx, dgamma if a.scale else no_grad(gamma), dbeta if a.center else no_grad(beta)]
+    leading = list(range(rank - len(axes)))
+    dgamma = relax.op.reshape(relax.op.sum(dy * xhat, leading), _shape(gamma))
+    dbeta = relax.op.reshape(relax.op.sum(dy, leading), _shape(beta))
+
+    def back(e: relax.Expr, like: relax.Expr) -> relax.Expr:
+        return e if like.ty.dtype == "float32" else relax.op.astype(e, like.ty.dtype)
+
+    return [back(dx, x), back(dgamma, gamma), back(dbeta, beta)]
 
 
-for _op, _grad in (
-    ("relax.clip", _clip_grad),
-    ("relax.erf", _erf_grad),
-    ("relax.nn.gelu", _gelu_grad),
-    ("relax.squeeze", _squeeze_grad),
-    ("relax.strided_slice", _strided_slice_grad),
-    ("relax.nn.layer_norm", _layer_norm_grad),
-):
-    if tvm.ir.Op.get(_op).get_attr("FPrimalGradient") is None:
-        register_gradient(_op, _grad)
-register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)
-register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
-register_gradient("relax.take", _take_grad, level=11)  # TVM's takes one-dimensional indices only
+_REGISTERED = False
+
+
+def register() -> None:
+    """Install planner's gradients into Relax (once per process): those TVM 0.27 lacks, and its
+    own ReLU, conv2d and take gradients replaced (see each function for why)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    for op, grad in (
+        ("relax.clip", _clip_grad),
+        ("relax.erf", _erf_grad),
+        ("relax.nn.gelu", _gelu_grad),
+        ("relax.squeeze", _squeeze_grad),
+        ("relax.strided_slice", _strided_slice_grad),
+        ("relax.nn.layer_norm", _layer_norm_grad),
+    ):
+        if tvm.ir.Op.get(op).get_attr("FPrimalGradient") is None:
+            register_gradient(op, grad)
+    register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)
+    register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
+    register_gradient("relax.take", _take_grad, level=11)  # TVM's takes one-dimensional indices only
+    _REGISTERED = True

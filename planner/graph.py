@@ -25,6 +25,7 @@ from tvm.relax.training import SetupTrainer
 from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
+from . import grads
 from .errors import BadInput, CandidateFailed, last_line
 from .model import Model
 from .space import Candidate, split_mode
@@ -76,7 +77,7 @@ class StepSignature:
 
 
 _IMPORTED: dict[tuple[str, int], relax.Function] = {}
-_CHECK_BATCH = 2  # the batch `check_importable` imports at; the graph is the same for every batch
+_CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must read are the same at any batch
 
 
 def check_importable(model: Model) -> None:
@@ -158,9 +159,10 @@ class _ClampAsClip(relax.PyExprMutator):
 class _ClampedTake(relax.PyExprMutator):
     """`take(…, mode="fast")` -> `mode="clip"`.
 
-    The ONNX frontend gathers in "fast" mode, whose lowering prints a warning on every compile
-    (out-of-range indices would crash it); planner's gathers index with constants folded from
-    the graph (a class token, `qkv[0]`), so clamping them costs nothing and says nothing."""
+    The ONNX frontend gathers in "fast" mode: an index out of range reads (and its gradient
+    writes) out of bounds, and its lowering prints a warning on every compile saying so. The
+    gathers of exported classifiers index with constants (a class token, `qkv[0]`); clamping
+    costs a min and a max per index and makes any other safe."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
@@ -291,6 +293,7 @@ def _fill(tensor) -> float:
 
 def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
     """The candidate's training module (unlegalized) and the signature of its step."""
+    grads.register()
     trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)}
     splits = _channel_splits(model, candidate)
     names = list(model.initializers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -18,9 +18,9 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from .errors import BadInput, first_line
-from .fixups import for_import, name_nodes, tensor_types, untie_identities
-from .grads import blocking_nodes, layer_problem
+from .fixups import constant_values, for_import, name_nodes, tensor_types, untie_identities
 from .names import layer_name, standalone_name
+from .trainability import blocking_nodes, layer_problem
 
 # Which inputs of an op are its weight and its bias; other parameters it takes are frozen buffers.
 _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
@@ -30,7 +30,7 @@ _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
     "BatchNormalization": (1, 2),  # scale, bias; running mean/var (3, 4) stay frozen
     "LayerNormalization": (1, 2),  # scale, bias
 }
-# The batch the layer table is analysed at: any batch gives the same graph once shapes are folded.
+# The batch the layer table is analysed at: the ops left once shapes are folded are the same at any batch.
 _ANALYSIS_BATCH = 1
 
 
@@ -51,6 +51,9 @@ class Layer:
     output_shape: tuple[int | str, ...]
     problem: str | None  # why planner cannot train it; None when it can
     out_axis: int | None = None  # the weight's output-channel axis (Conv, Gemm, MatMul)
+    # other nodes the ONNX file gives the same parameters (tied weights, or equal tensors the
+    # exporter stored once): they train together, the gradient summed over every use
+    shared_by: tuple[str, ...] = ()
 
     @property
     def trainable(self) -> bool:
@@ -81,7 +84,6 @@ class Model:
     n_classes: int
     parameters: tuple[str, ...]  # initializers that are parameters, in graph order
     layers: list[Layer]
-    _imports: dict[int, onnx.ModelProto] = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def initializers(self) -> dict[str, np.ndarray]:
@@ -95,10 +97,9 @@ class Model:
         return {location: self.path.parent / location for location in self.data_files}
 
     def import_proto(self, batch: int) -> onnx.ModelProto:
-        """The graph as TVM imports it for a step of `batch` samples (see `planner.fixups`)."""
-        if batch not in self._imports:
-            self._imports[batch] = for_import(self.proto, batch, set(self.parameters))
-        return self._imports[batch]
+        """The graph as TVM imports it for a step of `batch` samples (see `planner.fixups`): a
+        fresh copy, weights included, for the importer to read once."""
+        return for_import(self.proto, batch, set(self.parameters))
 
     def layer(self, name: str) -> Layer:
         """A layer by its name, or by the name of an ONNX node in it."""
@@ -109,7 +110,6 @@ class Model:
             if name in layer.nodes:
                 return layer
         raise BadInput(f"model has no layer named {name!r} (see `planner inspect {self.path}`)")
-
 
 
 def load_model(path: str | Path) -> Model:
@@ -157,7 +157,7 @@ def load_model(path: str | Path) -> Model:
         raise BadInput(f"{path}: output '{graph.output[0].name}' must be logits of shape [batch, classes]")
     parameters = _parameters(graph)
     return Model(
-        path=path.resolve(),
+        path=path.absolute(),  # not resolved: its data files are beside the path given, a link included
         proto=proto,
         sha256=digest.hexdigest(),
         data_files=tuple(data_files),
@@ -176,20 +176,33 @@ def _external_data(proto: onnx.ModelProto, path: Path) -> list[str]:
     locations = sorted(
         {
             entry.value
-            for tensor in external_data_helper._get_all_tensors(proto)
+            for tensor in _tensors(proto.graph)
             if external_data_helper.uses_external_data(tensor)
             for entry in tensor.external_data
             if entry.key == "location"
         }
     )
-    folder = path.parent.resolve()
     for location in locations:
-        file = (folder / location).resolve()
-        if Path(location).is_absolute() or not file.is_relative_to(folder):
+        file = path.parent / location
+        if Path(location).is_absolute() or ".." in Path(location).parts:
             raise BadInput(f"{path}: external data '{location}' lies outside the model's folder; planner reads only files beside the model")
+        if file.is_symlink():  # onnx refuses links too: one could point anywhere
+            raise BadInput(f"{path}: external data '{location}' is a symbolic link; copy the file itself beside the model")
         if not file.is_file():
             raise BadInput(f"{path}: its weights are in '{location}', which is missing beside it (copy it next to {path.name})")
     return locations
+
+
+def _tensors(graph: onnx.GraphProto):
+    """Every tensor a graph holds: initializers and Constant values, subgraphs' included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+            yield from attr.tensors
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                yield from _tensors(sub)
 
 
 def _parameters(graph: onnx.GraphProto) -> tuple[str, ...]:
@@ -210,12 +223,12 @@ def _parameters(graph: onnx.GraphProto) -> tuple[str, ...]:
 def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str) -> list[Layer]:
     """The layer table, read off the graph as TVM will see it (shapes folded), so a layer is
     called trainable only when nothing but real computation lies between it and the logits."""
-    analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters))
-    graph = analysed.graph
     try:
+        analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters))
         types = tensor_types(analysed)
-    except Exception as exc:
+    except Exception as exc:  # onnx's shape inference and reference ops raise assorted types
         raise BadInput(f"ONNX shape inference failed: {first_line(exc)}") from None
+    graph = analysed.graph
     shapes = _display_shapes(proto, analysed)
     inits = {t.name: t for t in graph.initializer}
     params = set(parameters)
@@ -223,14 +236,16 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    downstream = blocking_nodes(list(graph.node), [o.name for o in graph.output], types)
-    claimed: set[str] = set()
+    constants = constant_values(graph)
+    downstream = blocking_nodes(list(graph.node), [o.name for o in graph.output], types, constants)
+    claimed: dict[str, int] = {}  # parameter -> the layer (index) that owns it
     taken: set[str] = set()
     layers: list[Layer] = []
+    shared: dict[int, list[onnx.NodeProto]] = {}  # layer -> further nodes using its parameters
 
     def add(nodes: list[onnx.NodeProto], weight: str | None, bias: str | None, buffers: tuple[str, ...], name: str, out_axis: int | None) -> None:
         owned = [p for p in (weight, bias, *buffers) if p]
-        claimed.update(owned)
+        claimed.update(dict.fromkeys(owned, len(layers)))
         taken.add(name)
         param_shapes = {n: tuple(inits[n].dims) for n in owned}
         layers.append(
@@ -244,13 +259,17 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
                 param_shapes=param_shapes,
                 param_bytes=sum(math.prod(s) * 4 for s in param_shapes.values()),
                 output_shape=shapes.get(nodes[-1].output[0], ()),
-                problem=layer_problem(nodes, downstream) if (weight or bias) else f"'{name}' ({nodes[0].op_type}) has no trainable parameters",
+                problem=layer_problem(nodes, downstream, constants) if (weight or bias) else f"'{name}' ({nodes[0].op_type}) has no trainable parameters",
                 out_axis=out_axis if weight else None,
             )
         )
 
+    by_name = {n.name: n for n in graph.node}
     for node in graph.node:
-        own = [n for n in node.input if n in params and n not in claimed]
+        for owner in dict.fromkeys(claimed[n] for n in node.input if n in claimed):
+            if node.name not in layers[owner].nodes:  # a second use of a layer's parameters
+                shared.setdefault(owner, []).append(node)
+        own = list(dict.fromkeys(n for n in node.input if n in params and n not in claimed))
         if not own:
             continue
         if node.op_type not in _WEIGHT_BIAS_SLOTS:
@@ -263,7 +282,7 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
         bias = _slot(node, b_slot, own)
         nodes = [node]
         if node.op_type == "MatMul" and weight:
-            follower = _bias_add(node, consumers, params - claimed, inits)
+            follower = _bias_add(node, consumers, params - set(claimed), inits)
             if follower is not None:  # a Linear: MatMul, then the Add of its bias
                 add_node, bias = follower
                 nodes.append(add_node)
@@ -272,6 +291,11 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
         if node.op_type == "Gemm":
             out_axis = 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
         add(nodes, weight, bias, buffers, layer_name(nodes, [p for p in (weight, bias) if p], taken), out_axis)
+    for i, others in shared.items():  # a tied layer trains only if every use passes a gradient
+        layer = layers[i]
+        uses = [by_name[n] for n in layer.nodes] + others
+        problem = layer_problem(uses, downstream, constants) if layer.weight or layer.bias else layer.problem
+        layers[i] = replace(layer, nodes=layer.nodes + tuple(n.name for n in others), shared_by=tuple(n.name for n in others), problem=problem)
     return layers
 
 
@@ -323,7 +347,7 @@ def save_onnx(model: Model, weights: dict[str, np.ndarray], path: str | Path) ->
     if model.data_files:
         data = path.with_name(f"{path.name}.data")
         data.unlink(missing_ok=True)  # onnx appends to an existing data file
-        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
+        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=0)
         data.chmod(path.stat().st_mode & 0o777)  # onnx creates it private (0600); it is the model, as readable
     else:
         onnx.save(proto, str(path))

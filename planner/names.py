@@ -10,7 +10,9 @@ node name an exporter happened to write. Each exporter leaves the module path so
   each node by its module path (`/features/features.0/features.0.0/Conv`).
 
 `layer_name` tries them in that order, so one architecture gets the same layer names from
-either exporter.
+either exporter — as long as the file keeps each parameter apart: the dynamo exporter stores
+equal tensors once (fresh LayerNorms, say), and one tensor used by several nodes is one layer
+(`Layer.shared_by`).
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.npz"
 STEP_LIBRARY = "train_step.so"
 MODEL_FILE = "model.onnx"
+# every name a plan directory holds (the reports and the study database too): a model's external
+# data file, copied in beside model.onnx, must not be one of them
+RESERVED_NAMES = frozenset({PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, "report.md", "report.html", "trials.json", "study.db"})
 Policy = Literal["memory", "latency", "accuracy"]
 
 
@@ -252,6 +255,15 @@ def versions() -> dict:
     }
 
 
+def model_files(model: Model) -> dict[str, Path]:
+    """The files of `model` as a plan directory holds them: model.onnx and, under the names the
+    model gives them, its external data files. BadInput when one would overwrite a plan file."""
+    clash = sorted(set(model.data_files) & RESERVED_NAMES)
+    if clash:
+        raise BadInput(f"{model.path.name}: its external data file is named {clash[0]}, a name the plan directory uses; rename it (and re-save the model)")
+    return {MODEL_FILE: model.path, **model.data_paths}
+
+
 def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> None:
     """Write plan.json, copies of `files`, weights.npz and `texts` atomically into `out`.
 
@@ -267,8 +279,6 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
     tmp, current, placing = None, None, False
     try:
         tmp = Path(tempfile.mkdtemp(dir=out, prefix=".plan-"))
-        if reserved := sorted(set(files) & ({PLAN_FILE, WEIGHTS_FILE} | set(texts))):
-            raise BadInput(f"cannot write the plan: the model's external data is named {reserved[0]}, a name the plan directory uses")
         for name, source in files.items():
             current = name
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,7 @@ Block = s_tir.schedule.SBlockRV
 def _loops(sch: s_tir.Schedule, block: Block, kinds: str) -> tuple[list[Loop], list[Loop]]:
     """The block's (spatial, reduction) loops, given its iteration kinds ("S"/"R" per loop)."""
     loops = sch.get_loops(block)[-len(kinds):]
-    return [l for l, k in zip(loops, kinds) if k == "S"], [l for l, k in zip(loops, kinds) if k == "R"]
+    return [lp for lp, k in zip(loops, kinds) if k == "S"], [lp for lp, k in zip(loops, kinds) if k == "R"]
 
 
 def _vector_tail(sch: s_tir.Schedule, loop: Loop, cap: int) -> None:
@@ -144,7 +144,7 @@ def _lane_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block |
     spatial, reduce = _loops(sch, block, kinds)
     sblock = sch.get(block)
     axes = [iv.var.name for iv, k in zip(sblock.iter_vars, kinds) if k == "S"]
-    if epilogue is not None and [_extent(sch, l) for l in sch.get_loops(epilogue)] != [_extent(sch, l) for l in spatial]:
+    if epilogue is not None and [_extent(sch, lp) for lp in sch.get_loops(epilogue)] != [_extent(sch, lp) for lp in spatial]:
         raise RuntimeError("the epilogue reads part of the output")  # e.g. a strided slice of it
     reads = list(sblock.reads)
     if not reads:
@@ -210,7 +210,7 @@ def _taps_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block |
         raise RuntimeError("not a 2-D transposed convolution")
     n, c, y, x = spatial
     extent = [_extent(sch, loop) or 0 for loop in (n, c, y, x)]
-    if epilogue is not None and [_extent(sch, l) for l in sch.get_loops(epilogue)] != extent:
+    if epilogue is not None and [_extent(sch, lp) for lp in sch.get_loops(epilogue)] != extent:
         raise RuntimeError("the epilogue reads part of the output")
     lanes = _lanes(extent[1], cap)
     if extent[2] % strides[0] or extent[3] % strides[1]:

@@ -156,10 +156,11 @@ class SearchSpace(_Strict):
         (each must be trainable), else every layer planner can train (see `excluded_layers`)."""
         if self.layers is None:
             names = [layer.name for layer in model.layers if (layer.weight or layer.bias) and layer.trainable]
-            if not names and model.layers:
-                raise UnsupportedOp(f"no layer of {model.path.name} can be trained: {model.layers[-1].problem}")
-        else:
-            names = [model.layer(n).name for n in self.layers]
+            blocked = [layer.problem for layer in model.layers if layer.weight or layer.bias]
+            if not names and blocked:
+                raise UnsupportedOp(f"no layer of {model.path.name} can be trained: {blocked[-1]}")
+        else:  # a layer named twice (by its name and an ONNX node's) is one layer
+            names = list(dict.fromkeys(model.layer(n).name for n in self.layers))
         for name in names:
             problem = model.layer(name).problem
             if problem:

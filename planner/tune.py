@@ -92,17 +92,23 @@ def _export(toolchain: str | None, mod: tvm.runtime.Module) -> str:
     return str(path)
 
 
+# MetaSchedule's builder processes import TVM's tensor intrinsics before their first build: 20-45 s
+# on this 2-core host, under load, against a default timeout of 30 s that failed every trial.
+BUILD_TIMEOUT_S = 180.0
+
+
 def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, object]:
     """MetaSchedule's builder and runner: on this machine, or — for a target behind a tracker —
     candidate kernels built here and timed on a board of the target's key."""
     if rpc is None:
-        return "local", "local"
+        return ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S), "local"
     host, port = rpc.address
     config = ms.runner.RPCConfig(
         tracker_host=host, tracker_port=port, tracker_key=rpc.key,
         session_priority=rpc.priority, session_timeout_sec=rpc.session_timeout_s,
     )
-    return ms.builder.LocalBuilder(f_export=functools.partial(_export, toolchain)), ms.runner.RPCRunner(config)
+    builder = ms.builder.LocalBuilder(f_export=functools.partial(_export, toolchain), timeout_sec=BUILD_TIMEOUT_S)
+    return builder, ms.runner.RPCRunner(config)
 
 
 def tune(

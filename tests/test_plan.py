@@ -97,7 +97,7 @@ def test_over_budget_candidates_are_infeasible_and_never_chosen(tiny_model, tiny
     model = load_model(tiny_model)
     host = tvm.target.Target({"kind": "llvm"})
     small = compile_candidate(model, Candidate((("fc", "bias"),), 4, "sgd", 0.1), host).memory.total
-    big = compile_candidate(model, Candidate(tuple((l.name, "full") for l in model.layers), 4, "sgd", 0.1), host).memory.total
+    big = compile_candidate(model, Candidate(tuple((layer.name, "full") for layer in model.layers), 4, "sgd", 0.1), host).memory.total
     budget = (small + big) // 2
     target = tmp_path / "tight.yaml"
     target.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: {budget}\n")
