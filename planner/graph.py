@@ -463,6 +463,12 @@ def _function(name: str, params: list[relax.Var], bindings: list, output: relax.
     return bb.get()[name]
 
 
+def _undifferentiable(binding: relax.VarBinding) -> bool:
+    """Whether a binding calls an op Relax has no gradient for."""
+    value = binding.value
+    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.get_attr("FPrimalGradient") is None
+
+
 def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Function | None, relax.Function]:
     """`func(x, *frozen, *trainable)` split where the trainable parameters first come in: the
     prefix `(x, *frozen) -> (t1, …, tk)` computes every tensor that does not depend on a trainable
@@ -471,7 +477,8 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
     Why: Relax's gradient pass asks every op between the input and the loss for its gradient, even
     where no parameter lies upstream. A model with an op planner cannot differentiate (a Floor,
     an argmax) can still train every layer after it, once the ops before the first trained layer
-    are outside the differentiated function. Returns (None, func) when there is nothing to split off.
+    are outside the differentiated function. Returns (None, func) when the prefix needs no
+    splitting off (every op in it has a gradient: the step is then exactly what Relax builds).
     """
     blocks = func.body.blocks
     if len(blocks) != 1 or not all(isinstance(b, relax.VarBinding) for b in blocks[0].bindings):
@@ -485,7 +492,7 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
             depends.add(b.var)
     before = [b for b in bindings if b.var not in depends]
     after = [b for b in bindings if b.var in depends]
-    if not before:
+    if not any(map(_undifferentiable, before)):  # the usual case: the step stays as Relax builds it
         return None, func
     used = {v for b in after for v in relax.analysis.free_vars(b.value)} | set(relax.analysis.free_vars(func.body.body))
     boundary = [v for v in [x, *(b.var for b in before)] if v in used]

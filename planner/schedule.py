@@ -312,7 +312,14 @@ class DefaultCPU(dlight.ScheduleRule):
             if len(sch.get_loops(block)) != len(k):
                 continue
             if "R" not in k:
-                sch = _attempt(sch, [lambda t: _spatial(t, block, k, cap), lambda t: _spatial(t, block, k, 1)])
+                plans = [lambda t, n=n: _spatial(t, block, k, n) for n in (cap, 1)]
+                consumers = sch.get_consumers(block)
+                into = _init_into_consumer(sch, block, consumers, kinds)
+                if into is not None:
+                    plans = [lambda t, n=n: into(t, n) for n in (cap, 1)] + plans
+                sch = _attempt(sch, plans)
+                if into is not None and _fused_epilogue(sch, block, consumers):
+                    done.add(sch.get(consumers[0]).name_hint)
                 continue
             plans = []
             # TVM miscompiles a transposed convolution by taps (its indices divide the output
@@ -327,11 +334,11 @@ class DefaultCPU(dlight.ScheduleRule):
                 ek = kinds.get(epi_name, "R")
                 if set(ek) == {"S"} and len(sch.get_loops(epi)) == len(ek):
                     plans.append(lambda t: tiled(t, block, k, epi, cap))
-                    if not taps:
-                        plans.append(lambda t: _reduction_into_epilogue(t, block, k, epi, ek, cap))
+                    if not taps:  # ... scalar when its vector would hold a let (`_vectorizes_a_let`)
+                        plans += [lambda t, n=n: _reduction_into_epilogue(t, block, k, epi, ek, n) for n in (cap, 1)]
             plans.append(lambda t: tiled(t, block, k, None, cap))
             if not taps:
-                plans += [lambda t: _reduction(t, block, k, cap), lambda t: _rows(t, block, k)]
+                plans += [lambda t, n=n: _reduction(t, block, k, n) for n in (cap, 1)] + [lambda t: _rows(t, block, k)]
             sch = _attempt(sch, plans)
             if len(consumers) == 1 and (not _exists(sch, epi_name) or _fused_epilogue(sch, block, consumers)):
                 done.add(epi_name)
@@ -372,6 +379,30 @@ def _inline(sch: s_tir.Schedule, blocks: list[SBlockInfo]) -> list[SBlockInfo]:
     while (i := first(sch.compute_inline)) is not None or (i := first(into_producer)) is not None:
         remaining.pop(i)
     return remaining
+
+
+def _init_into_consumer(
+    sch: s_tir.Schedule, block: Block, consumers: list[Block], kinds: dict[str, str]
+) -> Callable[[s_tir.Schedule, int], None] | None:
+    """For a reduction whose reduction loops all have extent 1 (it looks spatial but keeps its
+    init, see `_inline`), a plan computing it row by row inside its one elementwise consumer,
+    as `_reduction_into_epilogue` does for any reduction: its output is one row of scratch, not
+    a whole tensor (a 2x2 max-pool's gradient, scattered back over the input grid, fused with the
+    ReLU mask before it). None when it has no init or no such consumer."""
+    if sch.get(block).init is None or len(consumers) != 1:
+        return None
+    consumer = consumers[0]
+    ck = kinds.get(sch.get(consumer).name_hint, "R")
+    if set(ck) != {"S"} or len(sch.get_loops(consumer)) != len(ck):
+        return None
+
+    def plan(t: s_tir.Schedule, cap: int) -> None:
+        spatial, _ = _loops(t, consumer, ck)
+        outer = _rows(t, consumer, ck)
+        _vector_tail(t, spatial[-1], cap)
+        t.compute_at(block, outer, preserve_unit_loops=True)
+
+    return plan
 
 
 def _exists(sch: s_tir.Schedule, name: str) -> bool:
