@@ -15,9 +15,13 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib
 import importlib.util
+import inspect
+import linecache
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,8 +96,46 @@ def _export(toolchain: str | None, mod: tvm.runtime.Module) -> str:
     return str(path)
 
 
-# MetaSchedule's builder processes import TVM's tensor intrinsics before their first build: 20-45 s
-# on this 2-core host, under load, against a default timeout of 30 s that failed every trial.
+INTRINSICS = "tvm.s_tir.tensor_intrin"
+_INSPECT_STACK = inspect.stack
+
+
+def _stack(context: int = 1) -> list[inspect.FrameInfo]:
+    """`inspect.stack()` for TVMScript's parser, which reads each frame's locals and, of one frame,
+    its line: the same frames and lines, without `inspect`'s module lookup per frame."""
+    if context > 1:
+        return _INSPECT_STACK(context)[1:]
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        line = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals) if context else ""
+        frames.append(inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name,
+                                        [line] if line else None, 0 if line else None))
+        frame = frame.f_back
+    return frames
+
+
+def import_intrinsics() -> None:
+    """Import TVM's tensor intrinsics, which MetaSchedule needs in every process that tunes or
+    builds a candidate kernel.
+
+    Why here and not by MetaSchedule: its hundreds of TVMScript functions each call
+    `inspect.stack()`, which looks up the module of every frame by scanning `sys.modules` (the
+    import machinery's frozen frames never hit its cache): 55 s in a bare process on this 2-core
+    host, about 90 s deep in a test run, and again in every builder process, whose pool MetaSchedule
+    restarts each round. With `_stack` it takes about 6 s; the parser sees the same frames."""
+    if INTRINSICS in sys.modules:
+        return
+    inspect.stack = _stack
+    try:
+        importlib.import_module(INTRINSICS)
+    finally:
+        inspect.stack = _INSPECT_STACK
+
+
+# The builder's processes import the intrinsics (`import_intrinsics`, a few seconds) before their
+# first build; a loaded 2-core host may need more than the default 30 s.
 BUILD_TIMEOUT_S = 180.0
 
 
@@ -101,13 +143,15 @@ def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, ob
     """MetaSchedule's builder and runner: on this machine, or — for a target behind a tracker —
     candidate kernels built here and timed on a board of the target's key."""
     if rpc is None:
-        return ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S), "local"
+        return ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S, initializer=import_intrinsics), "local"
     host, port = rpc.address
     config = ms.runner.RPCConfig(
         tracker_host=host, tracker_port=port, tracker_key=rpc.key,
         session_priority=rpc.priority, session_timeout_sec=rpc.session_timeout_s,
     )
-    builder = ms.builder.LocalBuilder(f_export=functools.partial(_export, toolchain), timeout_sec=BUILD_TIMEOUT_S)
+    builder = ms.builder.LocalBuilder(
+        f_export=functools.partial(_export, toolchain), timeout_sec=BUILD_TIMEOUT_S, initializer=import_intrinsics
+    )
     return builder, ms.runner.RPCRunner(config)
 
 
@@ -130,6 +174,7 @@ def tune(
     """
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
     target = _with_cores(target)
+    import_intrinsics()
     step_only = relax.transform.DeadCodeElimination([STEP_FUNC])(fused)
     with _locked(directory), tempfile.TemporaryDirectory(prefix="planner-tune-") as logs:
         logging.getLogger(MS_LOGGER).setLevel(logging.WARNING)

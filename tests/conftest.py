@@ -21,9 +21,12 @@ from builders import blobs, free_port, tiny_cnn  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
-    """One compile cache for the whole run, never the user's."""
+    """One compile cache for the whole run, never the user's; with pytest-xdist (`-n 2`), one for
+    all its workers (planner's cache is safe across processes), so none compiles what another has."""
     mp = pytest.MonkeyPatch()
-    path = tmp_path_factory.mktemp("planner-cache")
+    root = tmp_path_factory.getbasetemp()
+    path = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "planner-cache"
+    path.mkdir(exist_ok=True)
     mp.setenv("PLANNER_CACHE_DIR", str(path))
     yield path
     mp.undo()
