@@ -106,3 +106,25 @@ def test_a_trial_whose_linker_the_ctrl_c_killed_is_measured_again_on_resume(tiny
     again = [t for t in trials if t["state"] == "COMPLETE" and t["candidate"] == cut["candidate"]]
     assert len(again) == 1, "the interrupted candidate should have been measured on resume"
     assert sum(t["state"] == "COMPLETE" for t in trials) == 3
+
+
+def test_inspect_never_cuts_a_layer_name_short(tiny_model, tmp_path):
+    """A PyTorch module path can be longer than the terminal is wide: the text table keeps every
+    name whole, on one line, so it can be pasted into a scheme."""
+    import onnx
+
+    proto = onnx.load(tiny_model)
+    long = "features.12.block.3.squeeze_excitation.fc2.projection"
+    renamed = {}
+    for init in proto.graph.initializer:
+        if init.name.startswith("c1"):
+            renamed[init.name] = f"{long}.{'weight' if init.name.endswith('.w') else 'bias'}"
+            init.name = renamed[init.name]
+    for node in proto.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    path = tmp_path / "long.onnx"
+    onnx.save(proto, path)
+    res = subprocess.run([sys.executable, "-m", "planner", "inspect", str(path)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "COLUMNS": "60"})
+    assert res.returncode == 0, res.stderr
+    assert any(long in line for line in res.stdout.splitlines()), res.stdout
