@@ -1,7 +1,8 @@
 """Accuracy of a candidate: a short, real fine-tune with its own compiled step.
 
 Accuracy does not depend on the board, so results are cached by model, dataset, candidate, step
-budget and seed — never by target — and reused across targets and runs.
+budget and seed — never by target — and reused across targets and runs. A cached result carries
+its sha256 (see `cachefile`) and is checked on read: an edited or damaged one is measured again.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
+from . import cachefile
 from .compile import CompiledStep, code_id
 from .data import Dataset
 from .model import Model
@@ -33,6 +35,28 @@ class AccuracyResult:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> AccuracyResult | None:
+        """The result `to_json` wrote, or None when a field is missing, extra, of the wrong type or
+        out of range (accuracies in [0, 1], step counts whole and not negative)."""
+        if set(raw) != {f.name for f in fields(cls)}:
+            return None
+        r = cls(**raw)
+        valid = (
+            all(_number(v) and 0.0 <= v <= 1.0 for v in (r.before, r.after))
+            and _number(r.loss_before) and _number(r.seconds) and (r.loss_after is None or _number(r.loss_after))
+            and _count(r.steps) and (r.diverged_at is None or _count(r.diverged_at))
+        )
+        return r if valid else None
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def batches(n: int, batch_size: int, steps: int, seed: int | None):
@@ -73,8 +97,9 @@ def measure_accuracy(
         json.dumps([model.sha256, data.sha256, candidate.to_json(), steps, seed, code_id()], sort_keys=True).encode()
     ).hexdigest()[:32]
     path = cache_dir / "accuracy" / f"{key}.json"
-    if path.is_file():
-        return AccuracyResult(**json.loads(path.read_text()))
+    cached = cachefile.read_json(path, key)
+    if cached is not None and (result := AccuracyResult.from_json(cached)) is not None:
+        return result
     t0 = time.perf_counter()
     session = TrainingSession(compiled.library, compiled.signature, model.initializers)
     loss_before, before = session.evaluate(data.x_val, data.y_val)
@@ -88,7 +113,5 @@ def measure_accuracy(
         before, after, loss_before, loss_after if diverged is None else None, steps, time.perf_counter() - t0, diverged
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result.to_json()))
-    tmp.replace(path)
+    cachefile.write_json(path, result.to_json(), key)
     return result

@@ -8,19 +8,20 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compile import CompiledStep, compile_candidate, default_cache_dir
+from .compile import CompiledStep, check_cache_dir, compile_candidate, default_cache_dir
 from .data import load_dataset
 from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
 from .errors import BadInput, CandidateFailed, Interrupted, MeasureFailed, NoFeasiblePlan
 from .graph import check_importable
 from .measure import capacity
 from .model import Model, load_model
-from .outdir import prepare_out_dir, study_storage_writes
+from .outdir import locked, prepare_out_dir, study_storage_writes
 from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, model_files, read_plan, select, write_plan_dir
 from .report import content as report_content
 from .report import html as report_html
@@ -32,6 +33,7 @@ from .search import SearchSettings, make_sampler, open_study, pareto_numbers, ru
 from .scheme import load_scheme
 from .space import load_space
 from .target import HardwareTarget, load_target
+from .urls import redact
 
 __all__ = ["plan", "work", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "report", "resolve_target", "PlanResult", "RunResult"]
 
@@ -67,6 +69,32 @@ def _check_tune_trials(n: int) -> None:
         raise BadInput("--tune-trials must be 0 (default schedules only) or more")
 
 
+SEED_MAX = 2**32 - 1  # numpy's and Optuna's samplers take seeds in [0, 2**32)
+
+
+def _check_settings(
+    *, trials: int | None = None, timeout_s: float | None = None, seed: int | None = None,
+    accuracy_tolerance: float | None = None, accuracy_steps: int | None = None,
+    latency_repeats: int | None = None, tune_trials: int = 0,
+) -> None:
+    """Every number a run takes, checked before anything is loaded or written: a NaN tolerance
+    found after the last trial, or a negative step count burning every trial, costs the user
+    the whole study."""
+    if trials is not None and trials < 1:
+        raise BadInput("--trials must be at least 1")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise BadInput(f"--timeout must be a positive number of seconds (not {timeout_s:g})")
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        raise BadInput(f"--seed must lie in 0..{SEED_MAX} (not {seed})")
+    if accuracy_tolerance is not None and not (math.isfinite(accuracy_tolerance) and 0 <= accuracy_tolerance <= 1):
+        raise BadInput(f"--accuracy-tolerance must lie in 0..1, an accuracy a plan may give up (not {accuracy_tolerance:g})")
+    if accuracy_steps is not None and accuracy_steps < 1:
+        raise BadInput(f"--accuracy-steps must be at least 1: accuracy is measured by fine-tuning (not {accuracy_steps})")
+    if latency_repeats is not None and latency_repeats < 1:
+        raise BadInput(f"latency_repeats must be at least 1 (not {latency_repeats})")
+    _check_tune_trials(tune_trials)
+
+
 def plan(
     model: str | Path | None = None,
     data: str | Path | None = None,
@@ -99,9 +127,10 @@ def plan(
     and study resumes the study. `anchors=False` leaves out the hand-made starting schemes (to
     measure what they bring).
     """
-    if trials < 1:
-        raise BadInput("--trials must be at least 1")
-    _check_tune_trials(tune_trials)
+    _check_settings(
+        trials=trials, timeout_s=timeout_s, seed=seed, accuracy_tolerance=accuracy_tolerance,
+        accuracy_steps=accuracy_steps, latency_repeats=latency_repeats, tune_trials=tune_trials,
+    )
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
@@ -111,57 +140,59 @@ def plan(
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
+    cache = check_cache_dir(cache_dir or default_cache_dir())  # a file, read-only: one line, no trial burnt
 
-    out = prepare_out_dir(out)  # a file, a read-only directory: one line before any trial
-    storage_url = storage or f"sqlite:///{(out / 'study.db').resolve()}"
-    study_name = study or "planner"
-    config = {
-        "model": m.sha256,
-        "dataset": dataset.sha256,
-        "target": hw.identity(),
-        "space": sp.model_dump(),
-        "accuracy_steps": accuracy_steps,
-        "tune_trials": tune_trials,
-    }
-    inputs = {
-        "model": str(m.path.resolve()), "data": str(dataset.source),
-        "target": _where(target), "space": _where(space) if space else None, "tracker": tracker, "key": key,
-        "trials": trials, "seed": seed, "sampler": sampler, "anchors": anchors,
-        "accuracy_steps": accuracy_steps, "latency_repeats": latency_repeats, "tune_trials": tune_trials,
-    }
-    # the first trials try the space's hand-made schemes; random search stays the blind baseline
-    with study_storage_writes(storage_url, out):  # out of disk for the study: one line, not a traceback
-        st = open_study(
-            storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
+    out = prepare_out_dir(out)  # a file, a read-only or foreign directory: one line before any trial
+    with locked(out):  # a second `plan` on the same --out is refused, not raced
+        storage_url = storage or f"sqlite:///{(out / 'study.db').resolve()}"
+        study_name = study or "planner"
+        config = {
+            "model": m.sha256,
+            "dataset": dataset.sha256,
+            "target": hw.identity(),
+            "space": sp.model_dump(),
+            "accuracy_steps": accuracy_steps,
+            "tune_trials": tune_trials,
+        }
+        inputs = {
+            "model": str(m.path.resolve()), "data": str(dataset.source),
+            "target": _where(target), "space": _where(space) if space else None, "tracker": tracker, "key": key,
+            "trials": trials, "seed": seed, "sampler": sampler, "anchors": anchors,
+            "accuracy_steps": accuracy_steps, "latency_repeats": latency_repeats, "tune_trials": tune_trials,
+        }
+        # the first trials try the space's hand-made schemes; random search stays the blind baseline
+        with study_storage_writes(storage_url, out):  # out of disk for the study: one line, not a traceback
+            st = open_study(
+                storage_url, study_name, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
+            )
+            evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials)
+            records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial, on_start, stop)
+        interrupted = stop is not None and stop.is_set()
+        n_finished = sum(r.state in ("COMPLETE", "FAIL") for r in records)
+        try:
+            chosen = select(records, policy, accuracy_tolerance)
+        except NoFeasiblePlan:
+            if interrupted:
+                raise Interrupted(f"interrupted: no feasible trial among the {n_finished} finished, so no plan; rerun the same command to resume") from None
+            raise
+        compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, hw.boards)
+        result = assemble(
+            m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled,
+            selection={
+                "policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names,
+                "layers_excluded": [{"layer": n, "reason": r} for n, r in sp.excluded_layers(m).items()],
+            },
+            study={"storage": redact(storage_url), "name": study_name},
+            accuracy_seed=seed,
+            tune_trials=tune_trials,
         )
-        evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
-        records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial, on_start, stop)
-    interrupted = stop is not None and stop.is_set()
-    n_finished = sum(r.state in ("COMPLETE", "FAIL") for r in records)
-    try:
-        chosen = select(records, policy, accuracy_tolerance)
-    except NoFeasiblePlan:
+        result = _write(out, result, compiled, m, records)
         if interrupted:
-            raise Interrupted(f"interrupted: no feasible trial among the {n_finished} finished, so no plan; rerun the same command to resume") from None
-        raise
-    compiled = compile_candidate(m, chosen.candidate, hw.tvm(), evaluation.cache_dir, hw.toolchain, tune_trials, hw.boards)
-    result = assemble(
-        m, dataset, hw, records, chosen, set(pareto_numbers(st)), compiled,
-        selection={
-            "policy": policy, "accuracy_tolerance": accuracy_tolerance, "layers_searched": layer_names,
-            "layers_excluded": [{"layer": n, "reason": r} for n, r in sp.excluded_layers(m).items()],
-        },
-        study={"storage": storage_url, "name": study_name},
-        accuracy_seed=seed,
-        tune_trials=tune_trials,
-    )
-    _write(out, result, compiled, m, records)
-    if interrupted:
-        raise Interrupted(
-            f"interrupted: plan written to {out}/ from the {n_finished} finished trials; rerun the same command to resume",
-            PlanResult(result, out, records),
-        )
-    return PlanResult(result, out, records)
+            raise Interrupted(
+                f"interrupted: plan written to {out}/ from the {n_finished} finished trials; rerun the same command to resume",
+                PlanResult(result, out, records),
+            )
+        return PlanResult(result, out, records)
 
 
 def _where(name_or_path: str) -> str:
@@ -186,8 +217,7 @@ def work(
     checked); this worker's sampler draws with its own random seed, so workers do not propose
     the same candidates, while fine-tuning uses the study's seed, so accuracies stay comparable.
     """
-    if trials is not None and trials < 1:
-        raise BadInput("--trials must be at least 1")
+    _check_settings(trials=trials)
     config, inputs = stored_inputs(storage, study)
     m = load_model(inputs["model"])
     dataset = load_dataset(Path(inputs["data"]), m)
@@ -198,7 +228,8 @@ def work(
     capacity(hw)
     anchors = sp.anchors(m) if inputs["anchors"] and inputs["sampler"] == "tpe" else None
     evaluation = EvalSettings(
-        inputs["seed"], inputs["accuracy_steps"], inputs["latency_repeats"], cache_dir or default_cache_dir(), inputs["tune_trials"]
+        inputs["seed"], inputs["accuracy_steps"], inputs["latency_repeats"], check_cache_dir(cache_dir or default_cache_dir()),
+        inputs["tune_trials"],
     )
     with study_storage_writes(storage):  # a full disk under the journal: one line, not a traceback
         st = open_study(storage, study, None, config, inputs["sampler"], anchors)
@@ -224,6 +255,7 @@ def measure(
     The plan is written even when the scheme breaks the target's budgets — it is what the user
     asked to measure; `selection.feasible` says whether it fits.
     """
+    _check_settings(seed=seed, accuracy_steps=accuracy_steps, latency_repeats=latency_repeats, tune_trials=tune_trials)
     m = load_model(model)
     dataset = load_dataset(data, m)
     hw = resolve_target(target, tracker, key)
@@ -236,9 +268,9 @@ def measure(
         )
     check_importable(m)
     capacity(hw)
-    _check_tune_trials(tune_trials)
+    cache = check_cache_dir(cache_dir or default_cache_dir())
     out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
-    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache_dir or default_cache_dir(), tune_trials)
+    evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials)
     attrs: dict = {}
     try:
         constraints = Evaluator(m, dataset, hw, evaluation).evaluate(candidate, attrs.__setitem__)
@@ -254,8 +286,7 @@ def measure(
         accuracy_seed=seed,
         tune_trials=tune_trials,
     )
-    _write(out, result, compiled, m, [rec])
-    return PlanResult(result, out, [rec])
+    return PlanResult(_write(out, result, compiled, m, [rec]), out, [rec])
 
 
 def compile_plan(
@@ -267,13 +298,13 @@ def compile_plan(
     `device` says where); its memory is re-planned for the new build.
     """
     plan_dir = Path(plan_dir)
-    original = read_plan(plan_dir)
+    _check_tune_trials(tune_trials)
+    original = read_plan(plan_dir)  # every file checked against its sha256 before the model is read
     m = load_model(plan_dir / MODEL_FILE)
     hw = resolve_target(target)
-    _check_tune_trials(tune_trials)
-    compiled = compile_candidate(
-        m, original.candidate, hw.tvm(), cache_dir or default_cache_dir(), hw.toolchain, tune_trials, hw.boards
-    )
+    cache = check_cache_dir(cache_dir or default_cache_dir())
+    prepare_out_dir(out, create=False)
+    compiled = compile_candidate(m, original.candidate, hw.tvm(), cache, hw.toolchain, tune_trials, hw.boards)
     data = original.model_dump()
     data["target"] = {"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device, "toolchain": hw.toolchain}
     data["metrics"]["peak_memory_bytes"] = compiled.memory.to_json()
@@ -289,8 +320,7 @@ def compile_plan(
     )
     result = Plan.model_validate(data)
     trials = report_content.from_plan_dir(plan_dir).trials  # the study that chose the plan
-    _write(Path(out), result, compiled, m, trials)
-    return result
+    return _write(Path(out), result, compiled, m, trials)
 
 
 def check_target(name: str, tracker: str | None = None, key: str | None = None) -> dict:
@@ -349,9 +379,10 @@ REPORT_FORMATS: dict[str, Callable[[report_content.ReportContent], str]] = {
 }
 
 
-def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: list[TrialRecord]) -> None:
+def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: list[TrialRecord]) -> Plan:
+    """The plan directory; returns the plan with its files' hashes."""
     content = report_content.from_plan(plan, model, trials)
-    write_plan_dir(
+    return write_plan_dir(
         out,
         plan,
         files={STEP_LIBRARY: compiled.library, **model_files(model)},

@@ -48,6 +48,10 @@ def _guard(fn):
         raise typer.Exit(exc.exit_code) from None
     except PlannerError as exc:
         raise _fail(exc, exc.exit_code) from None
+    except MemoryError:
+        # the data or a step needs more memory than this process may have (RAM or `ulimit -v`)
+        stderr.print("error: out of memory: the dataset or the training step does not fit in the memory this process may use", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     except KeyboardInterrupt:
         stderr.print("interrupted: finished trials are kept; rerun the same command to resume")
         raise typer.Exit(130) from None
@@ -142,7 +146,9 @@ def worker(
         from .search import WORKER
 
         mine = sum(r.worker == WORKER and r.state in ("COMPLETE", "FAIL") for r in records)
-        print(json.dumps({"study": study, "storage": storage, "finished": finished, "ran_here": mine, "worker": WORKER}))
+        from .urls import redact
+
+        print(json.dumps({"study": study, "storage": redact(storage), "finished": finished, "ran_here": mine, "worker": WORKER}))
         return
     stdout.print(f"study '{study}' holds {finished} finished trials", markup=False, highlight=False)
 
@@ -377,7 +383,8 @@ def targets_check(
 
 board_app = typer.Typer(
     help="Run the board side: a TVM RPC tracker, and RPC servers that register boards with it. "
-    "TVM RPC executes any code it is sent: both bind to 127.0.0.1 unless --host says otherwise.",
+    "TVM RPC executes any code it is sent: both bind to 127.0.0.1, and a --host other than "
+    "loopback needs --allow-remote. Their TVM worker processes die with them, even on kill -9.",
     no_args_is_help=True, rich_markup_mode=None,
 )
 app.add_typer(board_app, name="board")
@@ -388,10 +395,18 @@ def board_tracker(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9190,
     port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here")] = False,
 ) -> None:
     """Start a TVM RPC tracker and keep it running until Ctrl-C."""
-    from .board import start_tracker
+    from .board import check_bind_host, start_tracker
+    from .errors import BadInput
 
+    try:
+        warning = check_bind_host(host, allow_remote)
+    except BadInput as exc:
+        raise _fail(exc, 2) from None
+    if warning:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     tracker = start_tracker(host, port, port_end)
     stderr.print(f"tracker listening on {host}:{tracker.port} (Ctrl-C stops it)", markup=False, highlight=False)
     _wait(tracker.terminate)
@@ -404,14 +419,19 @@ def board_serve(
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9090,
     port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here")] = False,
 ) -> None:
     """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
-    from .board import parse_host_port, serve
+    from .board import check_bind_host, parse_host_port, serve
+    from .errors import BadInput
 
     try:
         addr = parse_host_port(tracker)
-    except ValueError as exc:
+        warning = check_bind_host(host, allow_remote)
+    except (ValueError, BadInput) as exc:
         raise _fail(exc, 2) from None
+    if warning:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     server = serve(addr, key, host, port, port_end)
     stderr.print(f"board '{key}' serving on {host}:{server.port}, registered with {tracker} (Ctrl-C stops it)", markup=False, highlight=False)
     _wait(server.terminate)

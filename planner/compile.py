@@ -3,16 +3,22 @@
 The cache key is everything that decides the bytes of the library: the model's sha256, the
 candidate, the TVM target and the versions of planner and TVM. A candidate is never compiled twice,
 in one run or across runs; entries are written to a temporary folder and renamed into place, so a
-killed compile leaves nothing half-written.
+killed compile leaves nothing half-written. An entry is verified before it is used (see
+`cachefile`): a damaged one is a miss, removed and compiled again.
+
+Failures of the machine rather than the candidate — a cache that cannot be written, a full disk,
+the C++ compiler gone — are `EnvironmentFailure`, never a failed trial.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -23,14 +29,15 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-from . import __version__
-from .errors import CandidateFailed, last_line
+from . import __version__, cachefile
+from .errors import CandidateFailed, EnvironmentFailure, first_line, last_line
 from .graph import STEP_FUNC, StepSignature, build_training_module
 from .inplace import in_place_candidates, update_in_place
 from .kernels import legalize
 from . import link
 from .memory import MemoryBreakdown, step_peak
 from .model import Model
+from .outdir import DISK_REASONS, disk_problem, reason
 from . import tune
 from .schedule import default_schedule
 from .space import Candidate
@@ -44,6 +51,24 @@ def default_cache_dir() -> Path:
     """`$PLANNER_CACHE_DIR`, else `~/.cache/planner`."""
     env = os.environ.get("PLANNER_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "planner"
+
+
+def check_cache_dir(path: str | Path) -> Path:
+    """`path`, created when missing, once a file could be written in it: a file given as the
+    cache, a read-only directory or file system, or a full disk is one `EnvironmentFailure` line
+    naming the directory, before any trial runs instead of in every one."""
+    path = Path(path)
+    hint = "set PLANNER_CACHE_DIR to a writable directory"
+    if path.exists() and not path.is_dir():
+        raise EnvironmentFailure(f"cannot use the compile cache {path}: it is a file, not a directory ({hint})")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # root ignores permission bits: only a real write tells whether writing works
+        with tempfile.TemporaryFile(dir=path, prefix=".probe-", buffering=0) as probe:
+            probe.write(b"planner")
+    except OSError as exc:
+        raise EnvironmentFailure(f"cannot use the compile cache {path}: {reason(exc)} ({hint})") from None
+    return path
 
 
 @dataclass(frozen=True)
@@ -135,20 +160,71 @@ def compile_candidate(
     """
     cache_dir = cache_dir or default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
-    if _complete(entry):
-        return _load(entry, cached=True)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    # workers of one study share the cache: whoever compiles a candidate first, the others wait
-    # for it and load the result instead of compiling it again
-    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(entry):
-            return _load(entry, cached=True)
-        return _compile(model, candidate, target, cache_dir, toolchain, tune_trials, rpc, entry)
+    if (step := _cached(entry)) is not None:
+        return step
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # workers of one study share the cache: whoever compiles a candidate first, the others
+        # wait for it and load the result instead of compiling it again
+        with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (step := _cached(entry)) is not None:
+                return step
+            _discard(entry)
+            return _compile(model, candidate, target, cache_dir, toolchain, tune_trials, rpc, entry)
+    except OSError as exc:  # the cache's own files: its folders, the lock, the entry's metadata
+        raise EnvironmentFailure(f"cannot write the compile cache {cache_dir}: {reason(exc)}") from None
 
 
-def _complete(entry: Path) -> bool:
-    return (entry / META_NAME).is_file() and (entry / LIB_NAME).is_file()
+def _cached(entry: Path) -> CompiledStep | None:
+    """The entry's step when its metadata verifies and its library is the one the metadata
+    hashed; None (a miss) for a missing, partial, damaged or edited entry. Nothing may load a
+    library before this check: dlopen of a truncated one is a SIGBUS, not an exception."""
+    meta = cachefile.read_json(entry / META_NAME, entry.name)
+    if meta is None or not cachefile.matches(entry / LIB_NAME, meta.get("library")):
+        return None
+    try:
+        return _load(entry, meta, cached=True)
+    except (KeyError, TypeError, ValueError):  # a field missing or of the wrong kind
+        return None
+
+
+def _discard(entry: Path) -> None:
+    """Removes a bad entry (if there is one): renamed aside first, so no reader ever sees it
+    half-deleted, then deleted."""
+    bad = entry.with_name(f".bad-{entry.name}-{secrets.token_hex(4)}")
+    try:
+        entry.rename(bad)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(bad, ignore_errors=True)
+
+
+def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None) -> Exception:
+    """`exc`, raised in `stage` of a compile, as the error it is: `EnvironmentFailure` when the
+    machine failed (a write refused for want of room or access, by planner or by the linker; the
+    C++ compiler or a file gone), else `CandidateFailed`."""
+    found = disk_problem(exc)
+    if found is not None:
+        why, filename = found
+        return EnvironmentFailure(f"{stage}: cannot write {filename or cache_dir}: {why}")
+    text = str(exc)
+    for code, why in DISK_REASONS.items():  # the linker is a subprocess: its errno comes as text
+        if os.strerror(code) in text:
+            return EnvironmentFailure(f"{stage}: the linker cannot write into {cache_dir}: {why}")
+    if "File size limit exceeded" in text:  # the linker killed by SIGXFSZ (`ulimit -f`)
+        return EnvironmentFailure(f"{stage}: the linker cannot write into {cache_dir}: {DISK_REASONS[errno.EFBIG]}")
+    compiler = toolchain or tvm.support.cc.get_cc()
+    if compiler is None:
+        return EnvironmentFailure(f"{stage}: no C++ compiler found (install g++, or set CXX to one)")
+    if shutil.which(compiler) is None:
+        return EnvironmentFailure(f"{stage}: the C++ compiler {compiler} is not installed (or not on PATH)")
+    missing: BaseException | None = exc
+    while missing is not None and not isinstance(missing, FileNotFoundError):
+        missing = missing.__cause__ or missing.__context__
+    if missing is not None:
+        return EnvironmentFailure(f"{stage}: {missing.filename or first_line(missing)}: not found")
+    return CandidateFailed(f"{stage} failed: {last_line(exc)}")
 
 
 def _compile(
@@ -178,15 +254,16 @@ def _compile(
         executable, workspaces = link.build(lowered, target, cache_dir)
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
     except Exception as exc:
-        raise CandidateFailed(f"TVM compile failed: {last_line(exc)}") from None
+        raise _failure(exc, "TVM compile", cache_dir, toolchain) from None
 
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
         try:
             executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain))
         except Exception as exc:
-            raise CandidateFailed(f"linking the step failed: {last_line(exc)}") from None
+            raise _failure(exc, "linking the step", cache_dir, toolchain) from None
         meta = {
+            "library": cachefile.digest(tmp / LIB_NAME),
             "signature": sig.to_json(),
             "memory": memory.to_json(),
             "compile_seconds": time.perf_counter() - t0,  # linked, as a trial waits for it
@@ -198,20 +275,15 @@ def _compile(
             "target": str(target),
             "toolchain": toolchain,
         }
-        (tmp / META_NAME).write_text(json.dumps(meta, indent=2))
-        try:
-            tmp.rename(entry)
-        except OSError:  # another process finished the same candidate first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        cachefile.write_json(tmp / META_NAME, meta, entry.name)
+        tmp.rename(entry)  # under the lock, after `_discard`: no other entry is there
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    result = _load(entry, cached=False)
-    return result
+    return _load(entry, meta, cached=False)
 
 
-def _load(entry: Path, cached: bool) -> CompiledStep:
-    meta = json.loads((entry / META_NAME).read_text())
+def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:
     return CompiledStep(
         directory=entry,
         signature=StepSignature.from_json(meta["signature"]),

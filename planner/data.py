@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .digest import file_sha256
 from .errors import BadInput
 from .model import Model
 
@@ -82,7 +82,7 @@ def load_dataset(path: str | Path, model: Model) -> Dataset:
         )
     return Dataset(
         source=path.resolve(),
-        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        sha256=file_sha256(path),  # streamed: never a second copy of the file in memory
         x_train=x_train,
         y_train=y_train,
         x_val=x_val,

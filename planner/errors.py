@@ -52,14 +52,26 @@ class CandidateFailed(Exception):
     """One candidate could not be built, compiled or run: a failed trial, never a dead study."""
 
 
-class BoardUnreachable(PlannerError):
+class EnvironmentFailure(PlannerError):
+    """Not the candidate's fault: the machine planner runs on (its cache, disk, toolchain) failed.
+
+    A trial hit by it is never a finished trial: the search queues its candidate again, stops,
+    and the run ends with this one line and exit 2; rerunning once the environment is fixed
+    measures exactly the missing trials."""
+
+    exit_code = 2
+
+
+class BoardUnreachable(EnvironmentFailure):
     """The RPC tracker cannot be reached, or it has no board under the requested key."""
 
     exit_code = 3
 
 
-class BoardLost(Exception):
-    """A board disconnected, crashed or overran its session while measuring (retried once)."""
+class BoardLost(BoardUnreachable):
+    """Every board of the key is gone, or the tracker is, while a trial measured on one (after
+    one retry): the boards' failure, not the candidate's (exit 3). A board whose session died
+    while it stays registered ran the candidate and crashed on it: that is `CandidateFailed`."""
 
 
 def first_line(exc: BaseException) -> str:

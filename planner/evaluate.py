@@ -16,14 +16,16 @@ from pathlib import Path
 
 import tvm
 
+from . import faults
 from .accuracy import AccuracyResult, measure_accuracy
 from .compile import compile_candidate
 from .data import Dataset
-from .errors import BoardLost, CandidateFailed, last_line
+from .errors import CandidateFailed, EnvironmentFailure, last_line
 from .measure import measure_step
 from .measure.latency import Latency
 from .memory import MemoryBreakdown
 from .model import Model
+from .outdir import disk_problem
 from .space import Candidate
 from .target import HardwareTarget
 
@@ -59,6 +61,7 @@ class TrialRecord:
     seconds: dict[str, float] = field(default_factory=dict)
     over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
     worker: str | None = None  # host:pid of the process that ran it
+    seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
 
     @property
     def complete(self) -> bool:
@@ -82,6 +85,7 @@ class TrialRecord:
             seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
             over_budget={k: v for k, v in constraints.items() if v > 0},
             worker=attrs.get("worker"),
+            seed=attrs.get("seed"),
         )
         rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
         return rec
@@ -98,7 +102,7 @@ class TrialRecord:
             "number": self.number, "state": self.state, "feasible": self.feasible, **parts,
             "over_budget": self.over_budget, "fail_reason": self.fail_reason, "board": self.board,
             "board_memory": self.board_memory, "library_bytes": self.library_bytes, "seconds": self.seconds,
-            "worker": self.worker,
+            "worker": self.worker, "seed": self.seed,
         }
 
     @classmethod
@@ -138,6 +142,7 @@ class Evaluator:
         target, settings = self.target, self.settings
         record("candidate", candidate.to_json())
         try:
+            faults.point("trial-compile")
             compiled = self._build(candidate, self._board_target, target.toolchain, settings.tune_trials)
             record("memory", compiled.memory.to_json())
             record("library_bytes", compiled.library.stat().st_size)
@@ -150,6 +155,7 @@ class Evaluator:
                 "from the cache" if compiled.cached else f"compiled in {compiled.compile_seconds:.1f} s",
                 compiled.kernels, len(compiled.tuned_kernels), compiled.memory.total,
             )
+            faults.point("trial-measure")
             t0 = time.perf_counter()
             measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
             record("latency", measured.latency.to_json())
@@ -157,6 +163,7 @@ class Evaluator:
             record("board_memory", measured.board_memory)
             record("measure_s", time.perf_counter() - t0)
             log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
+            faults.point("trial-accuracy")
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
             on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
@@ -169,11 +176,17 @@ class Evaluator:
                 "%s: fine-tuned %d steps, val acc %.3f -> %.3f%s", _label(candidate), acc.steps, acc.before, acc.after,
                 f" (diverged at step {acc.diverged_at})" if acc.diverged_at else "",
             )
-        except (BoardLost, CandidateFailed) as exc:
+        except EnvironmentFailure as exc:  # the board, cache or disk: not the candidate's failure
+            log.debug("%s: environment failed: %s", _label(candidate), exc)
+            raise
+        except CandidateFailed as exc:
             log.debug("%s: failed: %s", _label(candidate), exc)
             record("fail_reason", str(exc))
-            raise CandidateFailed(str(exc)) from None
+            raise
         except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
+            disk = disk_problem(exc)
+            if disk is not None:  # out of room or write access somewhere: the machine's, not the candidate's
+                raise EnvironmentFailure(f"cannot write {disk[1] or 'a file'}: {disk[0]}") from None
             reason = f"{type(exc).__name__}: {last_line(exc)}" if str(exc).strip() else type(exc).__name__
             log.debug("%s: failed", _label(candidate), exc_info=True)
             record("fail_reason", reason)

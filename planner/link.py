@@ -9,16 +9,15 @@ calls the kernels is generated per candidate (it is cheap) and linked over them.
 
 A kernel's symbol is its content hash, so two identical kernels of one step become one; its
 workspace sizes (read from its LLVM IR when it is compiled) are stored beside its object for the
-memory model. Objects are written to a temporary name and renamed into place: parallel workers
+memory model, with the object's sha256 (see `cachefile`): an object that does not match is
+compiled again. Objects are written to a temporary name and renamed into place: parallel workers
 compiling the same kernel keep one of the identical results.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tvm import relax, tirx
 from tvm.relax import vm_build
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from . import cachefile
 from .memory import kernel_workspaces
 
 # The finishing passes of relax.build's pipeline (CPU targets)
@@ -92,23 +92,28 @@ def _by_content(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, tirx.PrimFun
 
 
 def _object(sym: str, func: tirx.PrimFunc, target: tvm.target.Target, directory: Path) -> tuple[Path, list[int]]:
-    """The kernel's object file and workspace sizes, compiled now unless they are cached."""
-    obj, meta = directory / f"{sym}.o", directory / f"{sym}.json"
-    if obj.is_file() and meta.is_file():
-        return obj, json.loads(meta.read_text())["workspaces"]
+    """The kernel's object file and workspace sizes, compiled now unless they are cached (and
+    verify). Writing them into the cache raises the OSError of a full disk or a read-only one."""
+    obj, meta_path = directory / f"{sym}.o", directory / f"{sym}.json"
+    meta = cachefile.read_json(meta_path, sym)
+    if meta is not None and cachefile.matches(obj, meta.get("object")) and isinstance(meta.get("workspaces"), list):
+        return obj, meta["workspaces"]
     lib = tvm.tirx.build(tvm.IRModule({sym: func}), target=target)
     workspaces = kernel_workspaces(lib.inspect_source("ll")).get(sym, [])
     directory.mkdir(parents=True, exist_ok=True)
-    for path, write in ((obj, lambda p: lib.write_to_file(p)), (meta, lambda p: Path(p).write_text(json.dumps({"workspaces": workspaces})))):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=path.suffix)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    cachefile.write_bytes(obj, _object_code(lib))
+    # the object first: its metadata, written last, is what makes the pair valid
+    cachefile.write_json(meta_path, {"workspaces": workspaces, "object": cachefile.digest(obj)}, sym)
     return obj, workspaces
+
+
+def _object_code(lib: tvm.runtime.Module) -> bytes:
+    """The kernel's object code. LLVM writes it into memory (a memfd), not onto the cache's disk:
+    LLVM exits the whole process on a failed write (a full disk), where Python's write raises."""
+    fd = os.memfd_create("kernel.o")
+    with open(fd, "rb") as f:
+        lib.write_to_file(f"/proc/self/fd/{fd}", "o")
+        return f.read()
 
 
 def build(

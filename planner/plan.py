@@ -5,17 +5,16 @@ every trial within `accuracy_tolerance` of it is "as good"; of those take the le
 (`memory`, default) or the least median step latency (`latency`). `accuracy` takes the most
 accurate trial outright (ties: least memory).
 
-A plan directory is written into a temporary sibling and renamed into place, so a reader never
-sees half a plan.
+A plan directory is replaced atomically (`outdir.replace_files`), so a reader never sees half a
+plan, and a reader verifies every file against plan.json before loading it.
 """
 
 from __future__ import annotations
 
 import json
-import os
+from collections import Counter
 import shutil
 import sys
-import tempfile
 from contextlib import suppress
 from pathlib import Path
 from typing import Literal
@@ -25,7 +24,8 @@ from pydantic import BaseModel, ValidationError
 
 from . import __version__
 from .errors import BadInput, NoFeasiblePlan, OutputUnwritable
-from .outdir import prepare_out_dir, reason
+from .digest import file_sha256
+from .outdir import locked, prepare_out_dir, recover, release_if_empty, replace_files
 from .compile import CompiledStep
 from .graph import StepSignature
 from .data import Dataset
@@ -34,7 +34,7 @@ from .evaluate import TrialRecord
 from .space import Candidate, split_mode
 from .target import HardwareTarget
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `files`, the sha256 of every file a run loads
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.npz"
 STEP_LIBRARY = "train_step.so"
@@ -103,6 +103,7 @@ class Plan(BaseModel):
     step: dict  # {library, signature}
     versions: dict
     study: dict
+    files: dict[str, str] = {}  # name -> sha256 of each file `run` and `compile` load
 
     @property
     def signature(self) -> StepSignature:
@@ -125,12 +126,18 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
     """The trial to deploy (see the module docstring)."""
     feasible = [t for t in trials if t.feasible]
     if not feasible:
-        n_complete = sum(t.complete for t in trials)
-        n_diverged = sum(t.complete and "diverged" in t.over_budget for t in trials)
-        why = f" ({n_diverged} of them diverged while fine-tuning: lower the space's lr)" if n_diverged else ""
-        raise NoFeasiblePlan(
-            f"no feasible plan: {n_complete} of {len(trials)} trials completed, none within the target's budgets{why}"
-        )
+        finished = [t for t in trials if t.state in ("COMPLETE", "FAIL")]
+        n_complete = sum(t.complete for t in finished)
+        failed = [t.fail_reason or "no reason recorded" for t in finished if not t.complete]
+        parts = [f"{n_complete} of {len(finished)} trials completed"]
+        if n_complete:
+            n_diverged = sum(t.complete and "diverged" in t.over_budget for t in finished)
+            why = f" ({n_diverged} of them diverged while fine-tuning: lower the space's lr)" if n_diverged else ""
+            parts.append(f"none within the target's budgets{why}")
+        if failed:
+            reason, count = Counter(failed).most_common(1)[0]
+            parts.append(f"{len(failed)} failed, {count} of them with: {reason}")
+        raise NoFeasiblePlan(f"no feasible plan: {'; '.join(parts)}")
     best = max(t.accuracy.after for t in feasible)
     if policy == "accuracy":
         return min(feasible, key=lambda t: (-t.accuracy.after, t.memory.total, t.number))
@@ -212,7 +219,8 @@ def assemble(
             "schedules": f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
             f"MetaSchedule database (tuning trials for this step: {tune_trials}), the rest by planner's default "
             "CPU schedule",
-            "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed {accuracy_seed}) "
+            "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed "
+            f"{accuracy_seed if chosen.seed is None else chosen.seed}) "
             "with a host build of the candidate's step; accuracy does not depend on the board",
             "ram_budget_bytes": target.ram_budget_bytes,
             "latency_budget_ms": target.latency_budget_ms,
@@ -264,58 +272,83 @@ def model_files(model: Model) -> dict[str, Path]:
     return {MODEL_FILE: model.path, **model.data_paths}
 
 
-def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> None:
-    """Write plan.json, copies of `files`, weights.npz and `texts` atomically into `out`.
-
-    Everything goes into a temporary directory inside `out` first and is then renamed into
-    place, plan.json last (its presence marks a complete plan). When a write fails (out of disk,
-    a read-only file system, ...) the temporary directory is removed, an earlier plan in `out`
-    stays as it was, and the failure is one `OutputUnwritable` line. Files already in `out` that
-    are not part of a plan (e.g. the study database) are kept.
+def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> Plan:
+    """Write plan.json, copies of `files`, weights.npz and `texts` into `out`, atomically (see
+    `outdir.replace_files`: the old plan stays whole, or the new one is complete, under kill -9 at
+    any instant). plan.json, written last, records the sha256 of every file a run loads, and
+    the plan with them is returned. Files already in `out` that are not part of a plan (the
+    study database) are kept; an old plan's external data file the new model lacks is removed.
     """
-    out = Path(out)
-    created = not out.exists()
     out = prepare_out_dir(out)
-    tmp, current, placing = None, None, False
-    try:
-        tmp = Path(tempfile.mkdtemp(dir=out, prefix=".plan-"))
+    old_files = _plan_files(out)
+    written = plan
+
+    def fill(staged: Path) -> None:
+        nonlocal written
         for name, source in files.items():
-            current = name
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, tmp / name)
-        current = WEIGHTS_FILE
-        np.savez(tmp / WEIGHTS_FILE, **weights)
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, staged / name)
+        np.savez(staged / WEIGHTS_FILE, **weights)
         for name, text in texts.items():
-            current = name
-            (tmp / name).write_text(text)
-        current = PLAN_FILE
-        (tmp / PLAN_FILE).write_text(json.dumps(plan.model_dump(), indent=2) + "\n")
-        placing = True  # renames within one directory: they need no space
-        (out / PLAN_FILE).unlink(missing_ok=True)
-        names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        for name in [n for n in names if n != PLAN_FILE] + [PLAN_FILE]:
-            current = name
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp / name, out / name)
-    except OSError as exc:
-        state = f"{out} holds no complete plan (no {PLAN_FILE})" if placing else "nothing was written"
-        raise OutputUnwritable(f"cannot write the plan into {out}: {reason(exc)} ({current}); {state}") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if created and out.is_dir() and not any(out.iterdir()):
-            with suppress(OSError):
-                out.rmdir()  # the directory this call made, left empty by a failure
+            (staged / name).write_text(text)
+        loaded = [*files, WEIGHTS_FILE]  # what `run` and `compile` load: verified before use
+        written = plan.model_copy(update={"files": {name: file_sha256(staged / name) for name in loaded}})
+        (staged / PLAN_FILE).write_text(json.dumps(written.model_dump(), indent=2) + "\n")
+
+    try:
+        with locked(out):
+            replace_files(out, fill, last=PLAN_FILE, remove=tuple(sorted(set(old_files) - set(files) - {WEIGHTS_FILE})))
+    except OutputUnwritable as exc:
+        release_if_empty(out)  # a directory made for this plan, left empty by the failure
+        raise OutputUnwritable(str(exc).replace("cannot write into", "cannot write the plan into", 1)) from None
+    return written
 
 
-def read_plan(plan_dir: Path) -> Plan:
+def _plan_files(out: Path) -> list[str]:
+    """The files the plan now in `out` names (none when there is no readable plan)."""
+    try:
+        old = json.loads((out / PLAN_FILE).read_text())
+        return [*old.get("files", {}), *old.get("model", {}).get("data_files", [])]
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def read_plan(plan_dir: Path, verify: bool = True) -> Plan:
+    """The plan in `plan_dir`, validated; with `verify`, every file it names is checked against
+    its recorded sha256 *before* anything is loaded — a truncated library would crash the loader,
+    and a swapped one (another plan's, or code planted there) would run silently."""
+    plan_dir = Path(plan_dir)
     path = plan_dir / PLAN_FILE
+    if plan_dir.is_dir():
+        with suppress(OSError):
+            recover(plan_dir)  # a write killed after its commit: finish it (a read-only copy: as is)
     if not path.is_file():
         raise BadInput(f"{plan_dir} holds no plan (no {PLAN_FILE}); make one with `planner plan`")
     try:
-        plan = Plan.model_validate_json(path.read_text())
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{path} is not a valid plan: {exc}") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        raise BadInput(f"{path} has schema version {version}; this planner reads {SCHEMA_VERSION} (re-create the plan with `planner plan`)")
+    try:
+        plan = Plan.model_validate(raw)
     except ValidationError as exc:
-        raise BadInput(f"{path} is not a valid plan: {exc.errors()[0]['msg']}") from None
-    if plan.schema_version != SCHEMA_VERSION:
-        raise BadInput(f"{path} has schema version {plan.schema_version}; this planner reads {SCHEMA_VERSION}")
+        err = exc.errors()[0]
+        raise BadInput(f"{path} is not a valid plan: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if verify:
+        for name, digest in plan.files.items():
+            file = plan_dir / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise BadInput(f"{path} names a file outside its directory: {name}")
+            if not file.is_file():
+                raise BadInput(f"{file} is missing; the plan needs it (copy the whole plan directory)")
+            if file_sha256(file) != digest:
+                raise BadInput(
+                    f"{file} is not the file this plan was written with (sha256 differs): it was changed, "
+                    "truncated or swapped; nothing was loaded — re-create or re-copy the plan"
+                )
+        missing = {STEP_LIBRARY, WEIGHTS_FILE, MODEL_FILE} - plan.files.keys()
+        if missing:
+            raise BadInput(f"{path} records no sha256 for {', '.join(sorted(missing))}; re-create the plan")
     return plan

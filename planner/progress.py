@@ -45,7 +45,7 @@ def configure_logging(console: Console, verbose: bool) -> None:
 
 def trial_line(rec: TrialRecord, done: int, total: int) -> str:
     if rec.state == "PRUNED":
-        return f"trial {rec.number:>3} ({done}/{total}) cut short by Ctrl-C; its candidate is queued for the next run"
+        return f"trial {rec.number:>3} ({done}/{total}) cut short: {rec.fail_reason or 'interrupted; queued again'}"
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
     flag = "ok  " if rec.feasible else "over"
@@ -99,8 +99,10 @@ class TrialProgress:
 
 @contextmanager
 def graceful_interrupt(console: Console) -> Iterator[threading.Event]:
-    """The first Ctrl-C sets the event (the study stops after its trials in flight); the second
-    raises KeyboardInterrupt as usual."""
+    """The first Ctrl-C or SIGTERM sets the event (the study stops after its trials in flight);
+    the second raises KeyboardInterrupt, which ends the trial in flight at once and queues its
+    candidate again. A service manager's SIGTERM (systemd, docker stop, a CI timeout) thus
+    stops a study as gently as Ctrl-C does, instead of killing it mid-trial."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -110,10 +112,12 @@ def graceful_interrupt(console: Console) -> Iterator[threading.Event]:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        console.print("stopping after the trials in flight (Ctrl-C again to stop now)", markup=False, highlight=False)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        console.print(f"{what}: stopping after the trials in flight (Ctrl-C again to stop now)", markup=False, highlight=False)
 
-    previous = signal.signal(signal.SIGINT, handle)
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

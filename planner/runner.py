@@ -8,6 +8,8 @@ go up, every step runs on the board, and the trained weights come back.
 
 from __future__ import annotations
 
+import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +19,9 @@ from .accuracy import finetune
 from .compile import compile_candidate, default_cache_dir
 from .data import Dataset, load_dataset
 from .defaults import DEFAULT_RUN_STEPS
-from .errors import BadInput, MeasureFailed
+from .errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from .model import load_model, save_onnx
+from .outdir import locked, prepare_out_dir, release_if_empty, replace_files
 from .plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, Plan, read_plan
 from .session import TrainingSession
 from .target import HardwareTarget
@@ -60,13 +63,13 @@ def run_plan(
     its boards (the plan is recompiled for the target if it was built for another).
     """
     plan_dir = Path(plan_dir)
-    plan = read_plan(plan_dir)
     if steps < 1:
         raise BadInput("--steps must be at least 1")
+    plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
     model = load_model(plan_dir / MODEL_FILE)
     dataset = load_dataset(data or Path(plan.dataset.source), model)
-    with np.load(plan_dir / WEIGHTS_FILE) as npz:
-        weights = {k: npz[k] for k in npz.files}
+    weights = _weights(plan_dir / WEIGHTS_FILE, model)
+    out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
     order_seed = seed if shuffle else None
 
     library, sig = plan_dir / STEP_LIBRARY, plan.signature
@@ -85,19 +88,65 @@ def run_plan(
     else:
         try:
             session = TrainingSession(library, sig, weights)
-        except Exception:
+        except Exception as exc:
             raise BadInput(
-                f"cannot load {library.name} on this machine: it is built for {plan.target.name} "
+                f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
                 f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or pass --target"
             ) from None
         before, after, final = _train(session, dataset, steps, order_seed)
         device = "local"
 
-    out = Path(out) if out else plan_dir / "finetuned"
-    out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / WEIGHTS_FILE, **final)
-    save_onnx(model, final, out / MODEL_FILE)
+    def fill(staged: Path) -> None:
+        np.savez(staged / WEIGHTS_FILE, **final)
+        save_onnx(model, final, staged / MODEL_FILE)
+
+    created = not out.exists()
+    out = prepare_out_dir(out, kind="run")
+    try:
+        with locked(out):
+            replace_files(out, fill)  # the previous run's files stay whole until the new ones are complete
+    except OutputUnwritable as exc:
+        if created:
+            release_if_empty(out)
+        raise OutputUnwritable(f"{exc}; the training is lost, rerun with an --out that has room") from None
     return RunResult(before, after, steps, out, device)
+
+
+def _weights(path: Path, model) -> dict[str, np.ndarray]:
+    """weights.npz, checked against the model's initializers (names, shapes, dtypes): a file
+    that does not fit is one line naming what differs, not a crash inside the step."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            weights = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise BadInput(f"{path} is not a readable weights file: {exc}") from None
+    expected = model.initializers
+    missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    if missing or extra:
+        what = f"lacks {', '.join(missing[:3])}" if missing else f"has weights the model lacks: {', '.join(extra[:3])}"
+        raise BadInput(f"{path} does not fit {MODEL_FILE}: it {what}")
+    for name, ref in expected.items():
+        got = weights[name]
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            raise BadInput(
+                f"{path}: weight {name} is {got.dtype}{list(got.shape)}, the model needs {ref.dtype}{list(ref.shape)}"
+            )
+    return weights
+
+
+def _out_dir(plan_dir: Path, out: Path, model) -> Path:
+    """`--out`, checked before any training: not the plan itself (its weights and model are
+    what the plan's hashes vouch for), not a directory of someone else's files, writable, with
+    room for the weights and the model."""
+    if out.resolve() == plan_dir.resolve():
+        raise BadInput(f"--out {out} is the plan directory; the plan's own weights must stay — give another directory")
+    prepare_out_dir(out, create=False, kind="run")
+    probe = next(p for p in (out, *out.absolute().parents) if p.exists())
+    need = 2 * sum(w.nbytes for w in model.initializers.values()) + model.path.stat().st_size
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputUnwritable(f"cannot write the fine-tuned model into {out}: {free:,} bytes free, it needs about {need:,}")
+    return out
 
 
 def _built_for(plan: Plan, target: HardwareTarget) -> bool:

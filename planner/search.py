@@ -18,16 +18,19 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
 import optuna
 
 from .data import Dataset
-from .errors import BadInput, CandidateFailed
+from .errors import BadInput, CandidateFailed, EnvironmentFailure, first_line
 from .evaluate import EvalSettings, Evaluator, TrialRecord
 from .measure import capacity
 from .model import Model
 from .space import SearchSpace
 from .target import HardwareTarget
+from .urls import redact, scrubbed
 
 # heartbeats and metric names are "experimental" in Optuna; planner relies on them knowingly
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -155,7 +158,8 @@ def open_study(
             sampler=sampler, load_if_exists=True,
         )
     except Exception as exc:  # bad URL, unreachable database, unwritable file
-        raise BadInput(f"cannot open study storage {storage_url}: {str(exc).splitlines()[0]}") from None
+        raise BadInput(f"cannot open study storage {redact(storage_url)}: {scrubbed(exc, storage_url)}") from None
+    _stamp_trials(study)
     stored = study.user_attrs.get("config")
     if stored is None:
         study.set_user_attr("config", config)
@@ -165,7 +169,7 @@ def open_study(
     elif stored != config:
         changed = sorted(k for k in config if stored.get(k) != config[k])
         raise BadInput(
-            f"study '{name}' in {storage_url} was created with a different {', '.join(changed)}; "
+            f"study '{name}' in {redact(storage_url)} was created with a different {', '.join(changed)}; "
             "use another --study name or --out directory"
         )
     return study
@@ -182,37 +186,165 @@ def _planner_study(storage_url: str, name: str) -> optuna.Study:
     try:
         study = optuna.load_study(study_name=name, storage=open_storage(storage_url))
     except KeyError:
-        raise BadInput(f"no study '{name}' in {storage_url}") from None
+        raise BadInput(f"no study '{name}' in {redact(storage_url)}") from None
     except Exception as exc:
-        raise BadInput(f"cannot open study storage {storage_url}: {str(exc).splitlines()[0]}") from None
+        raise BadInput(f"cannot open study storage {redact(storage_url)}: {scrubbed(exc, storage_url)}") from None
     if not {"inputs", "config"} <= study.user_attrs.keys():
-        raise BadInput(f"study '{name}' in {storage_url} was not created by `planner plan`")
+        raise BadInput(f"study '{name}' in {redact(storage_url)} was not created by `planner plan`")
     return study
 
 
-WORKER = f"{socket.gethostname()}:{os.getpid()}"
+HOST = socket.gethostname()
+WORKER = f"{HOST}:{os.getpid()}"
 
 
-def _objective(evaluator: Evaluator, space: SearchSpace, stop: threading.Event | None):
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, Linux), to tell it from a later
+    process that got the same pid; None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name may hold spaces
+
+
+PROCESS = {"host": HOST, "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _alive(process: dict) -> bool:
+    """Whether the process that recorded `process` still runs (only answerable on its host)."""
+    if process.get("host") != HOST:
+        return True
+    pid = int(process["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    start = _start_time(pid)
+    return process.get("start") is None or start is None or start == process["start"]
+
+
+def _requeue(trial: optuna.Trial | optuna.trial.FrozenTrial, study: optuna.Study, reason: str, crashed: bool = False) -> None:
+    """Queue `trial`'s candidate again: the copy runs before anything new is sampled.
+
+    The trial itself is then ended PRUNED (planner prunes nothing else), which never counts as
+    finished, so the study still wants as many trials as before. `crashed` marks a process that
+    died mid-trial, which may be the candidate's doing (a crash in its code): such a candidate is
+    queued again only RETRIES times, then it is a FAIL."""
+    retries = int(trial.user_attrs.get("retries", 0)) + crashed
+    if isinstance(trial, optuna.Trial):  # a live trial, about to end PRUNED: say why
+        trial.set_user_attr("fail_reason", f"{reason}; queued again")
+    study.enqueue_trial(
+        trial.params, user_attrs={"requeued_from": trial.number, "requeue_reason": reason, "retries": retries}
+    )
+
+
+class _Halt:
+    """Why this process stops starting trials: Ctrl-C/SIGTERM (`stop`), a second one (`hard`), or
+    an environment failure (`error`, raised once the trials in flight end)."""
+
+    def __init__(self, stop: threading.Event | None) -> None:
+        self.stop = stop or threading.Event()
+        self.hard = False
+        self.error: EnvironmentFailure | None = None
+
+    def __call__(self) -> bool:
+        return self.stop.is_set() or self.hard or self.error is not None
+
+
+def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
-        trial.set_user_attr("worker", WORKER)  # which process ran it (plan or `planner worker`)
+        trial.set_user_attr("worker", WORKER)  # which process ran it (a popped queued trial names another)
+        trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
         candidate = space.sample(trial, evaluator.model)
         try:
             constraints = evaluator.evaluate(candidate, trial.set_user_attr)
+        except EnvironmentFailure as exc:
+            # the board, the disk or the cache failed, not the candidate: it is measured again by
+            # the next run, and this one stops (the caller raises `exc`)
+            halt.error = halt.error or exc
+            _requeue(trial, trial.study, f"environment: {first_line(exc)}")
+            raise optuna.TrialPruned(f"environment: {first_line(exc)}; queued again") from None
         except CandidateFailed:
-            if stop is None or not stop.is_set():
+            if not halt():
                 raise
             # A terminal's Ctrl-C also reaches the compiler and linker this trial runs: its failure
-            # says nothing about the candidate. PRUNED (planner prunes nothing else) does not count
-            # as finished, and the same parameters are queued, so resuming measures them.
-            trial.study.enqueue_trial(trial.params, user_attrs={"requeued_from": trial.number})
-            raise optuna.TrialPruned("interrupted (Ctrl-C) mid-trial; queued again") from None
+            # says nothing about the candidate. Resuming measures the same parameters.
+            _requeue(trial, trial.study, "interrupted mid-trial")
+            raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
+        except KeyboardInterrupt:
+            # the second Ctrl-C: stop now, but the candidate is not to blame either
+            halt.hard = True
+            _requeue(trial, trial.study, "interrupted mid-trial")
+            raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
         for key, value in constraints.items():
             trial.set_constraint(key, value)
         attrs = trial.user_attrs
         return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
 
     return objective
+
+
+def _stamp_trials(study: optuna.Study) -> None:
+    """Make every trial this process starts carry its `process` from the instant it exists: a
+    new trial is created with it (one storage write), a queued one gets it right as it is popped.
+    Set later, in the objective, a kill in between would leave a RUNNING trial nobody can tell
+    is dead (until it is GRACE_S old)."""
+    storage = study._storage
+    create, set_state = storage.create_new_trial, storage.set_trial_state_values
+
+    def create_new_trial(study_id, template_trial=None):
+        if template_trial is None:
+            template_trial = optuna.trial.FrozenTrial(
+                number=-1, state=optuna.trial.TrialState.RUNNING, value=None, datetime_start=datetime.now(),
+                datetime_complete=None, params={}, distributions={}, user_attrs={"process": PROCESS, "worker": WORKER},
+                system_attrs={}, intermediate_values={}, trial_id=-1,
+            )
+        return create(study_id, template_trial)
+
+    def set_trial_state_values(trial_id, state, values=None):
+        popped = set_state(trial_id, state, values)
+        if popped and state == optuna.trial.TrialState.RUNNING:
+            storage.set_trial_user_attr(trial_id, "process", PROCESS)
+        return popped
+
+    storage.create_new_trial, storage.set_trial_state_values = create_new_trial, set_trial_state_values
+
+
+def recover_dead_trials(study: optuna.Study) -> list[int]:
+    """End the RUNNING trials whose process died on this host (kill -9, a crash, power loss),
+    whatever the storage (a journal file has no heartbeats; an RDB's only fire after a grace
+    period), and queue their candidates again, so a rerun a second later measures them. A
+    candidate whose process died RETRIES times already is a FAIL: it likely crashes planner.
+
+    Returns the numbers of the trials ended."""
+    ended = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        process = t.user_attrs.get("process")
+        if isinstance(process, dict):
+            if _alive(process):
+                continue
+            reason = f"its process ({process.get('host')}:{process.get('pid')}) died mid-trial"
+        elif t.datetime_start is not None and (datetime.now() - t.datetime_start).total_seconds() > GRACE_S:
+            reason = "its process died mid-trial (a trial with no process record, started long ago)"
+        else:
+            continue  # another process's trial, a moment old
+        storage, tid = study._storage, t._trial_id
+        crashes = int(t.user_attrs.get("retries", 0))
+        try:
+            if crashes >= RETRIES:
+                storage.set_trial_user_attr(tid, "fail_reason", f"{reason}, again: the candidate may crash planner")
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
+            else:
+                storage.set_trial_user_attr(tid, "fail_reason", f"{reason}; queued again")
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
+                _requeue(t, study, reason, crashed=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another process got there first
+        ended.append(t.number)
+    return ended
 
 
 def run_study(
@@ -234,22 +366,23 @@ def run_study(
     study's finished trials (every process's)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
     n_jobs = capacity(target)  # one trial in flight per board
-    optuna.storages.fail_stale_trials(study)  # a dead process's trial: failed and queued again now
+    optuna.storages.fail_stale_trials(study)  # a silent heartbeat: failed and queued again now
+    recover_dead_trials(study)  # a dead process on this host: queued again at once
     done = _finished(study)
     remaining = settings.trials - done if settings.own_trials is None else settings.own_trials
     if on_start is not None:
         on_start(done, settings.trials)
     log.debug("study '%s': %d finished trials, %d to run here, %d in parallel", study.study_name, done, max(remaining, 0), n_jobs)
-    if remaining > 0 and not (stop is not None and stop.is_set()):
+    halt = _Halt(stop)
+    if remaining > 0 and not halt():
         callbacks = []
         if settings.own_trials is None:
             callbacks.append(lambda s, t: s.stop() if _finished(s) >= settings.trials else None)
         if on_trial is not None:
             callbacks.append(lambda s, t: on_trial(to_record(t), _finished(s), settings.trials))
-        if stop is not None:
-            callbacks.append(lambda s, t: s.stop() if stop.is_set() else None)
+        callbacks.append(lambda s, t: s.stop() if halt() else None)
         study.optimize(
-            _objective(Evaluator(model, data, target, settings.evaluation), space, stop),
+            _objective(Evaluator(model, data, target, settings.evaluation), space, halt),
             n_trials=remaining,
             timeout=settings.timeout_s,
             catch=(CandidateFailed,),
@@ -257,6 +390,13 @@ def run_study(
             callbacks=callbacks,
             gc_after_trial=False,
         )
+    if halt.error is not None:
+        raise type(halt.error)(
+            f"{first_line(halt.error)}; the trial was queued again and the study holds {_finished(study)} finished "
+            "trials: rerun the same command once that is fixed"
+        )
+    if halt.hard:
+        raise KeyboardInterrupt
     return records(study)
 
 

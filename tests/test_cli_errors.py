@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,10 @@ from planner.data import load_dataset
 from planner.model import load_model
 
 
-def planner(*args: str, cwd=None, preexec_fn=None) -> subprocess.CompletedProcess:
+def planner(*args: str, cwd=None, preexec_fn=None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600, cwd=cwd, preexec_fn=preexec_fn
+        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600, cwd=cwd, preexec_fn=preexec_fn,
+        env={**os.environ, **env} if env else None,
     )
 
 
@@ -40,6 +42,7 @@ class Case:
     out: Path | None = None  # --out [default: a fresh directory that must never be made]
     preexec_fn: Callable[[], None] | None = None  # runs in the child before planner starts
     after: Callable[[Path], None] | None = None  # checks OUT afterwards [default: OUT does not exist]
+    env: dict[str, str] | None = None  # environment variables for the child
     notes: list[str] = field(default_factory=list)
 
 
@@ -339,6 +342,67 @@ def _(ctx):
     return Case(ctx.plan("--tracker", tracker, "--key", "no-such-board"), "no board under key 'no-such-board'", code=3)
 
 
+# --- flags: checked before anything runs, not after the last trial ------------------------------
+
+for flag, value, words in (
+    ("--accuracy-tolerance", "nan", "--accuracy-tolerance must lie in 0..1"),
+    ("--accuracy-tolerance", "-5", "--accuracy-tolerance must lie in 0..1"),
+    ("--seed", "-1", "--seed must lie in 0.."),
+    ("--timeout", "-1", "--timeout must be a positive number of seconds"),
+    ("--timeout", "inf", "--timeout must be a positive number of seconds"),
+    ("--accuracy-steps", "-3", "--accuracy-steps must be at least 1"),
+    ("--accuracy-steps", "0", "--accuracy-steps must be at least 1"),
+    ("--trials", "0", "--trials must be at least 1"),
+    ("--tune-trials", "-1", "--tune-trials must be 0"),
+):
+    case(f"{flag} {value}")(lambda ctx, flag=flag, value=value, words=words: Case(ctx.plan(flag, value), words))
+
+
+# --- the environment ---------------------------------------------------------------------------
+
+@case("compile cache is a file")
+def _(ctx):
+    file = ctx.tmp / "cache-file"
+    file.write_text("not a directory\n")
+    return Case(ctx.plan("--trials", "1"), f"cannot use the compile cache {file}", env={"PLANNER_CACHE_DIR": str(file)})
+
+
+@case("read-only compile cache")
+def _(ctx):
+    ro = ctx.fixture("tmpfs")("ro,size=64k")
+    if ro is None:
+        pytest.skip("a read-only directory, as root, needs a read-only tmpfs mount, which this process cannot make")
+    return Case(ctx.plan("--trials", "1"), f"cannot use the compile cache {ro}: read-only file system", env={"PLANNER_CACHE_DIR": str(ro)})
+
+
+@case("dataset larger than the memory limit")
+def _(ctx):
+    """6 M float64 samples (1.7 GB once read, 8 MB on disk: zeros compress) under a 3 GB address
+    space limit, which planner itself fits in: a MemoryError becomes one line."""
+    path = ctx.tmp / "big.npz"
+    n = 6_000_000
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        with z.open("x.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<f8", "fortran_order": False, "shape": (n, 1, 6, 6)})
+            chunk = np.zeros((100_000, 1, 6, 6)).tobytes()
+            for _ in range(n // 100_000):
+                f.write(chunk)
+        with z.open("y.npy", "w") as f:
+            np.save(f, (np.arange(n) % 3).astype(np.int64))
+    limit = 3 * 10**9
+    return Case(ctx.plan("--data", str(path), "--trials", "1"), "out of memory",
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+
+
+@case("--out holds someone else's files")
+def _(ctx):
+    mine = ctx.tmp / "documents"
+    mine.mkdir()
+    (mine / "report.md").write_text("my own notes\n")
+    return Case(ctx.plan("--trials", "1"), f"--out {mine} holds files planner did not write for a plan directory (report.md)",
+                out=mine, after=lambda out: _unchanged(out / "report.md", "my own notes\n"))
+
+
 # --- the output directory ----------------------------------------------------------------------
 
 @case("--out is a file")
@@ -455,7 +519,7 @@ def _no_files(out: Path) -> None:
 def test_bad_input_is_one_line_and_its_exit_code(name, tmp_path, tiny_model, tiny_data, request):
     c = CASES[name](Ctx(tmp_path, tiny_model, tiny_data, request))
     out = c.out or tmp_path / "plan-out"
-    res = planner("plan", *c.args, "--out", str(out), preexec_fn=c.preexec_fn)
+    res = planner("plan", *c.args, "--out", str(out), preexec_fn=c.preexec_fn, env=c.env)
     assert res.returncode == c.code, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and c.expected in lines[0], res.stderr

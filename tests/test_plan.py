@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -38,7 +39,11 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
         assert (out / name).is_file(), name
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema_version"] == 1
+    assert plan["schema_version"] == 2
+    # every file a run loads carries its sha256, which `run` checks before loading anything
+    assert plan["files"].keys() == {"train_step.so", "weights.npz", "model.onnx"}
+    for name, digest in plan["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
     assert plan["target"]["device"] == "local"
     assert plan["study"]["n_trials"] == 5
     lat = plan["metrics"]["step_latency_ms"]
@@ -138,8 +143,10 @@ def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tm
     by_number = {t.number: t for t in trials}
     for number, params in kept.items():
         assert by_number[number].state.is_finished() and by_number[number].params == params
-    assert sum(t.state.is_finished() for t in trials) == 7
-    assert read_plan(out).study["n_trials"] >= 7
+    # the trial the kill cut short is PRUNED (not counted) and its candidate measured again
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for t in trials) == 7
+    assert read_plan(out).study["n_trials"] == 7
 
 
 def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data, tmp_path):

@@ -4,8 +4,8 @@ A measurement requests a board of the key from the tracker (waiting while all ar
 the library, loads it into a Relax VM on the board, uploads the weights, times the step there with
 the VM's time evaluator and reads the board process's peak memory through planner's probes (when
 the board runs `planner board serve`). A board that disconnects, crashes or overruns its session
-costs one retry on another board; the second loss is `BoardLost`, which the search records as a
-failed trial with reason "board lost".
+costs one retry on another board; after the second, `BoardLost` when no board is left (the search
+queues the trial again and stops, exit 3), else the candidate failed on the board.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from ..board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
 from ..compile import CompiledStep
-from ..errors import BoardLost, BoardUnreachable, PlannerError, last_line
+from ..errors import BoardLost, BoardUnreachable, CandidateFailed, PlannerError, first_line, last_line
 from ..session import TrainingSession
 from . import Measurement
 from .latency import time_step
@@ -71,7 +71,10 @@ class BoardPool:
         """`fn(remote, lib, device)` with `library` loaded on a free board of the key.
 
         A board that disconnects, crashes or overruns its session is retried once, on whichever
-        board is free then; a second loss raises BoardLost("board lost: ...").
+        board is free then. After a second loss the tracker is asked who is to blame: with no
+        board of the key left (or no tracker), the boards are gone — `BoardLost`, an environment
+        failure that costs no trial; with boards still registered, their session died running
+        this candidate twice (a crash or a timeout of its code on the board) — `CandidateFailed`.
         """
         for attempt in range(2):
             try:
@@ -85,7 +88,14 @@ class BoardPool:
                 raise
             except Exception as exc:  # a dropped connection or a timeout surfaces as TVM errors
                 if attempt:
-                    raise BoardLost(f"board lost: {last_line(exc)}") from None
+                    lost = last_line(exc)
+                    try:
+                        left = self.status().total
+                    except BoardUnreachable as gone:
+                        raise BoardLost(f"board lost ({lost}), and {first_line(gone)}") from None
+                    if left == 0:
+                        raise BoardLost(f"board lost: no '{self.key}' board is left at the tracker ({lost})") from None
+                    raise CandidateFailed(f"the board's session died running this candidate, twice: {lost}") from None
         raise AssertionError("unreachable")
 
     def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:

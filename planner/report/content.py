@@ -18,6 +18,7 @@ from ..evaluate import TrialRecord
 from ..model import Model, load_model
 from ..plan import MODEL_FILE, Choice, Plan, choice_json, metrics_json, read_plan, select
 from ..target import load_target
+from ..urls import redact
 
 TRIALS_FILE = "trials.json"
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
@@ -149,7 +150,7 @@ def from_study(storage: str, study: str) -> ReportContent:
         metrics=metrics_json(chosen) if chosen else None,
         layers=_layer_map(model, choice) if model is not None else [],
         provenance={
-            "study": f"{study} in {storage}",
+            "study": f"{study} in {redact(storage)}",
             "latency": f"TVM VM time_evaluator per trial, median of {inputs['latency_repeats']} repeats",
             "accuracy": f"fine-tuned {inputs['accuracy_steps']} steps (seed {inputs['seed']}) per trial",
             "selection": "the trial `planner plan` would choose (least memory within 0.01 of the best accuracy); no plan written",

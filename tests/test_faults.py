@@ -1,0 +1,453 @@
+"""Fault injection through the real CLI: kill -9 at each phase, corrupt caches, swapped plan files,
+stale and concurrent state, signals, and the leaked-secret grep over every output.
+
+The guarantees under test (README, "Reliability"): a failure that is not the candidate's never
+counts as a finished trial, and a rerun measures exactly the missing ones; nothing planner loads
+from disk is trusted unchecked; a plan or a run's output is the old one whole or the new one
+complete, whatever instant the process dies; no storage password is printed or written.
+
+Kill points are named in `planner.faults` (`PLANNER_KILL_AT=POINT[@N]`): the process sends
+itself SIGKILL there, the way an OOM killer or a power cut would.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import optuna
+import pytest
+from onnx import numpy_helper
+
+from planner.digest import file_sha256
+from planner.outdir import COMMIT, MARKER, STAGED_PREFIX, recover
+from planner.plan import read_plan
+
+TRIALS = 3
+
+
+def planner(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def plan_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["plan", "--model", str(model), "--data", str(data), "--out", str(out), "--accuracy-steps", "20", *extra]
+
+
+def one_error_line(res: subprocess.CompletedProcess, code: int, words: str) -> str:
+    assert res.returncode == code, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert "Traceback" not in res.stderr
+    assert lines and lines[-1].startswith("error: ") and words in lines[-1], res.stderr
+    return lines[-1]
+
+
+def study_trials(out: Path) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name="planner", storage=f"sqlite:///{out / 'study.db'}").get_trials()
+
+
+def counted(trials) -> int:
+    return sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for t in trials)
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith((STAGED_PREFIX, COMMIT)))
+
+
+# --- kill -9 during a trial: the rerun measures exactly the missing trials -------------------------
+
+@pytest.mark.parametrize("phase", ["trial-compile", "trial-measure", "trial-accuracy"])
+def test_kill_9_mid_trial_then_an_immediate_rerun_measures_exactly_the_missing_trials(phase, tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    killed = planner(*plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS)), env={"PLANNER_KILL_AT": f"{phase}@2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    before = study_trials(out)
+    running = [t for t in before if t.state == optuna.trial.TrialState.RUNNING]
+    assert len(running) == 1 and counted(before) == 1  # trial 0 finished, trial 1 died mid-way
+
+    rerun = planner(*plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS)))  # at once: no heartbeat grace
+    assert rerun.returncode == 0, rerun.stderr
+    after = study_trials(out)
+    assert not [t for t in after if t.state == optuna.trial.TrialState.RUNNING]
+    assert counted(after) == TRIALS
+    dead = after[running[0].number]
+    assert dead.state == optuna.trial.TrialState.PRUNED and "died mid-trial" in dead.user_attrs["fail_reason"]
+    again = [t for t in after if t.user_attrs.get("requeued_from") == dead.number]
+    assert len(again) == 1 and again[0].state.is_finished() and again[0].params == dead.params
+    assert read_plan(out).study["n_trials"] == TRIALS
+
+
+def test_a_candidate_that_kills_its_process_twice_is_failed_not_retried_forever(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    args = plan_args(tiny_model, tiny_data, out, "--trials", "2")
+    for _ in range(2):  # the first measurement of each run: trial 0, then its queued copy
+        assert planner(*args, env={"PLANNER_KILL_AT": "trial-measure"}).returncode == -signal.SIGKILL
+    final = planner(*args)
+    assert final.returncode == 0, final.stderr
+    trials = study_trials(out)
+    first, copy = trials[0], trials[1]
+    assert first.state == optuna.trial.TrialState.PRUNED and copy.user_attrs["requeued_from"] == 0
+    assert copy.state == optuna.trial.TrialState.FAIL and "again" in copy.user_attrs["fail_reason"]
+    assert not [t for t in trials if t.user_attrs.get("requeued_from") == copy.number]
+    assert counted(trials) == 2
+
+
+# --- kill -9 while the plan directory is written: the old plan whole, or the new one complete -----
+
+@pytest.mark.parametrize("point, new", [("write-staged", False), ("write-committed", True), ("write-renaming@2", True)])
+def test_kill_9_while_writing_the_plan_leaves_the_old_plan_or_the_new_one(point, new, tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1")).returncode == 0
+    killed = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2"), env={"PLANNER_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    plan = read_plan(out)  # finishes a committed write; verifies every file against its sha256
+    assert plan.study["n_trials"] == (2 if new else 1)
+    assert leftovers(out) == []
+    trials = json.loads((out / "trials.json").read_text())
+    assert len([t for t in trials if t["state"] in ("COMPLETE", "FAIL")]) == plan.study["n_trials"]
+
+
+def test_staged_files_of_a_killed_write_are_removed_by_the_next_run(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1"), env={"PLANNER_KILL_AT": "write-staged"}).returncode == -9
+    assert [p for p in out.iterdir() if p.name.startswith(STAGED_PREFIX)]
+    assert not (out / "plan.json").exists()  # never committed: no plan at all, not half of one
+    assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1")).returncode == 0
+    assert leftovers(out) == [] and read_plan(out).study["n_trials"] == 1
+
+
+# --- kill -9 during `planner run` -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def a_plan(tiny_model, tiny_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "plan"
+    res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2"))
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def _pair(out: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    with np.load(out / "weights.npz") as npz:
+        weights = {k: npz[k] for k in npz.files}
+    model = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "model.onnx").graph.initializer if t.name in weights}
+    return weights, model
+
+
+@pytest.mark.parametrize("point", ["write-staged", "write-committed", "write-renaming"])
+def test_kill_9_while_run_writes_keeps_a_consistent_weights_and_model_pair(point, a_plan, tmp_path):
+    out = tmp_path / "ft"
+    assert planner("run", str(a_plan), "--steps", "5", "--out", str(out)).returncode == 0
+    old, _ = _pair(out)
+    killed = planner("run", str(a_plan), "--steps", "30", "--out", str(out), env={"PLANNER_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL
+    assert (out / "weights.npz").stat().st_size > 0
+    recover(out)  # what the next planner command on OUT does first
+    weights, model = _pair(out)
+    assert weights.keys() == model.keys()
+    for name in weights:  # the weights and the model are of the same run
+        np.testing.assert_array_equal(weights[name], model[name])
+    changed = any(not np.array_equal(weights[k], old[k]) for k in old)
+    assert changed == (point != "write-staged")
+    assert leftovers(out) == []
+
+
+def test_run_refuses_its_own_plan_as_out_and_foreign_or_full_directories(a_plan, tmp_path):
+    before = file_sha256(a_plan / "weights.npz")
+    one_error_line(planner("run", str(a_plan), "--steps", "5", "--out", str(a_plan)), 2, "is the plan directory")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.onnx").write_text("my model\n")
+    one_error_line(planner("run", str(a_plan), "--steps", "5", "--out", str(mine)), 2, "holds files planner did not write")
+    assert (mine / "model.onnx").read_text() == "my model\n"
+    assert file_sha256(a_plan / "weights.npz") == before
+
+
+def test_run_on_a_full_disk_is_one_line_before_training(a_plan, tmpfs):
+    disk = tmpfs("size=64k")
+    if disk is None:
+        pytest.skip("needs a tmpfs mount (root)")
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # another program filled the disk
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    res = planner("run", str(a_plan), "--steps", "5", "--out", str(disk / "ft"))
+    one_error_line(res, 2, "bytes free, it needs about")
+    assert not (disk / "ft").exists()
+
+
+# --- untrusted files in a plan directory: checked before anything is loaded ------------------------
+
+def _copy(plan: Path, tmp: Path) -> Path:
+    dst = tmp / "copy"
+    shutil.copytree(plan, dst)
+    return dst
+
+
+def _rehash(plan: Path, name: str) -> None:
+    """Make plan.json agree with an edited file, as a careless (or hostile) hand edit would."""
+    data = json.loads((plan / "plan.json").read_text())
+    data["files"][name] = file_sha256(plan / name)
+    (plan / "plan.json").write_text(json.dumps(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _planted_library(path: Path, marker: Path) -> None:
+    """A shared library whose constructor runs at load: proof of code that ran unchecked."""
+    src = path.with_suffix(".c")
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ FILE *m = fopen("{marker}", "w"); if (m) fclose(m); }}\n')
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(path), str(src)], check=True)
+    src.unlink()
+
+
+SWAPS = {  # case -> (the file changed, how)
+    "truncated train_step.so": ("train_step.so", lambda p, tmp: _truncate(p / "train_step.so")),
+    "another plan's train_step.so": ("train_step.so", lambda p, tmp: shutil.copyfile(tmp / "other" / "train_step.so", p / "train_step.so")),
+    "a library with a constructor": ("train_step.so", lambda p, tmp: _planted_library(p / "train_step.so", tmp / "ran")),
+    "truncated weights.npz": ("weights.npz", lambda p, tmp: _truncate(p / "weights.npz")),
+    "edited model.onnx": ("model.onnx", lambda p, tmp: (p / "model.onnx").write_bytes((p / "model.onnx").read_bytes() + b"\0")),
+}
+
+
+@pytest.fixture(scope="module")
+def other_plan(a_plan, tiny_model, tiny_data):
+    """A second plan of the same model whose step differs (another lr) but has the same signature."""
+    scheme = a_plan.parent / "lr05.yaml"
+    choice = read_plan(a_plan).choice
+    layers = "\n".join(
+        f"  - {{layer: {t['layer']}, mode: {t['mode']}" + (f", ratio: {t['ratio']}" if "ratio" in t else "") + "}"
+        for t in choice.trainable
+    )
+    scheme.write_text(f"trainable:\n{layers}\nbatch_size: {choice.batch_size}\noptimizer: {{name: {choice.optimizer['name']}, lr: 0.5}}\n")
+    other = a_plan.parent / "other"
+    res = planner("measure", str(tiny_model), "--scheme", str(scheme), "--data", str(tiny_data), "--out", str(other), "--accuracy-steps", "5")
+    assert res.returncode == 0, res.stderr
+    return other
+
+
+@pytest.mark.parametrize("swap", list(SWAPS))
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_a_changed_plan_file_is_refused_before_anything_loads(swap, command, a_plan, other_plan, tmp_path):
+    plan = _copy(a_plan, tmp_path)
+    shutil.copytree(other_plan, tmp_path / "other")
+    name, change = SWAPS[swap]
+    change(plan, tmp_path)
+    args = ["run", str(plan), "--steps", "5", "--out", str(tmp_path / "ft")] if command == "run" else \
+        ["compile", str(plan), "--target", "host", "--out", str(tmp_path / "re")]
+    line = one_error_line(planner(*args), 2, "is not the file this plan was written with")
+    assert name in line
+    assert not (tmp_path / "ran").exists(), "the planted library's constructor ran"
+    assert not (tmp_path / "ft").exists() and not (tmp_path / "re").exists()
+
+
+@pytest.mark.parametrize("edit, words", [
+    ("float64", "is float64"),
+    ("wrong shape", "the model needs"),
+    ("missing weight", "lacks"),
+])
+def test_weights_that_do_not_fit_the_model_are_one_line_even_with_a_matching_hash(edit, words, a_plan, tmp_path):
+    plan = _copy(a_plan, tmp_path)
+    with np.load(plan / "weights.npz") as npz:
+        weights = {k: npz[k] for k in npz.files}
+    first = next(iter(weights))
+    if edit == "float64":
+        weights[first] = weights[first].astype(np.float64)
+    elif edit == "wrong shape":
+        weights[first] = weights[first][..., :1]
+    else:
+        del weights[first]
+    np.savez(plan / "weights.npz", **weights)
+    _rehash(plan, "weights.npz")
+    one_error_line(planner("run", str(plan), "--steps", "5", "--out", str(tmp_path / "ft")), 2, words)
+
+
+# --- corrupt caches: a bad entry is a miss, rebuilt -----------------------------------------------
+
+def test_corrupt_cache_entries_are_rebuilt_not_loaded(tiny_model, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    env = {"PLANNER_CACHE_DIR": str(cache)}
+    first = planner(*plan_args(tiny_model, tiny_data, tmp_path / "a", "--trials", "2", "--json"), env=env)
+    assert first.returncode == 0, first.stderr
+    accuracy = json.loads(first.stdout)["metrics"]["accuracy"]["after"]
+    for lib in cache.glob("steps/*/train_step.so"):
+        _truncate(lib)  # loading one would SIGBUS the process
+    for obj in cache.glob("kernels/*/*.o"):
+        _truncate(obj)
+    for entry in cache.glob("accuracy/*.json"):
+        entry.write_text(entry.read_text().replace('"after": ', '"after": 0.99, "was": '))
+    again = planner(*plan_args(tiny_model, tiny_data, tmp_path / "b", "--trials", "2", "--json"), env=env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["metrics"]["accuracy"]["after"] == accuracy
+    run = planner("run", str(tmp_path / "b"), "--steps", "5", "--out", str(tmp_path / "ft"))
+    assert run.returncode == 0, run.stderr
+
+
+# --- stale and concurrent state -------------------------------------------------------------------
+
+def test_a_second_plan_on_the_same_out_is_refused_while_the_first_runs(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / MARKER).write_text('{"kind": "plan", "written_by": "planner"}\n')
+    with open(out / MARKER) as held:  # the lock a running `planner plan` holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1"))
+    one_error_line(res, 2, f"another planner process is writing into {out}")
+    assert not (out / "study.db").exists()
+
+
+def test_a_resume_with_another_seed_records_each_trials_own_seed(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2", "--seed", "0")).returncode == 0
+    res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "3", "--seed", "7"))
+    assert res.returncode == 0, res.stderr
+    trials = json.loads((out / "trials.json").read_text())
+    assert [t["seed"] for t in trials] == [0, 0, 7]
+    plan = read_plan(out)
+    assert f"(seed {trials[plan.selection['trial']]['seed']})" in plan.measurement["accuracy"]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "planner", *args, "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_a_trial(proc: subprocess.Popen) -> list[str]:
+    """stderr lines up to the first finished trial (planner's -v log)."""
+    seen = []
+    deadline = time.time() + 300
+    for line in proc.stderr:
+        seen.append(line)
+        if line.lstrip().startswith("trial ") or time.time() > deadline:
+            break
+    return seen
+
+
+def test_sigterm_stops_like_ctrl_c_with_a_plan_and_no_trial_left_running(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    proc = _start(plan_args(tiny_model, tiny_data, out, "--trials", "40", "--accuracy-steps", "200"))
+    _wait_for_a_trial(proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "SIGTERM: stopping after the trials in flight" in err
+    trials = study_trials(out)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert read_plan(out).study["n_trials"] == counted(trials) < 40
+
+
+def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    args = plan_args(tiny_model, tiny_data, out, "--trials", "3", "--accuracy-steps", "3000")
+    proc = _start(args)
+    _wait_for_a_trial(proc)  # trial 0 done; trial 1 fine-tunes for a while
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    cut = [t for t in study_trials(out) if t.state == optuna.trial.TrialState.PRUNED]
+    assert all(t.user_attrs.get("fail_reason") for t in cut)
+    rerun = planner(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    trials = study_trials(out)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.FAIL and not t.user_attrs.get("fail_reason")]
+    assert counted(trials) == 3
+    for t in cut:  # every candidate cut short was measured by the rerun
+        assert any(u.user_attrs.get("requeued_from") == t.number and u.state.is_finished() for u in trials)
+
+
+# --- the local environment: the toolchain vanishes mid-study ---------------------------------------
+
+def test_a_vanished_toolchain_stops_the_study_exit_2_and_costs_no_trial(tiny_model, tiny_data, tmp_path):
+    """The first link works; then the compiler is gone (an upgrade, an unmounted volume). The
+    trial that needed it is queued again and the run stops; once it is back, the rerun measures
+    exactly the missing trials."""
+    cxx = tmp_path / "bin" / "g++-planner"
+    cxx.parent.mkdir()
+    script = '#!/bin/sh\ncase "$*" in *-shared*) rm -f "$0";; esac\nexec g++ "$@"\n'  # gone after its first link
+    cxx.write_text(script)
+    cxx.chmod(0o755)
+    target = tmp_path / "host.yaml"
+    target.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: 512MiB\ntoolchain: {cxx}\n")
+    out = tmp_path / "p"
+    env = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}  # cold: every trial links
+    args = plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS), "--target", str(target))
+    res = planner(*args, env=env)
+    one_error_line(res, 2, str(cxx))
+    trials = study_trials(out)
+    assert counted(trials) == 1 and not [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    cxx.write_text(script.replace('rm -f "$0"', ":"))
+    cxx.chmod(0o755)
+    rerun = planner(*args, env=env)
+    assert rerun.returncode == 0, rerun.stderr
+    assert counted(study_trials(out)) == TRIALS
+
+
+# --- secrets: a storage password is never printed or written --------------------------------------
+
+SECRET = "Pw-7fq2-secret"
+
+
+@pytest.fixture
+def secret_url(postgres_url):
+    import sqlalchemy
+
+    admin = sqlalchemy.create_engine(postgres_url, isolation_level="AUTOCOMMIT", poolclass=sqlalchemy.pool.NullPool)
+    role = f"leak{os.getpid()}"
+    with admin.connect() as conn:
+        conn.execute(sqlalchemy.text(f"CREATE ROLE {role} LOGIN PASSWORD '{SECRET}'"))
+        conn.execute(sqlalchemy.text(f"CREATE DATABASE {role} OWNER {role}"))
+    host = postgres_url.rsplit("@", 1)[1].rsplit("/", 1)[0]
+    yield f"postgresql://{role}:{SECRET}@{host}/{role}"
+    with admin.connect() as conn:
+        conn.execute(sqlalchemy.text(f"DROP DATABASE IF EXISTS {role} WITH (FORCE)"))
+        conn.execute(sqlalchemy.text(f"DROP ROLE IF EXISTS {role}"))
+
+
+def test_no_output_holds_the_storage_password(secret_url, tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "p"
+    outputs = []
+    res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2", "--storage", secret_url, "-v", "--json"))
+    assert res.returncode == 0, res.stderr
+    outputs.append(res)
+    outputs.append(planner("worker", "--storage", secret_url, "--study", "planner", "--trials", "1", "--json", "-v"))
+    for fmt in ("md", "json", "html"):
+        outputs.append(planner("report", "--storage", secret_url, "--study", "planner", "--format", fmt))
+        outputs.append(planner("report", str(out), "--format", fmt))
+    assert all(r.returncode == 0 for r in outputs), [r.stderr for r in outputs]
+    wrong = secret_url.replace(SECRET, SECRET + "-wrong")
+    errors = [
+        planner("report", "--storage", secret_url, "--study", "no-such-study"),
+        planner("report", "--storage", wrong, "--study", "planner"),
+        planner("worker", "--storage", wrong, "--study", "planner", "--json"),
+        planner(*plan_args(tiny_model, tiny_data, tmp_path / "q", "--trials", "1", "--storage", wrong)),
+    ]
+    for res in errors:
+        one_error_line(res, 2, "***")
+    for res in outputs + errors:
+        assert SECRET not in res.stdout + res.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"plan.json", "report.md", "report.html", "trials.json"} <= {p.name for p in files}
+    for path in files:
+        assert SECRET.encode() not in path.read_bytes(), path
+    assert json.loads((out / "plan.json").read_text())["study"]["storage"].startswith("postgresql://leak")
