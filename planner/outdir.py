@@ -22,6 +22,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import sqlite3
 import tempfile
@@ -49,10 +50,13 @@ def _foreign(out: Path, kind: Kind) -> list[str]:
     marker = out / MARKER
     if marker.is_file():
         try:
-            owner = json.loads(marker.read_text()).get("kind")
+            text = marker.read_text()
+            owner = json.loads(text).get("kind") if text else kind  # empty: torn by a kill as planner made it
         except (OSError, ValueError, AttributeError):
             owner = None
         return [] if owner == kind else [f"{MARKER} (it holds {_WHAT.get(owner, 'something else')})"]
+    if kind == "plan" and (out / "plan.json").is_file() and (out / "study.db").is_file():
+        return []  # a plan directory from before markers existed
     return entries
 
 
@@ -81,19 +85,32 @@ def prepare_out_dir(out: str | Path, create: bool = True, kind: Kind = "plan") -
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
         with tempfile.TemporaryFile(dir=probe, prefix=".planner-probe-"):
             pass  # root ignores permission bits: only a real file tells whether writing works
-        if create and not (out / MARKER).is_file():
-            _write_atomically(out / MARKER, json.dumps({"kind": kind, "written_by": "planner"}) + "\n")
+        if create:
+            _create_marker(out / MARKER, kind)
     except OSError as exc:
         raise OutputUnwritable(f"cannot write the {kind} into {out}: {reason(exc)}") from None
     return out
 
 
-def release_if_empty(out: Path) -> None:
-    """Remove `out` when it holds nothing but planner's marker (a run that wrote nothing)."""
+def _create_marker(marker: Path, kind: Kind) -> None:
+    """The marker, made once and never replaced: it is also the lock file, and a lock taken on
+    one inode means nothing once a rename has put another in its place."""
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"kind": kind, "written_by": "planner"}) + "\n")
+
+
+def release_if_empty(out: Path, created: bool = True) -> None:
+    """When `out` holds nothing but planner's marker (a run that wrote nothing), remove the
+    marker, and `out` itself if this run `created` it."""
     with suppress(OSError):
         if {p.name for p in out.iterdir()} <= {MARKER}:
             (out / MARKER).unlink(missing_ok=True)
-            out.rmdir()
+            if created:
+                out.rmdir()
 
 
 _HELD: set[Path] = set()  # directories this process holds (re-entrant: `plan` holds, then writes)
@@ -147,22 +164,72 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_STAGED = re.compile(r"\.staged-[A-Za-z0-9_]+")
+KEPT = frozenset({"study.db", "study.db-journal", "study.db-wal", "study.db-shm"})  # never replaced or removed
+
+
+def safe_name(name: object) -> bool:
+    """Whether `name` may be written or removed in a planner directory: a plain relative path
+    inside it, not planner's own bookkeeping, not the study. A commit record or an old plan.json
+    comes from disk, and a directory someone sent you must not make planner delete or overwrite
+    `../anything`."""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    path = Path(name)
+    return (
+        not path.is_absolute() and ".." not in path.parts and "." not in path.parts
+        and not path.parts[0].startswith((MARKER, STAGED_PREFIX)) and name not in KEPT
+    )
+
+
+@contextmanager
+def _dir_lock(out: Path, shared: bool) -> Iterator[None]:
+    """flock on the directory itself: writers (`replace_files`) hold it exclusively while they
+    replace files, readers share it while they verify and load, so a reader never sees (or
+    loads) a mix, and never cleans up after a writer that is still at work."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def reading(out: Path) -> Iterator[None]:
+    """Hold `out` for reading: no writer replaces files meanwhile. A replacement a killed writer
+    committed is finished first (with the writer's lock, briefly). A directory planner did not
+    mark is read as it is, never touched."""
+    out = Path(out)
+    if not (out / MARKER).is_file():
+        yield
+        return
+    if (out / COMMIT).exists() or any(out.glob(f"{STAGED_PREFIX}*")):
+        with suppress(OSError), _dir_lock(out, shared=False):
+            recover(out)  # (a read-only copy of a plan stays as it is)
+    with _dir_lock(out, shared=True):
+        yield
+
+
 def recover(out: Path) -> None:
     """Finish a replacement a killed process committed, and remove staged folders it never did.
 
-    Idempotent, and safe to race: a file already moved is skipped."""
+    Call it only holding the directory's exclusive lock (`replace_files` and `reading` do): a
+    staged folder is a live writer's work until then. A commit record that names anything but
+    a staged folder of this directory and plain files in it is ignored (and removed)."""
     commit = out / COMMIT
     if commit.is_file():
         try:
             record = json.loads(commit.read_text())
-            staged, names, stale = out / record["staged"], list(record["files"]), list(record["remove"])
+            staged, names, stale = record["staged"], list(record["files"]), list(record["remove"])
+            valid = isinstance(staged, str) and _STAGED.fullmatch(staged) and all(map(safe_name, names + stale))
         except (OSError, ValueError, KeyError, TypeError):
-            record = None  # torn before its rename: never committed
-        if record is not None:
+            valid = False  # torn before its rename: never committed
+        if valid:
             for name in names:
                 with suppress(FileNotFoundError):
                     (out / name).parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(staged / name, out / name)
+                    os.replace(out / staged / name, out / name)
                     faults.point("write-renaming")
             for name in stale:
                 (out / name).unlink(missing_ok=True)
@@ -181,6 +248,11 @@ def replace_files(out: Path, fill: Callable[[Path], None], last: str | None = No
     write (the study database, the marker) are kept. When writing fails (out of disk, a
     read-only file system, ...) `out` is left as it was and the failure is one
     `OutputUnwritable` line."""
+    with _dir_lock(out, shared=False):
+        _replace_files(out, fill, last, tuple(r for r in remove if safe_name(r)))
+
+
+def _replace_files(out: Path, fill: Callable[[Path], None], last: str | None, remove: tuple[str, ...]) -> None:
     recover(out)
     staged = None
     try:

@@ -15,7 +15,6 @@ import json
 from collections import Counter
 import shutil
 import sys
-from contextlib import suppress
 from pathlib import Path
 from typing import Literal
 
@@ -25,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from . import __version__
 from .errors import BadInput, NoFeasiblePlan, OutputUnwritable
 from .digest import file_sha256
-from .outdir import locked, prepare_out_dir, recover, release_if_empty, replace_files
+from .outdir import MARKER, STAGED_PREFIX, locked, prepare_out_dir, reading, release_if_empty, replace_files, safe_name
 from .compile import CompiledStep
 from .graph import StepSignature
 from .data import Dataset
@@ -266,7 +265,7 @@ def versions() -> dict:
 def model_files(model: Model) -> dict[str, Path]:
     """The files of `model` as a plan directory holds them: model.onnx and, under the names the
     model gives them, its external data files. BadInput when one would overwrite a plan file."""
-    clash = sorted(set(model.data_files) & RESERVED_NAMES)
+    clash = sorted(n for n in model.data_files if n in RESERVED_NAMES or n.startswith((MARKER, STAGED_PREFIX)))
     if clash:
         raise BadInput(f"{model.path.name}: its external data file is named {clash[0]}, a name the plan directory uses; rename it (and re-save the model)")
     return {MODEL_FILE: model.path, **model.data_paths}
@@ -279,6 +278,7 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
     the plan with them is returned. Files already in `out` that are not part of a plan (the
     study database) are kept; an old plan's external data file the new model lacks is removed.
     """
+    created = not Path(out).exists()
     out = prepare_out_dir(out)
     old_files = _plan_files(out)
     written = plan
@@ -299,7 +299,7 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
         with locked(out):
             replace_files(out, fill, last=PLAN_FILE, remove=tuple(sorted(set(old_files) - set(files) - {WEIGHTS_FILE})))
     except OutputUnwritable as exc:
-        release_if_empty(out)  # a directory made for this plan, left empty by the failure
+        release_if_empty(out, created)  # nothing of a plan: no marker claiming one (nor a directory made for it)
         raise OutputUnwritable(str(exc).replace("cannot write into", "cannot write the plan into", 1)) from None
     return written
 
@@ -308,9 +308,10 @@ def _plan_files(out: Path) -> list[str]:
     """The files the plan now in `out` names (none when there is no readable plan)."""
     try:
         old = json.loads((out / PLAN_FILE).read_text())
-        return [*old.get("files", {}), *old.get("model", {}).get("data_files", [])]
-    except (OSError, ValueError, AttributeError):
+        names = [*old.get("files", {}), *old.get("model", {}).get("data_files", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
         return []
+    return [n for n in names if safe_name(n)]  # plan.json is read from disk: never `../x` or the study
 
 
 def read_plan(plan_dir: Path, verify: bool = True) -> Plan:
@@ -318,10 +319,14 @@ def read_plan(plan_dir: Path, verify: bool = True) -> Plan:
     its recorded sha256 *before* anything is loaded — a truncated library would crash the loader,
     and a swapped one (another plan's, or code planted there) would run silently."""
     plan_dir = Path(plan_dir)
+    if not plan_dir.is_dir():
+        raise BadInput(f"{plan_dir} holds no plan (no {PLAN_FILE}); make one with `planner plan`")
+    with reading(plan_dir):  # no writer replaces files while they are checked
+        return _read_plan(plan_dir, verify)
+
+
+def _read_plan(plan_dir: Path, verify: bool) -> Plan:
     path = plan_dir / PLAN_FILE
-    if plan_dir.is_dir():
-        with suppress(OSError):
-            recover(plan_dir)  # a write killed after its commit: finish it (a read-only copy: as is)
     if not path.is_file():
         raise BadInput(f"{plan_dir} holds no plan (no {PLAN_FILE}); make one with `planner plan`")
     try:

@@ -21,7 +21,7 @@ from .data import Dataset, load_dataset
 from .defaults import DEFAULT_RUN_STEPS
 from .errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from .model import load_model, save_onnx
-from .outdir import locked, prepare_out_dir, release_if_empty, replace_files
+from .outdir import locked, prepare_out_dir, reading, release_if_empty, replace_files
 from .plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, Plan, read_plan
 from .session import TrainingSession
 from .target import HardwareTarget
@@ -65,36 +65,37 @@ def run_plan(
     plan_dir = Path(plan_dir)
     if steps < 1:
         raise BadInput("--steps must be at least 1")
-    plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
-    model = load_model(plan_dir / MODEL_FILE)
-    dataset = load_dataset(data or Path(plan.dataset.source), model)
-    weights = _weights(plan_dir / WEIGHTS_FILE, model)
-    out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
-    order_seed = seed if shuffle else None
+    with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
+        plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
+        model = load_model(plan_dir / MODEL_FILE)
+        dataset = load_dataset(data or Path(plan.dataset.source), model)
+        weights = _weights(plan_dir / WEIGHTS_FILE, model)
+        out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
+        order_seed = seed if shuffle else None
 
-    library, sig = plan_dir / STEP_LIBRARY, plan.signature
-    if target is not None and not _built_for(plan, target):
-        compiled = compile_candidate(model, plan.candidate, target.tvm(), default_cache_dir(), target.toolchain)
-        library, sig = compiled.library, compiled.signature
-    if target is not None and target.runner == "rpc":
-        from .measure.rpc import BoardPool
+        library, sig = plan_dir / STEP_LIBRARY, plan.signature
+        if target is not None and not _built_for(plan, target):
+            compiled = compile_candidate(model, plan.candidate, target.tvm(), default_cache_dir(), target.toolchain)
+            library, sig = compiled.library, compiled.signature
+        if target is not None and target.runner == "rpc":
+            from .measure.rpc import BoardPool
 
-        pool = BoardPool.for_target(target)
-        pool.check()
-        before, after, final = pool.run(
-            library, lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
-        )
-        device = target.device
-    else:
-        try:
-            session = TrainingSession(library, sig, weights)
-        except Exception as exc:
-            raise BadInput(
-                f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
-                f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or pass --target"
-            ) from None
-        before, after, final = _train(session, dataset, steps, order_seed)
-        device = "local"
+            pool = BoardPool.for_target(target)
+            pool.check()
+            before, after, final = pool.run(
+                library, lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
+            )
+            device = target.device
+        else:
+            try:
+                session = TrainingSession(library, sig, weights)
+            except Exception as exc:
+                raise BadInput(
+                    f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
+                    f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or pass --target"
+                ) from None
+            before, after, final = _train(session, dataset, steps, order_seed)
+            device = "local"
 
     def fill(staged: Path) -> None:
         np.savez(staged / WEIGHTS_FILE, **final)
@@ -106,8 +107,7 @@ def run_plan(
         with locked(out):
             replace_files(out, fill)  # the previous run's files stay whole until the new ones are complete
     except OutputUnwritable as exc:
-        if created:
-            release_if_empty(out)
+        release_if_empty(out, created)
         raise OutputUnwritable(f"{exc}; the training is lost, rerun with an --out that has room") from None
     return RunResult(before, after, steps, out, device)
 

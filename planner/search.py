@@ -208,12 +208,26 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name may hold spaces
 
 
-PROCESS = {"host": HOST, "pid": os.getpid(), "start": _start_time(os.getpid())}
+def _machine() -> dict:
+    """What tells this machine and PID namespace from another with the same hostname (cloned
+    images, containers on the host's network): the kernel's boot id and the PID namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return {}
+    return {"boot": boot, "pidns": pidns}
+
+
+PROCESS = {"host": HOST, "pid": os.getpid(), "start": _start_time(os.getpid()), **_machine()}
 
 
 def _alive(process: dict) -> bool:
-    """Whether the process that recorded `process` still runs (only answerable on its host)."""
-    if process.get("host") != HOST:
+    """Whether the process that recorded `process` still runs. Only answerable in the same
+    boot of the same machine and PID namespace; anything else counts as alive (its heartbeat,
+    on an RDB storage, tells when it is not)."""
+    here = _machine()
+    if process.get("host") != HOST or not here or any(process.get(k) != v for k, v in here.items()):
         return True
     pid = int(process["pid"])
     try:
@@ -226,7 +240,10 @@ def _alive(process: dict) -> bool:
     return process.get("start") is None or start is None or start == process["start"]
 
 
-def _requeue(trial: optuna.Trial | optuna.trial.FrozenTrial, study: optuna.Study, reason: str, crashed: bool = False) -> None:
+def _requeue(
+    trial: optuna.Trial | optuna.trial.FrozenTrial, study: optuna.Study, reason: str, crashed: bool = False,
+    env_failures: int | None = None,
+) -> None:
     """Queue `trial`'s candidate again: the copy runs before anything new is sampled.
 
     The trial itself is then ended PRUNED (planner prunes nothing else), which never counts as
@@ -236,9 +253,9 @@ def _requeue(trial: optuna.Trial | optuna.trial.FrozenTrial, study: optuna.Study
     retries = int(trial.user_attrs.get("retries", 0)) + crashed
     if isinstance(trial, optuna.Trial):  # a live trial, about to end PRUNED: say why
         trial.set_user_attr("fail_reason", f"{reason}; queued again")
-    study.enqueue_trial(
-        trial.params, user_attrs={"requeued_from": trial.number, "requeue_reason": reason, "retries": retries}
-    )
+    attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries}
+    attrs["env_failures"] = int(trial.user_attrs.get("env_failures", 0)) if env_failures is None else env_failures
+    study.enqueue_trial(trial.params, user_attrs=attrs)
 
 
 class _Halt:
@@ -254,8 +271,20 @@ class _Halt:
         return self.stop.is_set() or self.hard or self.error is not None
 
 
+ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it may be what breaks it
+
+
 def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
+        try:
+            return _evaluate(trial)
+        except KeyboardInterrupt:
+            # the second Ctrl-C, anywhere in the trial: stop now, the candidate is not to blame
+            halt.hard = True
+            _requeue(trial, trial.study, "interrupted mid-trial")
+            raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
+
+    def _evaluate(trial: optuna.Trial) -> tuple[float, float, float]:
         trial.set_user_attr("worker", WORKER)  # which process ran it (a popped queued trial names another)
         trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
         candidate = space.sample(trial, evaluator.model)
@@ -265,18 +294,17 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
             # the board, the disk or the cache failed, not the candidate: it is measured again by
             # the next run, and this one stops (the caller raises `exc`)
             halt.error = halt.error or exc
-            _requeue(trial, trial.study, f"environment: {first_line(exc)}")
+            failures = int(trial.user_attrs.get("env_failures", 0)) + 1
+            if failures >= ENV_RETRIES:  # ... unless it failed the environment every time it ran
+                trial.set_user_attr("fail_reason", f"the environment failed each of the {failures} times this candidate ran: {first_line(exc)}")
+                raise CandidateFailed(first_line(exc)) from None
+            _requeue(trial, trial.study, f"environment: {first_line(exc)}", env_failures=failures)
             raise optuna.TrialPruned(f"environment: {first_line(exc)}; queued again") from None
         except CandidateFailed:
             if not halt():
                 raise
             # A terminal's Ctrl-C also reaches the compiler and linker this trial runs: its failure
             # says nothing about the candidate. Resuming measures the same parameters.
-            _requeue(trial, trial.study, "interrupted mid-trial")
-            raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
-        except KeyboardInterrupt:
-            # the second Ctrl-C: stop now, but the candidate is not to blame either
-            halt.hard = True
             _requeue(trial, trial.study, "interrupted mid-trial")
             raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
         for key, value in constraints.items():
@@ -321,13 +349,14 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
 
     Returns the numbers of the trials ended."""
     ended = []
+    queued = {t.user_attrs.get("requeued_from") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         process = t.user_attrs.get("process")
         if isinstance(process, dict):
             if _alive(process):
                 continue
             reason = f"its process ({process.get('host')}:{process.get('pid')}) died mid-trial"
-        elif t.datetime_start is not None and (datetime.now() - t.datetime_start).total_seconds() > GRACE_S:
+        elif t.datetime_start is not None and (datetime.now() - t.datetime_start).total_seconds() > _env_seconds(GRACE_ENV, GRACE_S):
             reason = "its process died mid-trial (a trial with no process record, started long ago)"
         else:
             continue  # another process's trial, a moment old
@@ -340,7 +369,8 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
             else:
                 storage.set_trial_user_attr(tid, "fail_reason", f"{reason}; queued again")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
-                _requeue(t, study, reason, crashed=True)
+                if t.number not in queued:  # (its own process queued it, then died before ending it)
+                    _requeue(t, study, reason, crashed=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # another process got there first
         ended.append(t.number)
@@ -366,8 +396,8 @@ def run_study(
     study's finished trials (every process's)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
     n_jobs = capacity(target)  # one trial in flight per board
-    optuna.storages.fail_stale_trials(study)  # a silent heartbeat: failed and queued again now
     recover_dead_trials(study)  # a dead process on this host: queued again at once
+    optuna.storages.fail_stale_trials(study)  # a silent heartbeat (another host): failed and queued again now
     done = _finished(study)
     remaining = settings.trials - done if settings.own_trials is None else settings.own_trials
     if on_start is not None:
@@ -418,7 +448,18 @@ def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
 
 
 def records(study: optuna.Study) -> list[TrialRecord]:
-    return [to_record(t) for t in study.get_trials(deepcopy=False)]
+    """Every trial as a record. A trial whose heartbeat stopped and that Optuna ran again is shown
+    cut short (PRUNED, not counted), as `_finished` counts it: a dead process costs no trial."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    out = []
+    for t in trials:
+        rec = to_record(t)
+        if rec.state == "FAIL" and t.number in retried:
+            rec.state = "PRUNED"
+            rec.fail_reason = rec.fail_reason or "its process stopped sending heartbeats (killed or lost); queued again"
+        out.append(rec)
+    return out
 
 
 def pareto_numbers(study: optuna.Study) -> list[int]:

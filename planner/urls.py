@@ -18,22 +18,34 @@ def redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        shown = make_url(url).render_as_string(hide_password=True)
     except Exception:  # not parseable as a URL: hide whatever sits between user: and @
-        return re.sub(r"(://[^/@:]*):[^/@]*@", r"\1:***@", url)
+        shown = re.sub(r"(://[^/@:]*):[^/@]*@", r"\1:***@", url)
+    return _QUERY_SECRET.sub(r"\1***", shown)  # libpq and MySQL also take ?password=
 
 
-def _password(url: str) -> str | None:
+_QUERY_SECRET = re.compile(r"([?&](?:password|passwd|pwd)=)[^&]*", re.IGNORECASE)
+
+
+def _passwords(url: str) -> list[str]:
     from sqlalchemy.engine import make_url
 
     try:
-        return make_url(url).password if "://" in url else None
+        parsed = make_url(url) if "://" in url else None
     except Exception:
-        return None
+        return []
+    if parsed is None:
+        return []
+    found = [parsed.password] if parsed.password else []
+    for key, value in parsed.query.items():
+        if key.lower() in ("password", "passwd", "pwd"):
+            found += [value] if isinstance(value, str) else list(value)
+    return [str(v) for v in found if v]
 
 
 def scrubbed(exc: BaseException, url: str) -> str:
     """A storage error's first line, with the URL's password scrubbed from it should a driver echo it."""
     text = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-    secret = _password(url)
-    return text.replace(secret, "***") if secret else text
+    for secret in _passwords(url):
+        text = text.replace(secret, "***")
+    return text
