@@ -18,6 +18,11 @@ from rich.table import Table
 
 from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
 
+# TVM's FFI imports PyTorch eagerly whenever it is installed (a work-around for Windows in
+# tvm_ffi/__init__.py): 2-3 s on every command, for a library planner never calls. The command
+# keeps it out; a script that imports planner as a library is not affected.
+sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
 app = typer.Typer(
     help="Plan on-device training: which layers to update, in what precision, with what batch size — "
     "measured with TVM on the target, searched with Optuna.",
@@ -50,7 +55,7 @@ def _guard(fn):
         raise _fail(exc, exc.exit_code) from None
     except MemoryError:
         # the data or a step needs more memory than this process may have (RAM or `ulimit -v`)
-        stderr.print("error: out of memory: the dataset or the training step does not fit in the memory this process may use", markup=False, highlight=False)
+        stderr.print("error: out of memory: the dataset or the training step does not fit in the memory this process may use", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         stderr.print("interrupted: finished trials are kept; rerun the same command to resume")

@@ -246,8 +246,11 @@ def other_plan(a_plan, tiny_model, tiny_data):
     return other
 
 
-@pytest.mark.parametrize("swap", list(SWAPS))
-@pytest.mark.parametrize("command", ["run", "compile"])
+@pytest.mark.parametrize("swap, command", [
+    *((swap, "run") for swap in SWAPS),
+    ("another plan's train_step.so", "compile"),  # compile reads the plan through the same check
+    ("edited model.onnx", "compile"),
+])
 def test_a_changed_plan_file_is_refused_before_anything_loads(swap, command, a_plan, other_plan, tmp_path):
     plan = _copy(a_plan, tmp_path)
     shutil.copytree(other_plan, tmp_path / "other")

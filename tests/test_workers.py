@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,12 +22,21 @@ from planner.search import GRACE_ENV, HEARTBEAT_ENV, WORKER, open_storage
 State = optuna.trial.TrialState
 
 
-def _planner(*args: str, env: dict) -> subprocess.Popen:
+def _planner(*args: str, env: dict, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     # a session of its own, so a test can kill a process together with any child it started
     return subprocess.Popen(
-        [sys.executable, "-m", "planner", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*prefix, sys.executable, "-m", "planner", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
+
+
+def _on_another_host() -> tuple[str, ...]:
+    """A command prefix that runs a process under another hostname (a UTS namespace of its own),
+    as a worker on another machine: its pid means nothing here, only its heartbeat tells."""
+    prefix = ("unshare", "--uts", "sh", "-c", 'hostname planner-test-elsewhere && exec "$0" "$@"')
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot run a process under another hostname here (unshare --uts needs root)")
+    return prefix
 
 
 def _kill(processes: list[subprocess.Popen]) -> str:
@@ -99,7 +109,12 @@ def rdb_url(request, tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'study.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
 
 
-def test_a_killed_workers_trial_fails_and_runs_again_with_the_same_parameters(rdb_url, tiny_model, tiny_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["this host", "another host"])
+def test_a_killed_workers_trial_runs_again_with_the_same_parameters(where, rdb_url, tiny_model, tiny_data, tmp_path, monkeypatch):
+    """A worker killed mid-trial costs the study no trial. On this host its dead pid tells at
+    once: the trial is cut short (PRUNED) and queued again. On another host only its heartbeat
+    can: Optuna fails it and runs a copy, and planner counts it as cut short too."""
+    prefix = _on_another_host() if where == "another host" else ()
     grace = 3
     monkeypatch.setenv(HEARTBEAT_ENV, "1")  # heartbeats every second, stale after `grace`: here and in the worker
     monkeypatch.setenv(GRACE_ENV, str(grace))
@@ -114,7 +129,7 @@ def test_a_killed_workers_trial_fails_and_runs_again_with_the_same_parameters(rd
 
     dead: list[optuna.trial.FrozenTrial] = []
     for _ in range(3):  # a trial may finish between seeing it run and the kill: then kill the next one
-        worker = _planner("worker", "--storage", rdb_url, "--study", name, "--trials", "100", env=env)
+        worker = _planner("worker", "--storage", rdb_url, "--study", name, "--trials", "100", env=env, prefix=prefix)
         try:
             deadline = time.time() + 120
             while time.time() < deadline and worker.poll() is None:
@@ -134,15 +149,23 @@ def test_a_killed_workers_trial_fails_and_runs_again_with_the_same_parameters(rd
     time.sleep(grace + 1.5)  # its heartbeat goes stale
     api.work(rdb_url, name, trials=len(stale), cache_dir=tmp_path / "cache")  # fails stale trials before each trial
     trials = study.get_trials()
-    assert trials[dead.number].state == State.FAIL
-    retries = [t for t in trials if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number]
+    if where == "this host":
+        assert trials[dead.number].state == State.PRUNED and "died mid-trial" in trials[dead.number].user_attrs["fail_reason"]
+        retries = [t for t in trials if t.user_attrs.get("requeued_from") == dead.number]
+    else:
+        assert trials[dead.number].state == State.FAIL
+        retries = [t for t in trials if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number]
     assert len(retries) == 1
     (retry,) = retries
     assert retry.state == State.COMPLETE
-    assert retry.params == dead.params and retry.user_attrs["candidate"] == dead.user_attrs["candidate"]
+    assert retry.params == dead.params
     assert retry.user_attrs["worker"] == WORKER  # this process ran it, before sampling anything new
     assert not [t for t in trials if t.state == State.RUNNING]
-    plan()  # rerun, the plan reads the study, the dead trial in it, and writes itself again
+    result = plan()  # rerun, the plan reads the study, the dead trial in it, and writes itself again
+    # the dead trial is not counted: the plan holds exactly the trials that finished
+    finished = sum(t.state in (State.COMPLETE, State.FAIL) for t in trials) - (where == "another host")
+    assert result.plan.study["n_trials"] == finished
+    assert [r.state for r in result.trials][dead.number] == "PRUNED"
 
 
 def test_heartbeat_settings_must_be_whole_seconds_and_the_grace_longer(tmp_path, monkeypatch):
