@@ -175,3 +175,18 @@ def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data
     tuned = load_model(tmp_path / "a" / "model.onnx")
     for k, v in tuned.initializers.items():
         np.testing.assert_array_equal(v, wa[k])
+
+
+def test_no_feasible_plan_says_how_many_trials_failed_and_the_commonest_reason():
+    from planner.errors import NoFeasiblePlan
+    from planner.evaluate import TrialRecord
+
+    trials = [
+        TrialRecord(0, "FAIL", None, fail_reason="TVM compile failed: X"),
+        TrialRecord(1, "FAIL", None, fail_reason="linking the step failed: Y"),
+        TrialRecord(2, "FAIL", None, fail_reason="TVM compile failed: X"),
+        TrialRecord(3, "PRUNED", None, fail_reason="environment: board lost; queued again"),  # not counted
+    ]
+    with pytest.raises(NoFeasiblePlan) as err:
+        select(trials)
+    assert str(err.value) == "no feasible plan: 0 of 3 trials completed; 3 failed, 2 of them with: TVM compile failed: X"
