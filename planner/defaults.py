@@ -1,8 +1,8 @@
 """Defaults shared by the API and the CLI (kept free of heavy imports so `--help` stays fast)."""
 
-from pathlib import Path
+from .resources import shipped
 
-EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "digits"
+EXAMPLE_DIR = shipped("examples/digits")
 DEFAULT_MODEL = EXAMPLE_DIR / "model.onnx"
 DEFAULT_DATA = EXAMPLE_DIR / "digits.npz"
 DEFAULT_TARGET = "host"

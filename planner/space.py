@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .resources import shipped
 from .errors import BadInput, UnsupportedOp
 from .model import Model
 from .spec import load_spec
 
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+SPACES_DIR = shipped("search_spaces")
 FIXED_BATCH_HINT = (
     "export it with a dynamic batch (torch.onnx.export(..., dynamic_shapes={'x': {0: torch.export.Dim('batch')}}), "
     "or dynamic_axes={'x': {0: 'batch'}} with dynamo=False), or plan at that batch"

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .resources import shipped
 from .board import parse_host_port
 from .errors import BadInput, last_line
 from .spec import load_spec
 
-TARGETS_DIR = Path(__file__).resolve().parent.parent / "hw_targets"
+TARGETS_DIR = shipped("hw_targets")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
