@@ -21,10 +21,10 @@ import optuna
 import yaml
 
 from planner import api, zoo
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits"
 from planner.errors import NoFeasiblePlan
 from planner.search import to_record
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits"
 
 
 def _scheme(path: Path, layers: list[str], batch: int, optimizer: dict) -> Path:
