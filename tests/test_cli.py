@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 
 from planner.plan import read_plan
+from processes import planner
 
 
-def planner(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_plan_and_run_json(tiny_model, tiny_data, tmp_path):
@@ -92,13 +90,11 @@ def test_a_trial_whose_linker_the_ctrl_c_killed_is_measured_again_on_resume(tiny
     cmd = ["plan", "--model", str(tiny_model), "--data", str(tiny_data), "--target", str(target), "--out", str(out),
            "--trials", "3", "--accuracy-steps", "20", "-v"]
     env_cache = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}  # cold: the first trial links
-    first = subprocess.run([sys.executable, "-m", "planner", *cmd], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, **env_cache})
+    first = planner(*cmd, env=env_cache)
     assert mark.exists() and first.returncode == 130, first.stderr
     assert "cut short: interrupted mid-trial; queued again" in first.stderr and "no feasible trial among the 0 finished" in first.stderr
 
-    second = subprocess.run([sys.executable, "-m", "planner", *cmd], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, **env_cache})
+    second = planner(*cmd, env=env_cache)
     assert second.returncode == 0, second.stderr
     trials = json.loads((out / "trials.json").read_text())
     assert [t["state"] for t in trials].count("PRUNED") == 1
@@ -124,7 +120,6 @@ def test_inspect_never_cuts_a_layer_name_short(tiny_model, tmp_path):
         node.input[:] = [renamed.get(name, name) for name in node.input]
     path = tmp_path / "long.onnx"
     onnx.save(proto, path)
-    res = subprocess.run([sys.executable, "-m", "planner", "inspect", str(path)], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "COLUMNS": "60"})
+    res = planner("inspect", path, env={"COLUMNS": "60"})
     assert res.returncode == 0, res.stderr
     assert any(long in line for line in res.stdout.splitlines()), res.stdout

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,13 +22,9 @@ from builders import blobs, free_port, tiny_cnn
 
 from planner.data import load_dataset
 from planner.model import load_model
+from processes import planner
 
 
-def planner(*args: str, cwd=None, preexec_fn=None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600, cwd=cwd, preexec_fn=preexec_fn,
-        env={**os.environ, **env} if env else None,
-    )
 
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from builders import free_port
-from test_rpc import kill, start
+from processes import kill, start
 
 from planner import api
 from planner.board import key_status

@@ -33,15 +33,11 @@ from planner.digest import file_sha256
 from planner.outdir import COMMIT, MARKER, STAGED_PREFIX, reading, replace_files
 from planner.urls import redact, scrubbed
 from planner.plan import read_plan
+from processes import planner
 
 TRIALS = 3
 
 
-def planner(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def plan_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:

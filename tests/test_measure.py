@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from planner import api
 from planner.errors import BadInput, MeasureFailed, NoFeasiblePlan
+from processes import planner
 
 SCHEME = """
 trainable:
@@ -30,11 +29,7 @@ frozen_weights: int8
 def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     scheme = tmp_path / "paper.yaml"
     scheme.write_text(SCHEME)
-    res = subprocess.run(
-        [sys.executable, "-m", "planner", "measure", str(tiny_model), "--scheme", str(scheme), "--data", str(tiny_data),
-         "--out", str(tmp_path / "m"), "--accuracy-steps", "20", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
+    res = planner("measure", tiny_model, "--scheme", scheme, "--data", tiny_data, "--out", tmp_path / "m", "--accuracy-steps", "20", "--json")
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert [(t["layer"], t["mode"], t["params"]) for t in plan["choice"]["trainable"]] == [

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ from planner import api  # noqa: E402
 from planner.compile import compile_candidate  # noqa: E402
 from planner.session import TrainingSession  # noqa: E402
 from planner.space import Candidate  # noqa: E402
+from processes import planner  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -144,8 +143,6 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
     assert peak["full"] > peak["last"], peak
 
 
-def _planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=900, cwd=cwd)
 
 
 def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
@@ -162,18 +159,18 @@ def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
 
-    res = _planner("inspect", str(user / "encoder.onnx"), "--json", cwd=elsewhere)
+    res = planner("inspect", str(user / "encoder.onnx"), "--json", cwd=elsewhere)
     assert res.returncode == 0, res.stderr
     assert {r["layer"] for r in json.loads(res.stdout)["layers"]} == tf.pytorch_layer_names(family)
 
-    res = _planner("plan", "--model", str(user / "encoder.onnx"), "--data", str(data), "--trials", "3",
+    res = planner("plan", "--model", str(user / "encoder.onnx"), "--data", str(data), "--trials", "3",
                    "--accuracy-steps", "4", "--out", str(tmp_path / "plan"), cwd=elsewhere)
     assert res.returncode == 0, res.stderr
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "plan", moved)
     assert (moved / f"{source.name}.data").is_file()
 
-    res = _planner("run", str(moved), "--data", str(data), "--steps", "3", "--out", str(tmp_path / "tuned"), cwd=elsewhere)
+    res = planner("run", str(moved), "--data", str(data), "--steps", "3", "--out", str(tmp_path / "tuned"), cwd=elsewhere)
     assert res.returncode == 0, res.stderr
     tuned = api.inspect_model(tmp_path / "tuned" / "model.onnx")
     assert tuned.data_files == ("model.onnx.data",)

@@ -6,11 +6,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from planner import api
+from processes import planner
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -28,8 +28,6 @@ def plans(tiny_model, tiny_data, tmp_path_factory):
     return first, second
 
 
-def planner(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_plan_writes_a_self_contained_report(plans):

@@ -17,53 +17,13 @@ import psutil
 import pytest
 
 from builders import free_port
+from processes import Boards, kill, planner, start
 
 from planner import api
 from planner.board import RSS, check_bind_host, key_status, parse_host_port
 from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
 from planner.plan import read_plan
 from planner.search import to_record
-
-
-def start(*args: str) -> subprocess.Popen:
-    """A `planner board ...` process in its own process group (so a kill takes its workers too)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "planner", "board", *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-
-
-def kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-class Boards:
-    def __init__(self, key: str, n: int):
-        self.key = key
-        port = free_port()
-        self.tracker = f"127.0.0.1:{port}"
-        self.tracker_proc = start("tracker", "--port", str(port), "--port-end", str(port + 1))
-        self.servers = [start("serve", "--tracker", self.tracker, "--key", key, "--port", str(free_port())) for _ in range(n)]
-        self.wait_for(n)
-
-    def wait_for(self, n: int, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                if key_status(("127.0.0.1", int(self.tracker.rsplit(":", 1)[1])), self.key).total == n:
-                    return
-            except Exception:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{n} boards did not register with {self.tracker}")
-
-    def close(self) -> None:
-        for proc in [*self.servers, self.tracker_proc]:
-            kill(proc)
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +137,7 @@ def test_run_over_rpc_equals_a_local_run(boards, tiny_model, tiny_data, tmp_path
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None, reason="needs g++-aarch64-linux-gnu (.ci/run installs it)")
 def test_compile_emits_an_aarch64_library_for_raspberry_pi_4(tiny_model, tiny_data, tmp_path):
     api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "p", trials=1, accuracy_steps=5, latency_repeats=3)
-    res = subprocess.run([sys.executable, "-m", "planner", "compile", str(tmp_path / "p"), "--target", "raspberry-pi-4",
-                          "--out", str(tmp_path / "pi")], capture_output=True, text=True, timeout=300)
+    res = planner("compile", tmp_path / "p", "--target", "raspberry-pi-4", "--out", tmp_path / "pi")
     assert res.returncode == 0, res.stderr
     elf = (tmp_path / "pi" / "train_step.so").read_bytes()[:20]
     assert elf[:4] == b"\x7fELF" and elf[4] == 2  # 64-bit
@@ -187,15 +146,11 @@ def test_compile_emits_an_aarch64_library_for_raspberry_pi_4(tiny_model, tiny_da
     assert plan.target.name == "raspberry-pi-4" and plan.target.device == "rpc:raspberry-pi-4"
 
 
-def _planner(*args):
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=300)
-
-
 # An unreachable tracker and a tracker without boards of the key: tests/test_cli_errors.py (exit 3).
 
 
 def test_targets_check_counts_the_boards_of_the_key(boards):
-    check = _planner("targets", "check", "host", "--tracker", boards.tracker, "--key", boards.key, "--json")
+    check = planner("targets", "check", "host", "--tracker", boards.tracker, "--key", boards.key, "--json")
     assert check.returncode == 0, check.stderr
     assert "2 under key" in check.stdout
 
