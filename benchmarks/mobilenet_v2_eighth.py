@@ -67,14 +67,14 @@ def main() -> None:
     layers = [layer.name for layer in api.inspect_model(random_init).layers]
 
     pre_scheme = _scheme(out / "pretrain.yaml", layers, 16, {"name": "adam", "lr": 0.001})
-    api.measure(random_init, pre_scheme, upstream, out=out / "pretrain-plan", accuracy_steps=1, latency_repeats=3)
+    api.measure(random_init, scheme=pre_scheme, data=upstream, out=out / "pretrain-plan", accuracy_steps=1, latency_repeats=3)
     pre = api.run_plan(out / "pretrain-plan", data=upstream, steps=args.pretrain_steps, out=out / "pretrained")
     model = out / "pretrained" / "model.onnx"
     print(f"source digits (pretraining, full update, Adam, batch 16, {pre.steps} steps): "
           f"val acc {pre.before['accuracy']:.3f} -> {pre.after['accuracy']:.3f}")
 
     full = _scheme(out / "full.yaml", layers, 1, {"name": "sgd", "lr": 0.01})
-    base = api.measure(model, full, downstream, out=out / "full", accuracy_steps=args.accuracy_steps, latency_repeats=5)
+    base = api.measure(model, scheme=full, data=downstream, out=out / "full", accuracy_steps=args.accuracy_steps, latency_repeats=5)
     full_peak = base.plan.metrics["peak_memory_bytes"]["total"]
 
     target = out / "eighth.yaml"

@@ -53,7 +53,7 @@ def inspect_model(path: str | Path) -> Model:
     return model
 
 
-def resolve_target(name: str, tracker: str | None = None, key: str | None = None) -> HardwareTarget:
+def resolve_target(name: str, *, tracker: str | None = None, key: str | None = None) -> HardwareTarget:
     """A target by name or path; `tracker` and `key` (both or neither) move it onto RPC boards."""
     target = load_target(name)
     if (tracker is None) != (key is None):
@@ -96,6 +96,7 @@ def _check_settings(
 
 
 def plan(
+    *,
     model: str | Path | None = None,
     data: str | Path | None = None,
     target: str = DEFAULT_TARGET,
@@ -134,7 +135,7 @@ def plan(
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
-    hw = resolve_target(target, tracker, key)
+    hw = resolve_target(target, tracker=tracker, key=key)
     sp = load_space(space).for_target(hw.precisions).for_model(m)
     layer_names = sp.layer_names(m)
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
@@ -202,6 +203,7 @@ def _where(name_or_path: str) -> str:
 
 
 def work(
+    *,
     storage: str,
     study: str,
     trials: int | None = None,
@@ -223,7 +225,7 @@ def work(
     dataset = load_dataset(Path(inputs["data"]), m)
     if (m.sha256, dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")
-    hw = resolve_target(inputs["target"], inputs["tracker"], inputs["key"])
+    hw = resolve_target(inputs["target"], tracker=inputs["tracker"], key=inputs["key"])
     sp = load_space(inputs["space"]).for_target(hw.precisions).for_model(m)
     capacity(hw)
     anchors = sp.anchors(m) if inputs["anchors"] and inputs["sampler"] == "tpe" else None
@@ -238,6 +240,7 @@ def work(
 
 def measure(
     model: str | Path,
+    *,
     scheme: str | Path,
     data: str | Path,
     target: str = DEFAULT_TARGET,
@@ -258,7 +261,7 @@ def measure(
     _check_settings(seed=seed, accuracy_steps=accuracy_steps, latency_repeats=latency_repeats, tune_trials=tune_trials)
     m = load_model(model)
     dataset = load_dataset(data, m)
-    hw = resolve_target(target, tracker, key)
+    hw = resolve_target(target, tracker=tracker, key=key)
     candidate = load_scheme(scheme).candidate(m)
     model_files(m)
     if candidate.precision not in hw.precisions:
@@ -290,7 +293,7 @@ def measure(
 
 
 def compile_plan(
-    plan_dir: str | Path, target: str, out: str | Path, cache_dir: Path | None = None, tune_trials: int = 0
+    plan_dir: str | Path, *, target: str, out: str | Path, cache_dir: Path | None = None, tune_trials: int = 0
 ) -> Plan:
     """Re-target a plan: compile its chosen candidate for `target` into a new plan directory.
 
@@ -323,11 +326,11 @@ def compile_plan(
     return _write(Path(out), result, compiled, m, trials)
 
 
-def check_target(name: str, tracker: str | None = None, key: str | None = None) -> dict:
+def check_target(name: str, *, tracker: str | None = None, key: str | None = None) -> dict:
     """What `planner targets check` reports: the resolved TVM target, toolchain and free boards."""
     from .measure.rpc import BoardPool
 
-    hw = resolve_target(name, tracker, key)
+    hw = resolve_target(name, tracker=tracker, key=key)
     report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default", "device": hw.device}
     if hw.runner == "rpc":
         status = BoardPool.for_target(hw).check()
@@ -337,6 +340,7 @@ def check_target(name: str, tracker: str | None = None, key: str | None = None) 
 
 def run_plan(
     plan_dir: str | Path,
+    *,
     data: str | Path | None = None,
     steps: int = DEFAULT_RUN_STEPS,
     out: str | Path | None = None,
@@ -349,7 +353,7 @@ def run_plan(
     """Execute a plan here, or — with `target` (or `tracker` and `key`) — on a board over RPC."""
     hw = None
     if target is not None:
-        hw = resolve_target(target, tracker, key)
+        hw = resolve_target(target, tracker=tracker, key=key)
     elif tracker is not None or key is not None:
         hw = read_plan(Path(plan_dir)).as_target()
         if (tracker is None) != (key is None):
@@ -358,7 +362,7 @@ def run_plan(
     return _run_plan(Path(plan_dir), Path(data) if data else None, steps, Path(out) if out else None, shuffle, seed, hw)
 
 
-def report(plan_dir: str | Path | None = None, storage: str | None = None, study: str | None = None, fmt: str = "html") -> str:
+def report(plan_dir: str | Path | None = None, *, storage: str | None = None, study: str | None = None, fmt: str = "html") -> str:
     """A plan directory's report (or, with `storage` and `study`, a study's, plan or not) as
     `fmt`: html (self-contained page), md or json."""
     if (storage is None) != (study is None):

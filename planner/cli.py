@@ -110,8 +110,9 @@ def plan(
     with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
         result = _guard(
             lambda: api.plan(
-                model, data, target, space, out, trials, timeout, seed, storage, study, select,
-                accuracy_tolerance, accuracy_steps, tracker=tracker, key=key, on_trial=progress.trial,
+                model=model, data=data, target=target, space=space, out=out, trials=trials, timeout_s=timeout, seed=seed,
+                storage=storage, study=study, policy=select, accuracy_tolerance=accuracy_tolerance,
+                accuracy_steps=accuracy_steps, tracker=tracker, key=key, on_trial=progress.trial,
                 on_start=progress.start, stop=stop, tune_trials=tune_trials, sampler=sampler,
             )
         )
@@ -142,7 +143,7 @@ def worker(
 
     configure_logging(stderr, verbose)
     with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
-        records = _guard(lambda: api.work(storage, study, trials, on_trial=progress.trial, on_start=progress.start, stop=stop))
+        records = _guard(lambda: api.work(storage=storage, study=study, trials=trials, on_trial=progress.trial, on_start=progress.start, stop=stop))
     finished = sum(r.state in ("COMPLETE", "FAIL") for r in records)
     if stop.is_set():
         stderr.print(f"interrupted: study '{study}' holds {finished} finished trials; start the worker again to go on", markup=False, highlight=False)
@@ -197,7 +198,8 @@ def measure(
 
     configure_logging(stderr, verbose)
     result = _guard(lambda: api.measure(
-        model, scheme, data, target, out, seed, accuracy_steps, tracker=tracker, key=key, tune_trials=tune_trials
+        model, scheme=scheme, data=data, target=target, out=out, seed=seed, accuracy_steps=accuracy_steps,
+        tracker=tracker, key=key, tune_trials=tune_trials,
     ))
     if json_out:
         print(json.dumps(result.plan.model_dump(), indent=2))
@@ -274,7 +276,7 @@ def run(
     from .progress import configure_logging
 
     configure_logging(stderr, verbose)
-    r = _guard(lambda: api.run_plan(plan_dir, data, steps, out_dir, not no_shuffle, seed, target, tracker, key))
+    r = _guard(lambda: api.run_plan(plan_dir, data=data, steps=steps, out=out_dir, shuffle=not no_shuffle, seed=seed, target=target, tracker=tracker, key=key))
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
@@ -300,7 +302,7 @@ def report(
     """
     from . import api
 
-    text = _guard(lambda: api.report(plan_dir, storage, study, fmt))
+    text = _guard(lambda: api.report(plan_dir, storage=storage, study=study, fmt=fmt))
     if out_file is None:
         sys.stdout.write(text)
         return
@@ -331,7 +333,7 @@ def compile_(
     from .progress import configure_logging
 
     configure_logging(stderr, verbose)
-    result = _guard(lambda: api.compile_plan(plan_dir, target, out_dir, tune_trials=tune_trials))
+    result = _guard(lambda: api.compile_plan(plan_dir, target=target, out=out_dir, tune_trials=tune_trials))
     if json_out:
         print(json.dumps(result.model_dump(), indent=2))
         return
@@ -378,7 +380,7 @@ def targets_check(
     """Resolve the TVM target, find the toolchain, and ask the tracker how many boards are free."""
     from . import api
 
-    report = _guard(lambda: api.check_target(name, tracker, key))
+    report = _guard(lambda: api.check_target(name, tracker=tracker, key=key))
     if json_out:
         print(json.dumps(report, indent=2))
         return

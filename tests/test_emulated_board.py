@@ -70,7 +70,7 @@ def test_plan_for_raspberry_pi_4_is_measured_on_aarch64(pi, tiny_model, tiny_dat
 
 def test_cross_compiled_step_trains_like_the_host_build(pi, tiny_model, tiny_data, tmp_path):
     api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "host", trials=1, accuracy_steps=5, latency_repeats=3)
-    api.compile_plan(tmp_path / "host", "raspberry-pi-4", tmp_path / "pi")
+    api.compile_plan(tmp_path / "host", target="raspberry-pi-4", out=tmp_path / "pi")
     assert read_plan(tmp_path / "pi").target.toolchain == "aarch64-linux-gnu-g++"
     local = api.run_plan(tmp_path / "host", steps=15, out=tmp_path / "local", shuffle=False)
     remote = api.run_plan(tmp_path / "pi", steps=15, out=tmp_path / "arm", shuffle=False,

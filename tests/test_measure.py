@@ -51,7 +51,7 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
     scheme.write_text(SCHEME)
     target = tmp_path / "tiny.yaml"
     target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: 1KiB\nprecisions: [fp32, bf16]\n")
-    result = api.measure(tiny_model, scheme, tiny_data, str(target), tmp_path / "m", accuracy_steps=5, latency_repeats=3)
+    result = api.measure(tiny_model, scheme=scheme, data=tiny_data, target=str(target), out=tmp_path / "m", accuracy_steps=5, latency_repeats=3)
     assert result.plan.selection["feasible"] is False and "ram_budget" in result.plan.selection["over_budget"]
     assert (tmp_path / "m" / "plan.json").is_file()
 
@@ -72,7 +72,7 @@ def test_bad_schemes_are_refused_before_any_compile(body, message, tiny_model, t
     scheme = tmp_path / "bad.yaml"
     scheme.write_text(body)
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace("[", r"\[").replace("`", "`")):
-        api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m")
+        api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m")
     assert not (tmp_path / "m").exists()
 
 
@@ -81,7 +81,7 @@ def test_a_diverging_run_fails_clearly_and_writes_no_weights(tiny_model, tiny_da
     clear error, and leaves no NaN weights behind."""
     scheme = tmp_path / "s.yaml"
     scheme.write_text(SCHEME)
-    api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3)
+    api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3)
     with np.load(tiny_data) as d:
         arrays = {k: d[k] * 1e30 if k.startswith("x") else d[k] for k in d.files}
     np.savez(tmp_path / "huge.npz", **arrays)
@@ -96,7 +96,7 @@ def test_a_diverging_fine_tune_is_a_measured_infeasible_result(tiny_model, tiny_
     space = tmp_path / "hot.yaml"
     space.write_text("strategy: all\nmodes: [full]\nbatch_size: [4]\noptimizer: [sgd]\nlr: {low: 1.0e+30, high: 1.0e+31, log: true}\n")
     with pytest.raises(NoFeasiblePlan, match="2 of them diverged while fine-tuning"):
-        api.plan(tiny_model, tiny_data, space=str(space), out=tmp_path / "p", trials=2, accuracy_steps=30, latency_repeats=3)
+        api.plan(model=tiny_model, data=tiny_data, space=str(space), out=tmp_path / "p", trials=2, accuracy_steps=30, latency_repeats=3)
     from planner.search import load_records
 
     records, _, _ = load_records(f"sqlite:///{tmp_path / 'p' / 'study.db'}", "planner")

@@ -134,7 +134,7 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
     peak = {}
     for name, layers in schemes.items():
         out = tmp_path / name
-        result = api.measure(path, _scheme(tmp_path / f"{name}.yaml", layers), data, out=out, accuracy_steps=2, latency_repeats=2)
+        result = api.measure(path, scheme=_scheme(tmp_path / f"{name}.yaml", layers), data=data, out=out, accuracy_steps=2, latency_repeats=2)
         metrics = result.plan.metrics
         assert metrics["step_latency_ms"]["median"] > 0 and np.isfinite(metrics["accuracy"]["after"])
         peak[name] = metrics["peak_memory_bytes"]["total"]

@@ -20,7 +20,7 @@ def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_mode
     cache = tmp_path / "cache"
     scheme = tmp_path / "s.yaml"
     scheme.write_text(SCHEME)
-    result = api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
+    result = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
                          cache_dir=cache, tune_trials=8)
     step = result.plan.step
     assert step["tune_trials"] == 8 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
@@ -56,7 +56,7 @@ def test_tuning_for_boards_behind_a_tracker_times_its_trials_there(tiny_model, t
     scheme.write_text(SCHEME)
     boards = Boards("tuning-board", 1)
     try:
-        result = api.measure(tiny_model, scheme, tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
+        result = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
                              cache_dir=tmp_path / "cache", tune_trials=8, tracker=boards.tracker, key=boards.key)
     finally:
         boards.close()

@@ -121,7 +121,7 @@ def test_a_killed_workers_trial_runs_again_with_the_same_parameters(where, rdb_u
     name, env = _study_name(), _env(tmp_path)
 
     def plan() -> api.PlanResult:
-        return api.plan(tiny_model, tiny_data, out=tmp_path / "plan", trials=1, storage=rdb_url, study=name,
+        return api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "plan", trials=1, storage=rdb_url, study=name,
                         accuracy_steps=20, cache_dir=tmp_path / "cache")
 
     plan()
@@ -147,7 +147,7 @@ def test_a_killed_workers_trial_runs_again_with_the_same_parameters(where, rdb_u
     (dead,) = dead
 
     time.sleep(grace + 1.5)  # its heartbeat goes stale
-    api.work(rdb_url, name, trials=len(stale), cache_dir=tmp_path / "cache")  # fails stale trials before each trial
+    api.work(storage=rdb_url, study=name, trials=len(stale), cache_dir=tmp_path / "cache")  # fails stale trials before each trial
     trials = study.get_trials()
     if where == "this host":
         assert trials[dead.number].state == State.PRUNED and "died mid-trial" in trials[dead.number].user_attrs["fail_reason"]
@@ -181,4 +181,4 @@ def test_heartbeat_settings_must_be_whole_seconds_and_the_grace_longer(tmp_path,
 
 def test_a_worker_refuses_a_study_that_does_not_exist(tmp_path):
     with pytest.raises(BadInput, match="no study 'nope'"):
-        api.work(str(tmp_path / "empty.journal"), "nope")
+        api.work(storage=str(tmp_path / "empty.journal"), study="nope")
