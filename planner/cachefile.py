@@ -19,6 +19,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .digest import file_sha256
+
 
 def write_bytes(path: Path, data: bytes) -> None:
     """`data` as `path`, whole or not at all: written to a temporary name in the same directory
@@ -53,8 +55,7 @@ def read_json(path: Path, key: str) -> dict | None:
 
 def digest(path: Path) -> dict:
     """What `matches` checks the file at `path` against later: its size and sha256."""
-    with open(path, "rb") as f:
-        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def matches(path: Path, expected: object) -> bool:
