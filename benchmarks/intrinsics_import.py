@@ -18,7 +18,7 @@ import sys
 PROBE = """
 import sys, time
 import tvm
-from planner import tune
+from planner.backend import tune
 def call(depth):
     if depth:
         return call(depth - 1)

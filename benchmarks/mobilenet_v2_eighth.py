@@ -22,7 +22,7 @@ import yaml
 
 from planner import api, zoo
 from planner.errors import NoFeasiblePlan
-from planner.search import to_record
+from planner.search.study import to_record
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits"
 

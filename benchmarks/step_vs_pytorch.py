@@ -153,9 +153,9 @@ def time_torch(step, repeats: int) -> float:
 def planner_step(model_path: Path, layers: list[str], batch: int, optimizer: str = "sgd", updates: str = "in-place"):
     import tvm
 
-    from planner.compile import compile_candidate
-    from planner.model import load_model
-    from planner.space import Candidate
+    from planner.backend.compile import compile_candidate
+    from planner.inputs.model import load_model
+    from planner.inputs.spaces import Candidate
 
     model = load_model(model_path)
     cand = Candidate(tuple((n, "full") for n in layers), batch, optimizer, LR, updates=updates)
@@ -174,7 +174,7 @@ def probe(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
         step = torch_step_setup(proto, spec["params"], spec["batch"])
     else:
-        from planner.session import TrainingSession
+        from planner.backend.session import TrainingSession
 
         model, compiled = planner_step(Path(spec["model"]), spec["layers"], spec["batch"],
                                        spec.get("optimizer", "sgd"), spec.get("updates", "in-place"))
@@ -256,9 +256,9 @@ def main() -> None:
     import torch
 
     from planner import zoo
-    from planner.measure.latency import time_step
-    from planner.model import load_model
-    from planner.session import TrainingSession
+    from planner.measurement.latency import time_step
+    from planner.inputs.model import load_model
+    from planner.backend.session import TrainingSession
 
     torch.set_num_threads(args.threads)
     peak_blas = numpy_gflops()

@@ -30,9 +30,9 @@ def main() -> None:
     if os.environ.get("TVM_NUM_THREADS") != str(args.threads):  # TVM reads it once, at start-up
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     from planner import zoo
-    from planner.measure.latency import time_step
-    from planner.model import load_model
-    from planner.session import TrainingSession
+    from planner.measurement.latency import time_step
+    from planner.inputs.model import load_model
+    from planner.backend.session import TrainingSession
 
     print(f"batch {args.batch}, every layer trained, {args.threads} threads\n")
     print("| model | optimizer | planned MiB copy → in-place | saving | measured MiB copy → in-place | saving "

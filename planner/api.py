@@ -14,26 +14,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compile import CompiledStep, check_cache_dir, compile_candidate, default_cache_dir
-from .data import load_dataset
-from .defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
-from .errors import BadInput, CandidateFailed, Interrupted, MeasureFailed, NoFeasiblePlan
-from .graph import check_importable
-from .measure import capacity
-from .model import Model, load_model
-from .outdir import locked, prepare_out_dir, study_storage_writes
-from .plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, model_files, read_plan, select, write_plan_dir
-from .report import content as report_content
-from .report import html as report_html
-from .report import markdown
-from .runner import RunResult
-from .runner import run_plan as _run_plan
-from .evaluate import EvalSettings, Evaluator, TrialRecord
-from .search import SearchSettings, make_sampler, open_study, pareto_numbers, run_study, stored_inputs
-from .scheme import load_scheme
-from .space import load_space
-from .target import HardwareTarget, load_target
-from .urls import redact
+from planner.backend.compile import CompiledStep, check_cache_dir, compile_candidate, default_cache_dir
+from planner.inputs.data import load_dataset
+from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_RUN_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
+from planner.errors import BadInput, CandidateFailed, Interrupted, MeasureFailed, NoFeasiblePlan
+from planner.backend.graph import check_importable
+from planner.measurement import capacity
+from planner.inputs.model import Model, load_model
+from planner.plans.directory import locked, prepare_out_dir, study_storage_writes
+from planner.plans.plan import MODEL_FILE, STEP_LIBRARY, Plan, Policy, assemble, model_files, read_plan, select, write_plan_dir
+from planner.reports import content as report_content
+from planner.reports import html as report_html
+from planner.reports import markdown
+from planner.plans.run import RunResult
+from planner.plans.run import run_plan as _run_plan
+from planner.search.evaluate import EvalSettings, Evaluator, TrialRecord
+from planner.search.study import SearchSettings, make_sampler, open_study, pareto_numbers, run_study, stored_inputs
+from planner.inputs.schemes import load_scheme
+from planner.inputs.spaces import load_space
+from planner.inputs.targets import HardwareTarget, load_target
+from planner.search.urls import redact
 
 __all__ = ["plan", "work", "measure", "compile_plan", "check_target", "inspect_model", "run_plan", "report", "resolve_target", "PlanResult", "RunResult"]
 
@@ -328,7 +328,7 @@ def compile_plan(
 
 def check_target(name: str, *, tracker: str | None = None, key: str | None = None) -> dict:
     """What `planner targets check` reports: the resolved TVM target, toolchain and free boards."""
-    from .measure.rpc import BoardPool
+    from planner.measurement.rpc import BoardPool
 
     hw = resolve_target(name, tracker=tracker, key=key)
     report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default", "device": hw.device}

@@ -19,7 +19,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .digest import file_sha256
+from planner.digest import file_sha256
 
 
 def write_bytes(path: Path, data: bytes) -> None:

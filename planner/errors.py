@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import sqlite3
+
 
 class PlannerError(Exception):
     """Base of every error planner reports to a user (never a traceback)."""
@@ -84,3 +87,35 @@ def last_line(exc: BaseException) -> str:
     """An exception's last line (where TVM puts the actual check that failed), or its type."""
     text = str(exc).strip()
     return text.splitlines()[-1] if text else type(exc).__name__
+
+
+DISK_REASONS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (over the file size limit, see `ulimit -f`)",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+
+
+def reason(exc: OSError) -> str:
+    return DISK_REASONS.get(exc.errno) or (exc.strerror or str(exc)).lower()
+
+
+def disk_problem(exc: BaseException | None) -> tuple[str, str | None] | None:
+    """(reason, file or None) when a write failed for want of room or write access, found
+    anywhere along `exc`'s chain (Optuna and SQLAlchemy wrap SQLite's own error); else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_REASONS:
+            return DISK_REASONS[exc.errno], exc.filename if isinstance(exc.filename, str) else None
+        if isinstance(exc, sqlite3.Error):
+            message = str(exc)
+            if "database or disk is full" in message:
+                return DISK_REASONS[errno.ENOSPC], None
+            if "readonly database" in message:
+                return DISK_REASONS[errno.EROFS], None
+        exc = exc.__cause__ or exc.__context__
+    return None

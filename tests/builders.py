@@ -14,10 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.ops._op import OpRunUnaryNum
 
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 
 def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: int = 3) -> Path:

@@ -152,7 +152,7 @@ def postgres_url() -> Iterator[str]:
 @pytest.fixture
 def rpc_tracker() -> Iterator[str]:
     """A real TVM RPC tracker on 127.0.0.1 with no board registered: `HOST:PORT`."""
-    from planner.board import start_tracker
+    from planner.measurement.board import start_tracker
 
     tracker = start_tracker("127.0.0.1", free_port())
     try:

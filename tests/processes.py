@@ -16,7 +16,7 @@ from pathlib import Path
 
 from builders import free_port
 
-from planner.board import key_status
+from planner.measurement.board import key_status
 
 
 def planner(

@@ -8,10 +8,10 @@ import tvm
 from builders import gradient_errors
 
 from planner import zoo
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 FAMILIES = {
     "mobilenet_v2": (lambda: zoo.mobilenet_v2(width=0.35, resolution=32),

@@ -20,14 +20,15 @@ import numpy as np
 import pytest
 import tvm
 
-from planner import cachefile, link
-from planner.accuracy import measure_accuracy
-from planner.compile import LIB_NAME, META_NAME, check_cache_dir, compile_candidate
-from planner.data import load_dataset
+from planner import cachefile
+from planner.backend import link
+from planner.measurement.accuracy import measure_accuracy
+from planner.backend.compile import LIB_NAME, META_NAME, check_cache_dir, compile_candidate
+from planner.inputs.data import load_dataset
 from planner.errors import EnvironmentFailure
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 
@@ -214,7 +215,7 @@ def test_check_cache_dir_refuses_a_full_disk(tmpfs):
 
 _PROBE_READ_ONLY = """
 import sys
-from planner.compile import check_cache_dir
+from planner.backend.compile import check_cache_dir
 from planner.errors import EnvironmentFailure
 try:
     check_cache_dir(sys.argv[1])
@@ -248,10 +249,10 @@ _COMPILE = """
 import json, sys
 from pathlib import Path
 import tvm
-from planner.compile import compile_candidate
+from planner.backend.compile import compile_candidate
 from planner.errors import CandidateFailed, EnvironmentFailure
-from planner.model import load_model
-from planner.space import Candidate
+from planner.inputs.model import load_model
+from planner.inputs.spaces import Candidate
 try:
     compile_candidate(load_model(sys.argv[1]), Candidate.from_json(json.loads(sys.argv[2])),
                       tvm.target.Target({"kind": "llvm"}), Path(sys.argv[3]))

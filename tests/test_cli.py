@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from planner.plan import read_plan
+from planner.plans.plan import read_plan
 from processes import planner
 
 
@@ -43,7 +43,7 @@ def test_verbose_prints_each_trial_and_the_debug_log(tiny_model, tiny_data, tmp_
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
     assert sum(line.startswith("trial ") for line in lines) == 2
-    assert any("DEBUG planner.evaluate" in line and "fine-tuned 20 steps" in line for line in lines)
+    assert any("DEBUG planner.search.evaluate" in line and "fine-tuned 20 steps" in line for line in lines)
 
 
 def test_ctrl_c_finishes_the_trial_in_flight_and_writes_the_plan(tiny_model, tiny_data, tmp_path):

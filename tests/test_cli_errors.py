@@ -20,8 +20,8 @@ import onnx
 import pytest
 from builders import blobs, free_port, tiny_cnn
 
-from planner.data import load_dataset
-from planner.model import load_model
+from planner.inputs.data import load_dataset
+from planner.inputs.model import load_model
 from processes import planner
 
 

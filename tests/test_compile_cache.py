@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from planner import link
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.backend import link
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 

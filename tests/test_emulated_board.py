@@ -18,8 +18,8 @@ from builders import free_port
 from processes import kill, start
 
 from planner import api
-from planner.board import key_status
-from planner.plan import read_plan
+from planner.measurement.board import key_status
+from planner.plans.plan import read_plan
 
 EMU = Path(os.environ.get("PLANNER_EMU_DIR", Path.home() / ".cache" / "planner" / "aarch64-board"))
 REPO = Path(__file__).resolve().parent.parent

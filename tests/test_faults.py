@@ -30,9 +30,9 @@ import pytest
 from onnx import numpy_helper
 
 from planner.digest import file_sha256
-from planner.outdir import COMMIT, MARKER, STAGED_PREFIX, reading, replace_files
-from planner.urls import redact, scrubbed
-from planner.plan import read_plan
+from planner.plans.directory import COMMIT, MARKER, STAGED_PREFIX, reading, replace_files
+from planner.search.urls import redact, scrubbed
+from planner.plans.plan import read_plan
 from processes import planner
 
 TRIALS = 3

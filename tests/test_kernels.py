@@ -7,8 +7,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from planner.kernels import legalize
-from planner.schedule import default_schedule
+from planner.backend.kernels import legalize
+from planner.backend.schedule import default_schedule
 
 HOST = tvm.target.Target({"kind": "llvm"})
 

@@ -97,7 +97,7 @@ def test_a_diverging_fine_tune_is_a_measured_infeasible_result(tiny_model, tiny_
     space.write_text("strategy: all\nmodes: [full]\nbatch_size: [4]\noptimizer: [sgd]\nlr: {low: 1.0e+30, high: 1.0e+31, log: true}\n")
     with pytest.raises(NoFeasiblePlan, match="2 of them diverged while fine-tuning"):
         api.plan(model=tiny_model, data=tiny_data, space=str(space), out=tmp_path / "p", trials=2, accuracy_steps=30, latency_repeats=3)
-    from planner.search import load_records
+    from planner.search.study import load_records
 
     records, _, _ = load_records(f"sqlite:///{tmp_path / 'p' / 'study.db'}", "planner")
     for rec in records:

@@ -11,9 +11,9 @@ import pytest
 import tvm
 
 from planner import zoo
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.space import Candidate
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.inputs.spaces import Candidate
 
 
 # Run in a fresh process: TVM's workspace pool is per thread and outlives a VirtualMachine, so a
@@ -22,9 +22,9 @@ _ONE_STEP = """
 import ctypes, json, sys
 import numpy as np, tvm
 from tvm import relax
-from planner.graph import STEP_FUNC, StepSignature
-from planner.model import load_model
-from planner.session import TrainingSession
+from planner.backend.graph import STEP_FUNC, StepSignature
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

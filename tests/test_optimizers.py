@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import tvm
 
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 TRAINABLE = (("c2", "full"), ("fc", "full"))

@@ -15,14 +15,14 @@ import pytest
 import tvm
 
 from planner import api
-from planner.accuracy import AccuracyResult
-from planner.compile import compile_candidate
-from planner.measure.latency import Latency
-from planner.memory import MemoryBreakdown
-from planner.model import load_model
-from planner.plan import read_plan, select
-from planner.evaluate import TrialRecord
-from planner.space import Candidate
+from planner.measurement.accuracy import AccuracyResult
+from planner.backend.compile import compile_candidate
+from planner.measurement.latency import Latency
+from planner.backend.memory import MemoryBreakdown
+from planner.inputs.model import load_model
+from planner.plans.plan import read_plan, select
+from planner.search.evaluate import TrialRecord
+from planner.inputs.spaces import Candidate
 
 from builders import tiny_cnn
 
@@ -150,8 +150,8 @@ def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tm
 
 
 def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data, tmp_path):
-    from planner.data import load_dataset
-    from planner.session import TrainingSession
+    from planner.inputs.data import load_dataset
+    from planner.backend.session import TrainingSession
 
     r1 = api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "a", shuffle=False)
     api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)
@@ -179,7 +179,7 @@ def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data
 
 def test_no_feasible_plan_says_how_many_trials_failed_and_the_commonest_reason():
     from planner.errors import NoFeasiblePlan
-    from planner.evaluate import TrialRecord
+    from planner.search.evaluate import TrialRecord
 
     trials = [
         TrialRecord(0, "FAIL", None, fail_reason="TVM compile failed: X"),

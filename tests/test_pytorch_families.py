@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip i
 import torch_families as tf  # noqa: E402
 
 from planner import api  # noqa: E402
-from planner.compile import compile_candidate  # noqa: E402
-from planner.session import TrainingSession  # noqa: E402
-from planner.space import Candidate  # noqa: E402
+from planner.backend.compile import compile_candidate  # noqa: E402
+from planner.backend.session import TrainingSession  # noqa: E402
+from planner.inputs.spaces import Candidate  # noqa: E402
 from processes import planner  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -20,10 +20,11 @@ from builders import free_port
 from processes import Boards, kill, planner, start
 
 from planner import api
-from planner.board import RSS, check_bind_host, key_status, parse_host_port
+from planner.inputs.targets import parse_host_port
+from planner.measurement.board import RSS, check_bind_host, key_status
 from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
-from planner.plan import read_plan
-from planner.search import to_record
+from planner.plans.plan import read_plan
+from planner.search.study import to_record
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,13 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.script import tirx as T
 
-from planner.compile import _fuse, _schedule
-from planner.graph import STEP_FUNC, build_training_module
-from planner.inplace import in_place_candidates, update_in_place
-from planner.model import load_model
-from planner.schedule import default_schedule
-from planner.space import Candidate
-from planner.storage import to_step
+from planner.backend.compile import _fuse, _schedule
+from planner.backend.graph import STEP_FUNC, build_training_module
+from planner.backend.inplace import in_place_candidates, update_in_place
+from planner.inputs.model import load_model
+from planner.backend.schedule import default_schedule
+from planner.inputs.spaces import Candidate
+from planner.backend.weights import to_step
 
 HOST = tvm.target.Target({"kind": "llvm"})
 # The unscheduled step, built without LLVM's optimisations: it computes the same bits (TVM allows

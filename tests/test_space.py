@@ -6,9 +6,9 @@ import optuna
 import pytest
 
 from planner.errors import BadInput
-from planner.model import load_model
-from planner.search import make_sampler
-from planner.space import SPACES_DIR, load_space, split_mode
+from planner.inputs.model import load_model
+from planner.search.study import make_sampler
+from planner.inputs.spaces import SPACES_DIR, load_space, split_mode
 
 
 def test_last_k_trains_exactly_the_last_k_layers(tiny_model):

@@ -7,10 +7,10 @@ import pytest
 import tvm
 from builders import gradient_errors
 
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 

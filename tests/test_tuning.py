@@ -7,11 +7,12 @@ import inspect
 import numpy as np
 import tvm
 
-from planner import api, tune
-from planner.compile import compile_candidate
-from planner.model import load_model
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner import api
+from planner.backend import tune
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 SCHEME = "trainable: [{layer: c2}, {layer: fc}]\nbatch_size: 4\noptimizer: {name: sgd, lr: 0.1}\n"
 

@@ -17,7 +17,7 @@ import pytest
 
 from planner import api
 from planner.errors import BadInput
-from planner.search import GRACE_ENV, HEARTBEAT_ENV, WORKER, open_storage
+from planner.search.study import GRACE_ENV, HEARTBEAT_ENV, WORKER, open_storage
 
 State = optuna.trial.TrialState
 

@@ -24,10 +24,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from planner.compile import compile_candidate
-from planner.model import load_model, save_onnx
-from planner.session import TrainingSession
-from planner.space import Candidate
+from planner.backend.compile import compile_candidate
+from planner.inputs.model import load_model, save_onnx
+from planner.backend.session import TrainingSession
+from planner.inputs.spaces import Candidate
 
 HERE = Path(__file__).resolve().parent
 

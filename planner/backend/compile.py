@@ -1,0 +1,297 @@
+"""Training module -> shared library for the target, cached on disk by content.
+
+The cache key is everything that decides the bytes of the library: the model's sha256, the
+candidate, the TVM target and the versions of planner and TVM. A candidate is never compiled twice,
+in one run or across runs; entries are written to a temporary folder and renamed into place, so a
+killed compile leaves nothing half-written. An entry is verified before it is used (see
+`cachefile`): a damaged one is a miss, removed and compiled again.
+
+Failures of the machine rather than the candidate — a cache that cannot be written, a full disk,
+the C++ compiler gone — are `EnvironmentFailure`, never a failed trial.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+from planner import __version__, cachefile
+from planner.errors import CandidateFailed, EnvironmentFailure, first_line, last_line
+from planner.backend.graph import STEP_FUNC, StepSignature, build_training_module
+from planner.backend.inplace import in_place_candidates, update_in_place
+from planner.backend.kernels import legalize
+from planner.backend import link
+from planner.backend.memory import MemoryBreakdown, step_peak
+from planner.inputs.model import Model
+from planner.errors import DISK_REASONS, disk_problem, reason
+from planner.backend import tune
+from planner.backend.schedule import default_schedule
+from planner.inputs.spaces import Candidate
+from planner.inputs.targets import RpcRunner
+
+LIB_NAME = "train_step.so"
+META_NAME = "train_step.json"
+
+
+def default_cache_dir() -> Path:
+    """`$PLANNER_CACHE_DIR`, else `~/.cache/planner`."""
+    env = os.environ.get("PLANNER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "planner"
+
+
+def check_cache_dir(path: str | Path) -> Path:
+    """`path`, created when missing, once a file could be written in it: a file given as the
+    cache, a read-only directory or file system, or a full disk is one `EnvironmentFailure` line
+    naming the directory, before any trial runs instead of in every one."""
+    path = Path(path)
+    hint = "set PLANNER_CACHE_DIR to a writable directory"
+    if path.exists() and not path.is_dir():
+        raise EnvironmentFailure(f"cannot use the compile cache {path}: it is a file, not a directory ({hint})")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # root ignores permission bits: only a real write tells whether writing works
+        with tempfile.TemporaryFile(dir=path, prefix=".probe-", buffering=0) as probe:
+            probe.write(b"planner")
+    except OSError as exc:
+        raise EnvironmentFailure(f"cannot use the compile cache {path}: {reason(exc)} ({hint})") from None
+    return path
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """A compiled candidate on disk: the library, how to call it and its planned memory."""
+
+    directory: Path
+    signature: StepSignature
+    memory: MemoryBreakdown
+    compile_seconds: float  # including tuning
+    cached: bool
+    kernels: int = 0  # compiled kernels (TIR functions) in the step
+    tuned_kernels: tuple[str, ...] = ()  # those scheduled from the tuning database
+    tune_seconds: float = 0.0  # MetaSchedule time within compile_seconds
+    in_place_updates: int = 0  # updated weights and states written over their old buffers
+
+    @property
+    def library(self) -> Path:
+        return self.directory / LIB_NAME
+
+
+@functools.cache
+def code_id() -> str:
+    """A hash of planner's own source: a changed graph builder or memory model must not reuse
+    entries built by the old one, even within one released version."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(
+    model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None, tune_trials: int = 0
+) -> str:
+    blob = json.dumps(
+        {
+            "model": model.sha256,
+            "candidate": candidate.to_json(),
+            "target": str(target),
+            "toolchain": toolchain,
+            "tune_trials": tune_trials,
+            "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
+    passes = cpu.library_dispatch_passes(target) + [legalize()] + cpu.legalize_passes(target)  # then TVM's: a no-op
+    with target:
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def _schedule(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Every kernel not tuned yet given planner's default schedule."""
+    with target:
+        return default_schedule()(fused)
+
+
+def _lower(scheduled: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The rest of the CPU pipeline, up to memory planning, where the step's allocations become
+    explicit."""
+    passes = cpu.dataflow_lower_passes(target) + [
+        relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()
+    ]
+    with target:
+        return tvm.transform.Sequential(passes)(scheduled)
+
+
+def compile_candidate(
+    model: Model,
+    candidate: Candidate,
+    target: tvm.target.Target,
+    cache_dir: Path | None = None,
+    toolchain: str | None = None,
+    tune_trials: int = 0,
+    rpc: RpcRunner | None = None,
+) -> CompiledStep:
+    """The candidate's compiled step, from the cache when it is there.
+
+    `toolchain` is the C++ (cross) compiler that links the library, e.g. `aarch64-linux-gnu-g++`
+    for a Raspberry Pi; None links with the host's default compiler. `tune_trials` > 0 first
+    spends that many MetaSchedule trials on the step's kernels, then schedules every kernel the
+    target's shared tuning database has a record for (found now or by any earlier tuning); 0
+    uses planner's default schedule only. `rpc` (a target's boards behind a tracker) times the
+    tuning trials on a board rather than here.
+    """
+    cache_dir = cache_dir or default_cache_dir()
+    entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
+    if (step := _cached(entry)) is not None:
+        return step
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # workers of one study share the cache: whoever compiles a candidate first, the others
+        # wait for it and load the result instead of compiling it again
+        with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (step := _cached(entry)) is not None:
+                return step
+            _discard(entry)
+            return _compile(model, candidate, target, cache_dir, toolchain, tune_trials, rpc, entry)
+    except OSError as exc:  # the cache's own files: its folders, the lock, the entry's metadata
+        raise EnvironmentFailure(f"cannot write the compile cache {cache_dir}: {reason(exc)}") from None
+
+
+def _cached(entry: Path) -> CompiledStep | None:
+    """The entry's step when its metadata verifies and its library is the one the metadata
+    hashed; None (a miss) for a missing, partial, damaged or edited entry. Nothing may load a
+    library before this check: dlopen of a truncated one is a SIGBUS, not an exception."""
+    meta = cachefile.read_json(entry / META_NAME, entry.name)
+    if meta is None or not cachefile.matches(entry / LIB_NAME, meta.get("library")):
+        return None
+    try:
+        return _load(entry, meta, cached=True)
+    except (KeyError, TypeError, ValueError):  # a field missing or of the wrong kind
+        return None
+
+
+def _discard(entry: Path) -> None:
+    """Removes a bad entry (if there is one): renamed aside first, so no reader ever sees it
+    half-deleted, then deleted."""
+    bad = entry.with_name(f".bad-{entry.name}-{secrets.token_hex(4)}")
+    try:
+        entry.rename(bad)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(bad, ignore_errors=True)
+
+
+def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None) -> Exception:
+    """`exc`, raised in `stage` of a compile, as the error it is: `EnvironmentFailure` when the
+    machine failed (a write refused for want of room or access, by planner or by the linker; the
+    C++ compiler or a file gone), else `CandidateFailed`."""
+    found = disk_problem(exc)
+    if found is not None:
+        why, filename = found
+        return EnvironmentFailure(f"{stage}: cannot write {filename or cache_dir}: {why}")
+    text = str(exc)
+    for code, why in DISK_REASONS.items():  # the linker is a subprocess: its errno comes as text
+        if os.strerror(code) in text:
+            return EnvironmentFailure(f"{stage}: the linker cannot write into {cache_dir}: {why}")
+    if "File size limit exceeded" in text:  # the linker killed by SIGXFSZ (`ulimit -f`)
+        return EnvironmentFailure(f"{stage}: the linker cannot write into {cache_dir}: {DISK_REASONS[errno.EFBIG]}")
+    compiler = toolchain or tvm.support.cc.get_cc()
+    if compiler is None:
+        return EnvironmentFailure(f"{stage}: no C++ compiler found (install g++, or set CXX to one)")
+    if shutil.which(compiler) is None:
+        return EnvironmentFailure(f"{stage}: the C++ compiler {compiler} is not installed (or not on PATH)")
+    missing: BaseException | None = exc
+    while missing is not None and not isinstance(missing, FileNotFoundError):
+        missing = missing.__cause__ or missing.__context__
+    if missing is not None:
+        return EnvironmentFailure(f"{stage}: {missing.filename or first_line(missing)}: not found")
+    return CandidateFailed(f"{stage} failed: {last_line(exc)}")
+
+
+def _compile(
+    model: Model, candidate: Candidate, target: tvm.target.Target, cache_dir: Path, toolchain: str | None,
+    tune_trials: int, rpc: RpcRunner | None, entry: Path,
+) -> CompiledStep:
+    t0 = time.perf_counter()
+    if candidate.updates not in ("in-place", "copy"):
+        raise CandidateFailed(f"updates {candidate.updates!r} is not supported (in-place, copy)")
+    mod, sig = build_training_module(model, candidate)
+    try:
+        fused = _fuse(mod, target)
+        # judged before tuning and scheduling rewrite the kernels
+        in_place_ok = in_place_candidates(fused, sig) if candidate.updates == "in-place" else set()
+        tuned: tuple[str, ...] = ()
+        tune_seconds = 0.0
+        if tune_trials > 0:
+            db = tune.database_dir(cache_dir, target)
+            t_tune = time.perf_counter()
+            tune.tune(fused, target, tune_trials, db, rpc, toolchain)
+            tune_seconds = time.perf_counter() - t_tune
+            fused, tuned = tune.apply(fused, target, db)
+        kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
+        scheduled = _schedule(fused, target)
+        scheduled, in_place = update_in_place(scheduled, sig, in_place_ok)
+        lowered = _lower(scheduled, target)
+        executable, workspaces = link.build(lowered, target, cache_dir)
+        memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
+    except Exception as exc:
+        raise _failure(exc, "TVM compile", cache_dir, toolchain) from None
+
+    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+    try:
+        try:
+            executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain))
+        except Exception as exc:
+            raise _failure(exc, "linking the step", cache_dir, toolchain) from None
+        meta = {
+            "library": cachefile.digest(tmp / LIB_NAME),
+            "signature": sig.to_json(),
+            "memory": memory.to_json(),
+            "compile_seconds": time.perf_counter() - t0,  # linked, as a trial waits for it
+            "kernels": kernels,
+            "tuned_kernels": list(tuned),
+            "tune_seconds": tune_seconds,
+            "in_place_updates": in_place,
+            "candidate": candidate.to_json(),
+            "target": str(target),
+            "toolchain": toolchain,
+        }
+        cachefile.write_json(tmp / META_NAME, meta, entry.name)
+        tmp.rename(entry)  # under the lock, after `_discard`: no other entry is there
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _load(entry, meta, cached=False)
+
+
+def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:
+    return CompiledStep(
+        directory=entry,
+        signature=StepSignature.from_json(meta["signature"]),
+        memory=MemoryBreakdown(**meta["memory"]),
+        compile_seconds=float(meta["compile_seconds"]),
+        cached=cached,
+        kernels=int(meta.get("kernels", 0)),
+        tuned_kernels=tuple(meta.get("tuned_kernels", ())),
+        tune_seconds=float(meta.get("tune_seconds", 0.0)),
+        in_place_updates=int(meta.get("in_place_updates", 0)),
+    )

@@ -1,0 +1,570 @@
+"""Candidate -> Relax training module.
+
+The module holds two functions, both with the batch fixed to the candidate's batch size:
+
+- `train_step(x, *frozen, *trainable, *optim_states, labels) -> (loss, *new_trainable, *new_states)`:
+  forward, mean cross-entropy, backward and the optimizer update as ONE function, so the whole step
+  is timed, planned for memory and shipped to a board as a unit;
+- `backbone(x, *frozen, *trainable) -> logits`: inference, for evaluation.
+
+Frozen parameters are passed as *inputs* of the backbone (`relax.training` only differentiates
+`param_num` trailing parameters), so they get no gradient and no optimizer state, and every
+gradient they would have needed is dead code. BatchNorm is decomposed in inference form before
+differentiation: frozen and trainable BN layers both use running statistics (scale and bias train).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import from_onnx
+from tvm.relax.training import SetupTrainer
+from tvm.relax.training.loss import CrossEntropyLoss
+from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
+
+from planner.backend import gradients as grads
+from planner.errors import BadInput, CandidateFailed, last_line
+from planner.inputs.model import Model
+from planner.inputs.spaces import Candidate, split_mode
+from planner.backend.weights import head, int8, scale, scale_shape, tail
+
+STEP_FUNC = "train_step"
+PREDICT_FUNC = "backbone"
+LABEL_DTYPE = "int64"
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
+
+    input_name: str
+    input_shape: tuple[int, ...]  # with the batch dimension: the effective batch of one update
+    micro_batch: int  # samples per forward/backward (and per `backbone` call)
+    frozen: tuple[str, ...]
+    trainable: tuple[str, ...]
+    splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
+    quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
+    loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
+    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
+    n_classes: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shape[0]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepSignature:
+        return cls(
+            input_name=d["input_name"],
+            input_shape=tuple(d["input_shape"]),
+            micro_batch=int(d.get("micro_batch", d["input_shape"][0])),
+            frozen=tuple(d["frozen"]),
+            trainable=tuple(d["trainable"]),
+            splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
+            quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
+            loss_scale=float(d.get("loss_scale", 1.0)),
+            optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
+            n_classes=int(d["n_classes"]),
+        )
+
+
+_IMPORTED: dict[tuple[str, int], relax.Function] = {}
+_CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must read are the same at any batch
+
+
+def check_importable(model: Model) -> None:
+    """Raise BadInput now, not in every trial, when TVM's ONNX frontend cannot read the model."""
+    _imported(model, model.fixed_batch or _CHECK_BATCH)
+
+
+def _imported(model: Model, batch: int) -> relax.Function:
+    """The model as one Relax function `(x, *parameters)` for a step of `batch` samples; imported
+    once per model and batch (shapes are folded for the batch, see `planner.fixups`)."""
+    key = (model.sha256, batch)
+    if key in _IMPORTED:
+        return _IMPORTED[key]
+    try:
+        mod = from_onnx(model.import_proto(batch), keep_params_in_input=True)
+    except Exception as exc:  # the frontend raises assorted types for ops it does not know
+        raise BadInput(f"TVM cannot import {model.path.name}: {last_line(exc)}") from None
+    mod, _ = relax.frontend.detach_params(mod)
+    mod = _untangle_clip(mod)
+    func = mod["main"]
+    expected = 1 + len(model.initializers)
+    if len(func.params) != expected:  # the frontend keeps initializers in graph order
+        raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
+    func = func.without_attr("params").without_attr("num_input")
+    _IMPORTED[key] = func
+    return func
+
+
+@relax.expr_functor.mutator
+class _ClipAsRelaxOps(relax.PyExprMutator):
+    """`call_tir(maximum|minimum, (x, bound))` -> `R.maximum|R.minimum(x, bound)`.
+
+    TVM's ONNX frontend lowers Clip with tensor bounds (every opset >= 11, so every ReLU6) straight
+    to TIR, which the gradient pass cannot see through; the Relax ops it stands for have gradients.
+    """
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and isinstance(call.args[0], relax.GlobalVar):
+            name = call.args[0].name_hint
+            operands = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else []
+            if len(operands) == 2 and name.rstrip("0123456789") in ("maximum", "minimum"):
+                op = relax.op.maximum if name.startswith("maximum") else relax.op.minimum
+                return op(*operands)
+        return call
+
+
+def _scalar(expr: relax.Expr) -> float | None:
+    if isinstance(expr, tvm.ir.Constant) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy().reshape(()))
+    return None
+
+
+@relax.expr_functor.mutator
+class _ClampAsClip(relax.PyExprMutator):
+    """`minimum(maximum(x, lo), hi)` with constant bounds -> `R.clip(x, lo, hi)`.
+
+    Why: the gradients of maximum and minimum read their inputs, so ReLU6 kept both x and
+    maximum(x, lo) alive for the backward pass; `R.clip`'s gradient (planner.grads) reads only
+    its output, which the next layer keeps anyway.
+    """
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.minimum"):
+            return call
+        inner, hi = call.args
+        bound = self.lookup_binding(inner) if isinstance(inner, relax.Var) else inner
+        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == "relax.maximum"):
+            return call
+        x, lo = bound.args
+        low, high = _scalar(lo), _scalar(hi)
+        if low is None or high is None or x.ty.dtype != call.ty.dtype or x.ty.shape is None:
+            return call
+        return relax.op.clip(x, low, high)
+
+
+@relax.expr_functor.mutator
+class _ClampedTake(relax.PyExprMutator):
+    """`take(…, mode="fast")` -> `mode="clip"`.
+
+    The ONNX frontend gathers in "fast" mode: an index out of range reads (and its gradient
+    writes) out of bounds, and its lowering prints a warning on every compile saying so. The
+    gathers of exported classifiers index with constants (a class token, `qkv[0]`); clamping
+    costs a min and a max per index and makes any other safe."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.take" and call.attrs.mode == "fast":
+            return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+        return call
+
+
+def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
+    """Clip as Relax ops, and its bounds' NaN guards (`where(isnan(c), inf, c)`) folded to the
+    constants they are — low-precision passes would otherwise retype them (bf16 has no isnan);
+    then a constant clamp as one `R.clip` (see `_ClampAsClip`); gathers clamped (`_ClampedTake`)."""
+    mod["main"] = _ClampedTake().visit_expr(_ClipAsRelaxOps().visit_expr(mod["main"]))
+    mod = relax.transform.FoldConstant()(mod)
+    mod["main"] = _ClampAsClip().visit_expr(mod["main"])
+    return relax.transform.DeadCodeElimination(["main"])(mod)
+
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+PRECISIONS = ("fp32", "fp16", "bf16")
+FP16_LOSS_SCALE = 1024.0
+
+
+def _retyped_attrs(attrs: tvm.ir.Attrs, old: str, new: str) -> tvm.ir.Attrs:
+    """`attrs` with every `dtype`/`out_dtype` field equal to `old` set to `new`."""
+    info = type(attrs).__tvm_ffi_type_info__
+    fields = {f.name: getattr(attrs, f.name) for f in info.fields}
+    if not any(k in ("dtype", "out_dtype") and str(v) == old for k, v in fields.items()):
+        return attrs
+    fields = {k: new if k in ("dtype", "out_dtype") and str(v) == old else v for k, v in fields.items()}
+    return tvm.ir.make_node(info.type_key, **fields)
+
+
+@relax.expr_functor.mutator
+class _Fp16AsBf16(relax.PyExprMutator):
+    """Every float16 cast, accumulator and constant becomes bfloat16.
+
+    `ToMixedPrecision` decides which ops run in low precision but only knows float16; bf16 steps
+    take its decisions and retype them. bf16 keeps fp32's exponent range, so it needs no loss
+    scaling; on CPUs without bf16 units TVM computes in fp32 and stores bf16 (half the bytes).
+    """
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if isinstance(call.op, tvm.ir.Op) and call.attrs is not None:
+            attrs = _retyped_attrs(call.attrs, "float16", "bfloat16")
+            if not attrs.same_as(call.attrs):
+                return relax.Call(call.op, call.args, attrs, call.ty_args)
+        return call
+
+    def visit_constant_(self, const: tvm.ir.Constant) -> relax.Expr:
+        if str(const.value.dtype) == "float16":
+            return relax.const(const.value.numpy().astype("float32"), "bfloat16")
+        return const
+
+
+def _low_precision(backbone: tvm.IRModule, precision: str) -> tuple[tvm.IRModule, float]:
+    """The backbone with convolutions and matmuls (and what follows them) in `precision`, and the
+    loss scale its gradients need.
+
+    Parameters stay fp32 master copies, cast inside the graph, so updates accumulate in fp32.
+    fp16's narrow exponent range flushes small gradients to zero: its loss is scaled, and the
+    caller unscales. bf16 has fp32's range and trains unscaled.
+    """
+    if precision == "fp32":
+        return backbone, 1.0
+    if precision not in PRECISIONS:
+        raise CandidateFailed(f"precision {precision!r} is not supported ({', '.join(PRECISIONS)})")
+    mixed = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
+    if precision == "fp16":
+        return mixed, FP16_LOSS_SCALE
+    func = _Fp16AsBf16().visit_expr(mixed[PREDICT_FUNC])
+    return tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs), 1.0
+
+
+class _ScaledCrossEntropy(CrossEntropyLoss):
+    """Mean cross-entropy times a constant: static loss scaling for fp16 training."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(reduction="mean")
+        self.scale = scale
+
+    def __call__(self, predictions, targets, weights=None) -> relax.Function:
+        func = super().__call__(predictions, targets, weights)
+        if self.scale == 1.0:
+            return func
+        bb = relax.BlockBuilder()
+        params = [relax.Var(p.name, p.ty) for p in func.params]
+        with bb.function(self._loss_name, params):
+            with bb.dataflow():
+                logits = bb.emit(relax.op.astype(params[0], "float32"))
+                loss = bb.emit(relax.op.nn.nll_loss(relax.op.nn.log_softmax(logits), params[1], reduction="mean"))
+                out = bb.emit_output(loss * relax.const(self.scale, "float32"))
+            bb.emit_func_output(out)
+        return bb.get()[self._loss_name]
+
+
+class _Adam(Adam):
+    """TVM 0.27's `Adam.init` hands NumPy a TVM dtype object; a dtype string works everywhere."""
+
+    def _set_params_and_dtype(self, params: list[relax.Var]) -> None:
+        super()._set_params_and_dtype(params)
+        self.dtype = str(self.dtype)
+
+
+def make_optimizer(candidate: Candidate, loss_scale: float = 1.0) -> Optimizer:
+    """`sgd`: plain SGD (no momentum, no weight decay); `momentum`: SGD with momentum 0.9; `adam`.
+
+    Gradients arrive multiplied by `loss_scale`. SGD and momentum are linear in the gradient, so
+    dividing their learning rate undoes the scale exactly; Adam is invariant to it.
+    """
+    if candidate.optimizer == "sgd":
+        return SGD(candidate.lr / loss_scale)
+    if candidate.optimizer == "momentum":
+        return MomentumSGD(candidate.lr / loss_scale, momentum=0.9)
+    if candidate.optimizer == "adam":
+        return _Adam(candidate.lr)
+    raise CandidateFailed(f"unknown optimizer {candidate.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+
+
+def _fill(tensor) -> float:
+    """Optimizer states start constant (zeros; Adam's running beta products at one)."""
+    values = tensor.numpy().ravel()
+    if values.size and not (values == values[0]).all():
+        raise CandidateFailed("optimizer state does not start constant")
+    return float(values[0]) if values.size else 0.0
+
+
+def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
+    """The candidate's training module (unlegalized) and the signature of its step."""
+    grads.register()
+    trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)}
+    splits = _channel_splits(model, candidate)
+    names = list(model.initializers)
+    trainable = [head(n) if n in splits else n for n in names if n in trainable_set]
+    quantized = _quantized_weights(model, candidate, [n for n in names if n not in trainable_set])
+    frozen = [
+        stored
+        for n in names
+        if n not in trainable_set
+        for stored in ((int8(n), scale(n)) if n in quantized else (n,))
+    ] + [tail(n) for n in names if n in splits]
+    if not trainable:
+        raise CandidateFailed("candidate freezes every layer: nothing to train")
+
+    B = candidate.batch_size
+    if model.fixed_batch not in (None, B):
+        raise CandidateFailed(f"model has a fixed batch size {model.fixed_batch}; cannot use batch {B}")
+    func = _imported(model, B)
+    x, *pvars = func.params
+    if splits or quantized:
+        func = _with_stored_weights(func, names, splits, quantized)
+        x, *pvars = func.params
+        names = [x.name for x in pvars]
+    by_name = dict(zip(names, pvars))
+    params = [x] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
+    func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
+    func = func.with_attr("global_symbol", PREDICT_FUNC)
+    backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
+    backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
+    backbone, loss_scale = _low_precision(backbone, candidate.precision)
+
+    optimizer = make_optimizer(candidate, loss_scale)
+    labels = relax.TensorType((B,), LABEL_DTYPE)
+    full = backbone[PREDICT_FUNC]
+    prefix, differentiated = _frozen_prefix(full, len(trainable))
+    try:
+        trainer = SetupTrainer(
+            _ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False
+        )(backbone if prefix is None else tvm.IRModule({PREDICT_FUNC: differentiated}, attrs=backbone.attrs))
+    except Exception as exc:  # TVM reports missing gradients etc. as generic errors
+        raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
+
+    step, state_types = _fused_step(trainer, prefix, n_trainable=len(trainable), accum=candidate.grad_accum)
+    out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
+    sig = StepSignature(
+        input_name=model.input_name,
+        input_shape=(B * candidate.grad_accum, *model.input_shape),
+        micro_batch=B,
+        frozen=tuple(frozen),
+        trainable=tuple(trainable),
+        splits={n: splits[n] for n in splits},
+        quantized=quantized,
+        loss_scale=loss_scale,
+        optim_states=tuple(
+            (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init))
+            for t, init in zip(state_types, optimizer.state)
+        ),
+        n_classes=model.n_classes,
+    )
+    return out, sig
+
+
+def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
+    """weight -> (output-channel axis, channels updated) for every `ratio:r` layer."""
+    splits = {}
+    for name, mode in candidate.trainable:
+        kind, ratio = split_mode(mode)
+        if kind != "ratio":
+            continue
+        layer = model.layer(name)
+        if layer.out_axis is None or layer.weight is None:
+            raise CandidateFailed(f"ratio updates need a Conv, Gemm or MatMul weight; layer '{name}' is {layer.op}")
+        channels = layer.param_shapes[layer.weight][layer.out_axis]
+        k = max(1, min(channels, round(ratio * channels)))
+        if k < channels:
+            splits[layer.weight] = (layer.out_axis, k)
+    return splits
+
+
+def _quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
+    """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
+    if candidate.frozen_weights == "fp32":
+        return {}
+    if candidate.frozen_weights != "int8":
+        raise CandidateFailed(f"frozen_weights {candidate.frozen_weights!r} is not supported (fp32, int8)")
+    frozen_set = set(frozen)
+    return {
+        layer.weight: layer.out_axis
+        for layer in model.layers
+        if layer.weight in frozen_set and layer.out_axis is not None
+    }
+
+
+@relax.expr_functor.mutator
+class _RebuildAtUse(relax.PyExprMutator):
+    """Each use of a weight becomes a rebuild from its stored parts, emitted right before the use,
+    so a dequantized or concatenated weight lives only as long as the op that needs it."""
+
+    def __init__(self, rebuild: dict[relax.Var, Callable[[], relax.Expr]]):
+        super().__init__()
+        self.rebuild = rebuild
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        make = self.rebuild.get(var)
+        return self.builder_.emit(make()) if make else var
+
+
+def _with_stored_weights(
+    func: relax.Function, names: list[str], splits: dict[str, tuple[int, int]], quantized: dict[str, int]
+) -> relax.Function:
+    """`func(x, *initializers)` taking each weight the way `planner.storage` stores it.
+
+    A split weight is taken as head and tail, concatenated where it is used, so only the head —
+    the first k output channels — can receive a gradient and optimizer state: a sparse update of
+    that layer. A quantized weight is taken as int8 values and fp32 scales, dequantized where it
+    is used.
+    """
+    x, *pvars = func.params
+    new_params: list[relax.Var] = [x]
+    rebuild: dict[relax.Var, Callable[[], relax.Expr]] = {}
+    for name, var in zip(names, pvars):
+        shape = [int(d) for d in var.ty.shape]
+        if name in splits:
+            axis, k = splits[name]
+            h_shape, t_shape = list(shape), list(shape)
+            h_shape[axis], t_shape[axis] = k, shape[axis] - k
+            h = relax.Var(head(name), relax.TensorType(h_shape, var.ty.dtype))
+            t = relax.Var(tail(name), relax.TensorType(t_shape, var.ty.dtype))
+            new_params += [h, t]
+            rebuild[var] = lambda h=h, t=t, axis=axis: relax.op.concat([h, t], axis=axis)
+        elif name in quantized:
+            q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
+            s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, quantized[name]), var.ty.dtype))
+            new_params += [q, s]
+            rebuild[var] = lambda q=q, s=s, dtype=var.ty.dtype: relax.op.astype(q, dtype) * s
+        else:
+            new_params.append(var)
+    body = _RebuildAtUse(rebuild).visit_expr(func.body)
+    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
+@relax.expr_functor.mutator
+class _Renamed(relax.PyExprMutator):
+    """An expression with variables replaced (moving bindings into a new function)."""
+
+    def __init__(self, mapping: dict[relax.Var, relax.Expr]):
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+    def visit_dataflow_var_(self, var: relax.Var) -> relax.Expr:
+        return self.mapping.get(var, var)
+
+
+def _function(name: str, params: list[relax.Var], bindings: list, output: relax.Expr, mapping: dict) -> relax.Function:
+    """A dataflow function of `params` that re-emits `bindings` and returns `output`, the old
+    variables of the params (and of each binding) replaced through `mapping`."""
+    bb = relax.BlockBuilder()
+    with bb.function(name, params):
+        with bb.dataflow():
+            for binding in bindings:
+                mapping[binding.var] = bb.emit(_Renamed(mapping).visit_expr(binding.value), binding.var.name)
+            out = bb.emit_output(_Renamed(mapping).visit_expr(output))
+        bb.emit_func_output(out)
+    return bb.get()[name]
+
+
+def _undifferentiable(binding: relax.VarBinding) -> bool:
+    """Whether a binding calls an op Relax has no gradient for."""
+    value = binding.value
+    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.get_attr("FPrimalGradient") is None
+
+
+def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Function | None, relax.Function]:
+    """`func(x, *frozen, *trainable)` split where the trainable parameters first come in: the
+    prefix `(x, *frozen) -> (t1, …, tk)` computes every tensor that does not depend on a trainable
+    parameter and is used by one that does; the rest becomes `(t1, …, tk, *frozen, *trainable)`.
+
+    Why: Relax's gradient pass asks every op between the input and the loss for its gradient, even
+    where no parameter lies upstream. A model with an op planner cannot differentiate (a Floor,
+    an argmax) can still train every layer after it, once the ops before the first trained layer
+    are outside the differentiated function. Returns (None, func) when the prefix needs no
+    splitting off (every op in it has a gradient: the step is then exactly what Relax builds).
+    """
+    blocks = func.body.blocks
+    if len(blocks) != 1 or not all(isinstance(b, relax.VarBinding) for b in blocks[0].bindings):
+        return None, func
+    bindings = list(blocks[0].bindings)
+    x, *weights = func.params
+    trainable = set(weights[len(weights) - n_trainable :])
+    depends: set[relax.Var] = set(trainable)
+    for b in bindings:
+        if any(v in depends for v in relax.analysis.free_vars(b.value)):
+            depends.add(b.var)
+    before = [b for b in bindings if b.var not in depends]
+    after = [b for b in bindings if b.var in depends]
+    if not any(map(_undifferentiable, before)):  # the usual case: the step stays as Relax builds it
+        return None, func
+    used = {v for b in after for v in relax.analysis.free_vars(b.value)} | set(relax.analysis.free_vars(func.body.body))
+    boundary = [v for v in [x, *(b.var for b in before)] if v in used]
+    frozen = weights[: len(weights) - n_trainable]
+    fresh = [relax.Var(v.name, v.ty) for v in (x, *frozen)]
+    prefix = _function("frozen_prefix", fresh, before, relax.Tuple(boundary), dict(zip([x, *frozen], fresh)))
+    inputs = [relax.Var(v.name, v.ty) for v in boundary]
+    params = [relax.Var(v.name, v.ty) for v in weights]
+    mapping = dict(zip([*boundary, *weights], [*inputs, *params]))
+    rest = _function(PREDICT_FUNC, [*inputs, *params], after, func.body.body, mapping)
+    return prefix, rest.with_attr("global_symbol", PREDICT_FUNC)
+
+
+def _fused_step(
+    trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, accum: int = 1
+) -> tuple[relax.Function, list[relax.TensorType]]:
+    """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function.
+
+    Inlining lets fusion merge each weight-gradient kernel with its update, so many gradients
+    are never materialised at all. With `accum` > 1 the step takes `accum` micro-batches at once
+    and unrolls their forward/backward passes one after another, summing gradients: memory
+    planning reuses one micro-batch's activations for the next, so the step holds the
+    activations of one micro-batch plus the gradient accumulators.
+    """
+    adjoint = trainer["backbone_loss_adjoint"]
+    optim = trainer["optimizer"]
+    adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
+    optim_gv = trainer.get_global_var("optimizer")
+    relax.expr._update_type(optim_gv, optim.ty)  # SetupTrainer adds it without a type
+    n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
+    micro = [relax.Var(v.name, v.ty) for v in adjoint.params]
+    x_ty = (prefix.params[0] if prefix is not None else micro[0]).ty
+    y_ty = micro[-1].ty
+    B = int(x_ty.shape[0])
+    x = relax.Var("x", relax.TensorType([B * accum, *[int(d) for d in x_ty.shape][1:]], x_ty.dtype))
+    y = relax.Var(micro[-1].name, relax.TensorType([B * accum], y_ty.dtype))
+    weights = micro[n_inputs:-1]
+    state_types = list(optim.params[2].ty.fields)
+    states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
+    first_trainable = len(weights) - n_trainable
+
+    bb = relax.BlockBuilder(trainer)
+    prefix_gv = bb.add_func(prefix, "frozen_prefix") if prefix is not None else None
+    with bb.function(STEP_FUNC, [x, *weights, *states, y]):
+        with bb.dataflow():
+            loss, grads = None, None
+            for i in range(accum):
+                xi = x if accum == 1 else bb.emit(relax.op.strided_slice(x, axes=[0], begin=[i * B], end=[(i + 1) * B]))
+                yi = y if accum == 1 else bb.emit(relax.op.strided_slice(y, axes=[0], begin=[i * B], end=[(i + 1) * B]))
+                if prefix is None:
+                    inputs = [xi]
+                else:  # what the frozen prefix computes, the differentiated rest's inputs
+                    cut = bb.emit(relax.Call(prefix_gv, [xi, *weights[: len(prefix.params) - 1]]))
+                    inputs = [bb.emit(relax.TupleGetItem(cut, j)) for j in range(n_inputs)]
+                res = bb.emit(relax.Call(adjoint_gv, [*inputs, *weights, yi]))
+                li = bb.emit(relax.TupleGetItem(res, 0))
+                gi = [bb.emit(relax.TupleGetItem(bb.emit(relax.TupleGetItem(res, 1)), j)) for j in range(n_trainable)]
+                loss = li if loss is None else bb.emit(loss + li)
+                grads = gi if grads is None else [bb.emit(a + b) for a, b in zip(grads, gi)]
+            if accum > 1:  # the mean over the effective batch, as one big batch would give
+                loss = bb.emit(loss / relax.const(float(accum), "float32"))
+                grads = [bb.emit(g / relax.const(float(accum), g.ty.dtype)) for g in grads]
+            old = relax.Tuple(weights[first_trainable:])
+            upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states)]))
+            new_params = bb.emit(relax.TupleGetItem(upd, 0))
+            new_states = bb.emit(relax.TupleGetItem(upd, 1))
+            outs = [loss]
+            outs += [bb.emit(relax.TupleGetItem(new_params, i)) for i in range(n_trainable)]
+            outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))]
+            result = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(result)
+    step = bb.get()[STEP_FUNC]
+    inlined = {"backbone_loss_adjoint": adjoint, "optimizer": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
+    step = step.inline_functions(inlined)
+    return step.with_attr("global_symbol", STEP_FUNC), state_types

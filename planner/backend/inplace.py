@@ -1,0 +1,207 @@
+"""Updates that overwrite their weights: each optimizer update runs as soon as its gradient exists,
+inside the backward pass, and writes the new weight (and optimizer state) over the old one.
+
+Why: a functional training step returns new weights in fresh buffers, so every trainable weight
+(and every optimizer state) exists twice by the end of the step, and an update whose gradient is
+not fused into it keeps that gradient alive until it runs. The 256 KB training engine and
+PockEngine apply each update right after its gradient and free both at once. Here fusion already
+merges most weight gradients into their updates; this pass, on the fused step, moves every update
+to the earliest point where its inputs exist *and* nothing else still reads the weight it replaces,
+then turns it into a `call_tir_inplace` whose kernel stores into the old weight's buffer.
+
+Only an update kernel that reads the old value at exactly the element it writes (elementwise, which
+every SGD / momentum / Adam update is) and reads it nowhere after is rewritten; anything else keeps
+its copy. The caller's weight tensors are overwritten by the step, which is what a training loop
+wants: the returned weights are the same tensors, updated.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+
+from planner.backend.graph import STEP_FUNC, StepSignature
+
+
+def _is_call_tir(value: relax.Expr) -> bool:
+    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir"
+
+
+def _elementwise_over(func: tirx.PrimFunc, source: int, output: int) -> bool:
+    """Whether the kernel reads parameter `source` only at the element it then writes to `output`
+    (0-based over all parameters), and never after — so `output` may live in `source`'s buffer."""
+    src, out = func.params[source], func.params[output]
+    # read-only walk: an s_tir.Schedule here would rewrite the module's kernels in place
+    blocks: list[s_tir.stmt.SBlock] = []
+    tvm_ffi.structural_walk(func.body, [(s_tir.stmt.SBlock, blocks.append)], order="pre")
+    if not blocks or blocks[0].name_hint != "root":
+        return False
+    blocks = blocks[1:]
+
+    def touches(regions, var) -> list:
+        return [r for r in regions if r.source.same_as(var)]
+
+    writers = [i for i, b in enumerate(blocks) if touches(b.writes, out)]
+    if len(writers) != 1 or any(touches(b.writes, src) for b in blocks):
+        return False
+    w = blocks[writers[0]]
+    (write,) = touches(w.writes, out)
+    identity = (
+        w.init is None
+        and len(w.iter_vars) == len(write.region)
+        and all(iv.iter_type == tirx.IterVar.DataPar for iv in w.iter_vars)
+        and all(r.extent.value == 1 and r.min.same_as(iv.var) for r, iv in zip(write.region, w.iter_vars))
+    )
+    if not identity:
+        return False
+    # read by the writing block alone, at the element written: however the kernel is scheduled,
+    # each element is read just before it is overwritten, and by nothing else
+    readers = [i for i, b in enumerate(blocks) if touches(b.reads, src)]
+    return readers == writers and all(
+        tvm_ffi.structural_equal(read.region, write.region) for read in touches(w.reads, src)
+    )
+
+
+def _in_place_kernel(func: tirx.PrimFunc, pairs: dict[int, int], n_inputs: int) -> tirx.PrimFunc:
+    """`func` with output parameter `n_inputs + k` replaced by input `pairs[k]` for each in-place k."""
+    swap = {func.params[n_inputs + k]: func.params[i] for k, i in pairs.items()}
+
+    def remap(var: tvm.ir.Var) -> tvm.ir.Var:
+        for old, new in swap.items():
+            if var.same_as(old):
+                return new
+        return var
+
+    body = tvm_ffi.structural_map(func.body, (tvm.ir.Var, remap))
+    params = [p for i, p in enumerate(func.params) if i - n_inputs not in pairs]
+    return tirx.PrimFunc(params, body, func.ret_type, func.attrs)
+
+
+def _updates(mod: tvm.IRModule, sig: StepSignature):
+    """Yield, for each value the step returns updated, `(old param, call binding, output k, getter)`
+    when a kernel call computes it from the old value (getter: the TupleGetItem binding, if any)."""
+    step = mod[STEP_FUNC]
+    if len(step.body.blocks) != 1 or not isinstance(step.body.blocks[0], relax.DataflowBlock):
+        return
+    bindings = step.body.blocks[0].bindings
+    bound = {b.var: b for b in bindings}
+    n_frozen = len(sig.frozen)
+    updated = list(step.params[1 + n_frozen : 1 + n_frozen + len(sig.trainable) + len(sig.optim_states)])
+    result = bound[step.body.body].value if step.body.body in bound else step.body.body
+    if not isinstance(result, relax.Tuple) or len(result.fields) != 1 + len(updated):
+        return
+    for old, new in zip(updated, result.fields[1:]):
+        k, getter = 0, None
+        if new in bound and isinstance(bound[new].value, relax.TupleGetItem):
+            getter = bound[new]
+            k, new = getter.value.index, getter.value.tuple_value
+        if new in bound and _is_call_tir(bound[new].value) and old in list(bound[new].value.args[1].fields):
+            yield old, bound[new], k, getter
+
+
+def in_place_candidates(fused: tvm.IRModule, sig: StepSignature) -> set[tuple[str, int, int]]:
+    """`(kernel, input, output)` of the step's update kernels that may write `output` into
+    `input`'s buffer, judged on the fused, not yet scheduled module (each stage still a block of
+    its own); call it before scheduling, which may rewrite the kernels in place."""
+    found = set()
+    for old, binding, k, _ in _updates(fused, sig):
+        call = binding.value
+        args = list(call.args[1].fields)
+        kernel = call.args[0].name_hint
+        if _elementwise_over(fused[kernel], args.index(old), len(args) + k):
+            found.add((kernel, args.index(old), len(args) + k))
+    return found
+
+
+def update_in_place(
+    mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple[str, int, int]]
+) -> tuple[tvm.IRModule, int]:
+    """The scheduled step `mod` with its updates moved up and done in place; also how many were.
+
+    The step's parameters are `x, *frozen, *trainable, *states, labels` and it returns
+    `(loss, *new trainable, *new states)`; a returned value whose kernel is among `candidates`
+    (from `in_place_candidates` on the same step before scheduling) overwrites its old value. The
+    kernels keep their schedules (and tuning records); only their output buffer changes.
+    """
+    plans: dict[int, dict[int, int]] = {}  # call binding index -> {output k: argument index}
+    getters: dict[int, list[int]] = {}  # call binding index -> TupleGetItem bindings of its outputs
+    step = mod[STEP_FUNC]
+    found = list(_updates(mod, sig))
+    if not found:
+        return mod, 0
+    bindings = list(step.body.blocks[0].bindings)
+    index = {b.var: i for i, b in enumerate(bindings)}
+    for old, binding, k, getter in found:
+        args = list(binding.value.args[1].fields)
+        if (binding.value.args[0].name_hint, args.index(old), len(args) + k) not in candidates:
+            continue
+        at = index[binding.var]
+        plans.setdefault(at, {})[k] = args.index(old)
+        if getter is not None:
+            getters.setdefault(at, []).append(index[getter.var])
+
+    if not plans:
+        return mod, 0
+    # an update whose new value feeds another kernel (momentum's velocity feeds the weight's
+    # update) stays where it is; the others move
+    last = index.get(step.body.body)  # the result tuple's binding, kept last
+    moves = {
+        at for at in plans
+        if not {i for i, b in enumerate(bindings) if bindings[at].var in relax.analysis.free_vars(b.value)}
+        - set(getters.get(at, [])) - {last}
+    }
+    builder = relax.BlockBuilder(mod)  # gives the new kernels' GlobalVars their types
+    moving = moves | {g for at in moves for g in getters.get(at, [])} | {last}
+    order = [b for i, b in enumerate(bindings) if i not in moving]
+    for at in sorted(plans):
+        call = bindings[at].value
+        args = list(call.args[1].fields)
+        overwritten = {args[i] for i in plans[at].values()}
+        needs = set(relax.analysis.free_vars(call)) & set(index)
+        # earliest point where its inputs exist and no other binding will still read the old values
+        after = max(
+            [i for i, b in enumerate(order) if b.var in needs
+             or overwritten & set(relax.analysis.free_vars(b.value))],
+            default=-1,
+        )
+        ks = plans[at]
+        outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
+        indices = [ks.get(k, -1) for k in range(len(outs))]
+        kernel = _in_place_kernel(mod[call.args[0]], ks, len(args))
+        gv = builder.add_func(kernel, f"{call.args[0].name_hint}_inplace")
+        new_call = relax.op.call_tir_inplace(gv, call.args[1], indices, list(outs) if len(outs) > 1 else outs[0])
+        if at not in moves:
+            order[order.index(bindings[at])] = relax.VarBinding(bindings[at].var, new_call)
+            continue
+        moved = [relax.VarBinding(bindings[at].var, new_call)] + [bindings[g] for g in sorted(getters.get(at, []))]
+        order[after + 1 : after + 1] = moved
+    if last is not None:
+        order.append(bindings[last])
+    if not _safe(order, step.params):
+        return mod, 0
+    block = relax.DataflowBlock(order)
+    mod = builder.get()
+    mod[STEP_FUNC] = relax.Function(step.params, relax.SeqExpr([block], step.body.body), step.ret_ty, step.is_pure, step.attrs)
+    return relax.transform.DeadCodeElimination([STEP_FUNC, *_others(mod)])(mod), sum(map(len, plans.values()))
+
+
+def _safe(order: list[relax.Binding], params) -> bool:
+    """Every value defined before it is read, and no old value read after it was overwritten."""
+    defined = set(params)
+    overwritten: set[relax.Var] = set()
+    for b in order:
+        reads = set(relax.analysis.free_vars(b.value))
+        if reads & overwritten or not reads <= defined:
+            return False
+        defined.add(b.var)
+        value = b.value
+        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.call_tir_inplace":
+            args = list(value.args[1].fields)
+            overwritten |= {args[i] for i in value.attrs.inplace_indices if i >= 0}
+    return True
+
+
+def _others(mod: tvm.IRModule) -> list[str]:
+    """The module's Relax functions besides the step (the predict function stays an entry)."""
+    return [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function) and gv.name_hint != STEP_FUNC]

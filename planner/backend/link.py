@@ -1,0 +1,137 @@
+"""A step's executable linked from per-kernel object files, cached by content.
+
+Candidates of one model share most of their kernels: the forward pass is the same for every
+candidate of a batch size, and a layer's backward kernels recur in every candidate that trains it.
+LLVM's code generation is most of a compile (MobileNetV2-0.35@96: 7 of 11 s), so each kernel is
+compiled once into its own object file, named by a hash of its final TIR, and every later
+candidate, plan and run links those objects again instead of regenerating them. The VM code that
+calls the kernels is generated per candidate (it is cheap) and linked over them.
+
+A kernel's symbol is its content hash, so two identical kernels of one step become one; its
+workspace sizes (read from its LLVM IR when it is compiled) are stored beside its object for the
+memory model, with the object's sha256 (see `cachefile`): an object that does not match is
+compiled again. Objects are written to a temporary name and renamed into place: parallel workers
+compiling the same kernel keep one of the identical results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+from tvm.relax import vm_build
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from planner import cachefile
+from planner.backend.memory import kernel_workspaces
+
+# The finishing passes of relax.build's pipeline (CPU targets)
+_FINISH = (
+    relax.transform.LowerRuntimeBuiltin,
+    relax.transform.ComputePrimValue,
+    relax.transform.VMShapeLower,
+    relax.transform.AttachGlobalSymbol,
+)
+
+
+def linker(toolchain: str | None):
+    """`export_library`'s `fcompile` for a (cross) toolchain; None links with the host's compiler.
+
+    The triple comes from the toolchain itself: with only linked objects and no LLVM module,
+    nothing else tells `export_library` which machine to pack the kernel table for."""
+    if toolchain is None:
+        return None
+    cc = tvm.support.cc
+    return cc.cross_compiler(toolchain, get_target_triple=cc.get_target_by_dump_machine(toolchain))
+
+
+def objects_dir(cache_dir: Path, target: tvm.target.Target) -> Path:
+    """Where kernels compiled for `target` by this TVM live (code generation depends on both)."""
+    tag = hashlib.sha256(f"{target}|{tvm.__version__}".encode()).hexdigest()[:16]
+    return cache_dir / "kernels" / tag
+
+
+def _symbol(func: tirx.PrimFunc) -> str:
+    return f"k_{tvm_ffi.structural_hash(func.without_attr('global_symbol')) & (2**64 - 1):016x}"
+
+
+@mutator
+class _Rename(PyExprMutator):
+    def __init__(self, names: dict[str, relax.GlobalVar]):
+        super().__init__()
+        self.names = names
+
+    def visit_global_var_(self, op: relax.GlobalVar) -> relax.Expr:
+        return self.names.get(op.name_hint, op)
+
+
+def _by_content(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, tirx.PrimFunc], dict[str, str]]:
+    """`mod` with every kernel renamed to its content symbol (duplicates merged), the kernels by
+    symbol, and each old kernel name's symbol."""
+    bb = relax.BlockBuilder()
+    kernels: dict[str, tirx.PrimFunc] = {}
+    added: dict[str, relax.GlobalVar] = {}
+    symbols: dict[str, str] = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            sym = symbols[gv.name_hint] = _symbol(func)
+            if sym not in kernels:
+                kernels[sym] = func.with_attr("global_symbol", sym)
+                added[sym] = bb.add_func(kernels[sym], sym)
+    rename = _Rename({name: added[sym] for name, sym in symbols.items()})
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            bb.add_func(rename.visit_expr(func), gv.name_hint)
+    out = bb.get()
+    return (out.with_attrs(mod.attrs) if mod.attrs else out), kernels, symbols
+
+
+def _object(sym: str, func: tirx.PrimFunc, target: tvm.target.Target, directory: Path) -> tuple[Path, list[int]]:
+    """The kernel's object file and workspace sizes, compiled now unless they are cached (and
+    verify). Writing them into the cache raises the OSError of a full disk or a read-only one."""
+    obj, meta_path = directory / f"{sym}.o", directory / f"{sym}.json"
+    meta = cachefile.read_json(meta_path, sym)
+    if meta is not None and cachefile.matches(obj, meta.get("object")) and isinstance(meta.get("workspaces"), list):
+        return obj, meta["workspaces"]
+    lib = tvm.tirx.build(tvm.IRModule({sym: func}), target=target)
+    workspaces = kernel_workspaces(lib.inspect_source("ll")).get(sym, [])
+    directory.mkdir(parents=True, exist_ok=True)
+    cachefile.write_bytes(obj, _object_code(lib))
+    # the object first: its metadata, written last, is what makes the pair valid
+    cachefile.write_json(meta_path, {"workspaces": workspaces, "object": cachefile.digest(obj)}, sym)
+    return obj, workspaces
+
+
+def _object_code(lib: tvm.runtime.Module) -> bytes:
+    """The kernel's object code. LLVM writes it into memory (a memfd), not onto the cache's disk:
+    LLVM exits the whole process on a failed write (a full disk), where Python's write raises."""
+    fd = os.memfd_create("kernel.o")
+    with open(fd, "rb") as f:
+        lib.write_to_file(f"/proc/self/fd/{fd}", "o")
+        return f.read()
+
+
+def build(
+    mod: tvm.IRModule, target: tvm.target.Target, cache_dir: Path
+) -> tuple[relax.VMExecutable, dict[str, list[int]]]:
+    """The executable of a memory-planned module, and the workspace sizes of each of its kernels
+    (by their names in `mod`)."""
+    with target:
+        mod = tvm.transform.Sequential([p() for p in _FINISH])(mod)
+    mod, kernels, symbols = _by_content(mod)
+    directory = objects_dir(cache_dir, target)
+    libs, workspaces = [], {}
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        done = pool.map(lambda item: _object(*item, target, directory), kernels.items())
+        for sym, (obj, workspaces[sym]) in zip(kernels, done):
+            libs.append(tvm.runtime.load_static_library(str(obj), [sym]))
+    # relax.build's own two halves, with the kernels supplied as objects instead of compiled anew
+    builder = relax.ExecBuilder()
+    vm_build._vmcodegen(builder, mod, "bytecode")
+    executable = vm_build._vmlink(builder, target, None, ext_libs=libs)
+    return executable, {name: workspaces[sym] for name, sym in symbols.items()}

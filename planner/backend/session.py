@@ -1,0 +1,80 @@
+"""Run a compiled training step: hold the weights on a device, step, predict, export.
+
+One class serves the accuracy runs, the latency measurement and `planner run`, so all three call
+the library the same way: `train_step(x, *frozen, *trainable, *optim_states, labels)` returns the
+loss and the updated trainable weights and optimizer states, which become the next step's inputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from planner.backend.graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC, StepSignature
+from planner.backend.weights import from_step, to_step
+
+
+class TrainingSession:
+    """A compiled step loaded on `device` with a full set of weights."""
+
+    def __init__(self, library: Path | tvm.runtime.Module, sig: StepSignature, weights: dict[str, np.ndarray], device=None):
+        self.sig = sig
+        self.device = device or tvm.cpu()
+        lib = tvm.runtime.load_module(str(library)) if isinstance(library, Path | str) else library
+        self.vm = relax.VirtualMachine(lib, self.device)
+        weights = to_step(weights, sig.splits, sig.quantized)
+        missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]
+        if missing:
+            raise KeyError(f"weights lack {', '.join(missing)}")
+        put = self._put
+        self.frozen = [put(weights[n]) for n in sig.frozen]
+        self.trainable = [put(weights[n]) for n in sig.trainable]
+        self.states = [put(np.full(shape, fill, dtype)) for shape, dtype, fill in sig.optim_states]
+
+    def _put(self, array: np.ndarray) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.asarray(array, order="C"), self.device)
+
+    def step_args(self, x: np.ndarray, y: np.ndarray) -> list:
+        return [self._put(x.astype("float32")), *self.frozen, *self.trainable, *self.states, self._put(y.astype(LABEL_DTYPE))]
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One training step on a full batch; returns its loss."""
+        # set_input/invoke_stateful/get_outputs work alike on a local and an RPC device, where a
+        # returned tuple cannot be indexed directly
+        self.vm.set_input(STEP_FUNC, *self.step_args(x, y))
+        self.vm.invoke_stateful(STEP_FUNC)
+        out = self.vm.get_outputs(STEP_FUNC)
+        n = len(self.trainable)
+        self.trainable = list(out[1 : 1 + n])
+        self.states = list(out[1 + n :])
+        return float(out[0].numpy()) / self.sig.loss_scale
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Logits for any number of samples (the compiled batch is padded for the last chunk)."""
+        B = self.sig.micro_batch
+        chunks = []
+        for i in range(0, len(x), B):
+            part = x[i : i + B].astype("float32")
+            pad = B - len(part)
+            if pad:
+                part = np.concatenate([part, np.zeros((pad, *part.shape[1:]), "float32")])
+            out = self.vm[PREDICT_FUNC](self._put(part), *self.frozen, *self.trainable).numpy()
+            chunks.append(out[: B - pad])
+        return np.concatenate(chunks) if chunks else np.zeros((0, self.sig.n_classes), "float32")
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) on a labelled set."""
+        logits = self.logits(x).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        loss = float(-logp[np.arange(len(y)), y].mean())
+        return loss, float((logits.argmax(axis=1) == y).mean())
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """All weights by ONNX initializer name (trainable ones as updated so far)."""
+        names = (*self.sig.frozen, *self.sig.trainable)
+        parts = {n: t.numpy() for n, t in zip(names, (*self.frozen, *self.trainable))}
+        return from_step(parts, self.sig.splits, self.sig.quantized)

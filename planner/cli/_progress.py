@@ -1,0 +1,123 @@
+"""What a long command shows on stderr while it runs, and what Ctrl-C does to it.
+
+On a terminal: a live bar (trials done/total counting every worker's, best feasible so far, ETA)
+with one line per finished trial above it. Not on a terminal, or with --quiet: nothing, so logs and
+pipes hold only results. -v: one plain line per trial and planner's debug log, terminal or not.
+
+Ctrl-C once: the trials in flight finish (or fail) cleanly, no new one starts, and the plan is
+written from the finished trials. Ctrl-C twice: stop at once; finished trials are still kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from planner.search.evaluate import TrialRecord
+
+
+class _ConsoleHandler(logging.Handler):
+    """Log lines through the rich console, so they print above a live progress bar, unwrapped."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
+
+
+def configure_logging(console: Console, verbose: bool) -> None:
+    """-v: planner's debug log on stderr (TVM and Optuna stay at warnings)."""
+    if verbose:
+        handler = _ConsoleHandler(console)
+        logger = logging.getLogger("planner")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+
+def trial_line(rec: TrialRecord, done: int, total: int) -> str:
+    if rec.state == "PRUNED":
+        return f"trial {rec.number:>3} ({done}/{total}) cut short: {rec.fail_reason or 'interrupted; queued again'}"
+    if not rec.complete:
+        return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
+    flag = "ok  " if rec.feasible else "over"
+    cand = rec.candidate
+    trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
+    return (
+        f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
+        f"{rec.latency.median:7.2f} ms  {rec.memory.total / 1024:>10,.1f} KiB  batch {cand.batch_size:<3} {trainable}"
+    )
+
+
+class TrialProgress:
+    """Progress of a study, fed by `run_study`'s `on_start` and `on_trial`."""
+
+    def __init__(self, console: Console, quiet: bool, verbose: bool) -> None:
+        self.console = console
+        self.lines = verbose or (console.is_terminal and not quiet)
+        self.bar: Progress | None = None
+        if console.is_terminal and not quiet:
+            self.bar = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("best feasible {task.fields[best]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=console, transient=True,
+            )
+        self._task = None
+        self._best: TrialRecord | None = None
+
+    def __enter__(self) -> TrialProgress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def start(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self._task = self.bar.add_task("trials", total=total, completed=min(done, total), best="—")
+
+    def trial(self, rec: TrialRecord, done: int, total: int) -> None:
+        if rec.feasible and (self._best is None or rec.accuracy.after > self._best.accuracy.after):
+            self._best = rec
+        if self.lines:
+            self.console.print(trial_line(rec, done, total), markup=False, highlight=False, soft_wrap=True)
+        if self.bar is not None and self._task is not None:
+            best = self._best
+            summary = f"acc {best.accuracy.after:.3f}, {best.latency.median:.2f} ms, {best.memory.total / 1024:,.0f} KiB" if best else "—"
+            self.bar.update(self._task, completed=min(done, total), best=summary)
+
+
+@contextmanager
+def graceful_interrupt(console: Console) -> Iterator[threading.Event]:
+    """The first Ctrl-C or SIGTERM sets the event (the study stops after its trials in flight);
+    the second raises KeyboardInterrupt, which ends the trial in flight at once and queues its
+    candidate again. A service manager's SIGTERM (systemd, docker stop, a CI timeout) thus
+    stops a study as gently as Ctrl-C does, instead of killing it mid-trial."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handle(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        console.print(f"{what}: stopping after the trials in flight (Ctrl-C again to stop now)", markup=False, highlight=False)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

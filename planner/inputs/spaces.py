@@ -1,0 +1,284 @@
+"""Search spaces (YAML) and the candidates they produce.
+
+A candidate is everything that decides a training step: which layers update (and how), the
+precision, the batch size and the optimizer. A search space says which values each may take;
+`SearchSpace.sample` turns any object with Optuna's `suggest_*` methods into a candidate, so this
+module never imports Optuna.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from planner.inputs.resources import shipped
+from planner.errors import BadInput, UnsupportedOp
+from planner.inputs.model import Model
+from planner.inputs.specs import load_spec
+
+SPACES_DIR = shipped("search_spaces")
+FIXED_BATCH_HINT = (
+    "export it with a dynamic batch (torch.onnx.export(..., dynamic_shapes={'x': {0: torch.export.Dim('batch')}}), "
+    "or dynamic_axes={'x': {0: 'batch'}} with dynamo=False), or plan at that batch"
+)
+DEFAULT_SPACE = "per-layer"
+
+Mode = Literal["frozen", "bias", "full", "ratio"]
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
+def split_mode(mode: str) -> tuple[str, float | None]:
+    """A candidate's layer mode: `full`, `bias`, `weight`, or `ratio:R` (the first R of the channels)."""
+    kind, _, ratio = mode.partition(":")
+    return kind, float(ratio) if ratio else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training configuration; hashable and JSON-serialisable (it keys the compile cache)."""
+
+    trainable: tuple[tuple[str, str], ...]  # (layer name, mode) in model order; frozen omitted
+    batch_size: int
+    optimizer: str
+    lr: float
+    precision: str = "fp32"
+    grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
+    frozen_weights: str = "fp32"  # int8: frozen Conv/Gemm/MatMul weights stored quantized per channel
+    updates: str = "in-place"  # in-place: each update right after its gradient, over the old weight; copy: new buffers
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["trainable"] = [list(t) for t in self.trainable]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Candidate:
+        return cls(
+            trainable=tuple((str(a), str(b)) for a, b in d["trainable"]),
+            batch_size=int(d["batch_size"]),
+            optimizer=str(d["optimizer"]),
+            lr=float(d["lr"]),
+            precision=str(d.get("precision", "fp32")),
+            grad_accum=int(d.get("grad_accum", 1)),
+            frozen_weights=str(d.get("frozen_weights", "fp32")),
+            updates=str(d.get("updates", "copy")),  # what candidates were before the option existed
+        )
+
+    def key(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+
+class Suggester(Protocol):
+    """The part of `optuna.Trial` a search space needs."""
+
+    def suggest_categorical(self, name: str, choices: list) -> object: ...
+    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float: ...
+    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LrRange(_Strict):
+    low: float = Field(gt=0)
+    high: float = Field(gt=0)
+    log: bool = True
+
+
+class SearchSpace(_Strict):
+    """What the study may vary. Layers default to every layer with parameters, in model order.
+
+    `strategy` says how the trainable set is drawn:
+    - `per-layer`: each layer gets its own mode from `modes`;
+    - `sparse`: a depth k is drawn (log-uniform), the k-th layer from the end trains, and each
+      layer after it gets its own mode — the sparse-update search (updates concentrate where
+      backpropagation is cheap);
+    - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
+    - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
+    """
+
+    name: str
+    description: str = ""
+    strategy: Literal["per-layer", "sparse", "last-k", "all"] = "per-layer"
+    layers: list[str] | None = None
+    modes: list[Mode] = ["frozen", "bias", "full"]
+    ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
+    batch_size: list[int] = [8, 16, 32]
+    grad_accum: list[int] = [1]
+    optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
+    lr: LrRange = LrRange(low=0.01, high=0.1)
+    precision: list[Precision] = ["fp32"]
+    frozen_weights: list[Literal["fp32", "int8"]] = ["fp32"]
+    updates: list[Literal["in-place", "copy"]] = ["in-place"]
+
+    @field_validator("precision", "frozen_weights", "updates")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("must list at least one value")
+        return v
+
+    def for_target(self, precisions: list[str]) -> SearchSpace:
+        """This space restricted to the precisions a target lists: others are never proposed."""
+        allowed = [p for p in self.precision if p in precisions]
+        if not allowed:
+            raise BadInput(
+                f"search space '{self.name}' proposes precision {', '.join(self.precision)}; "
+                f"the target supports only {', '.join(precisions)}"
+            )
+        return self.model_copy(update={"precision": allowed})
+
+    def for_model(self, model: Model) -> SearchSpace:
+        """This space restricted to the batch size a model was exported with, when its batch is
+        not symbolic: a graph exported for batch N computes shapes for N and runs at no other."""
+        if model.fixed_batch is None:
+            return self
+        if model.fixed_batch not in self.batch_size:
+            raise BadInput(
+                f"{model.path.name} was exported for batch {model.fixed_batch} only, and search space '{self.name}' "
+                f"proposes batch {', '.join(map(str, self.batch_size))}: {FIXED_BATCH_HINT}"
+            )
+        return self.model_copy(update={"batch_size": [model.fixed_batch]})
+
+    @field_validator("batch_size", "grad_accum")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(b < 1 for b in v):
+            raise ValueError("must be a non-empty list of positive integers")
+        return v
+
+    def layer_names(self, model: Model) -> list[str]:
+        """The layers the study decides about, checked against the model: those the space lists
+        (each must be trainable), else every layer planner can train (see `excluded_layers`)."""
+        if self.layers is None:
+            names = [layer.name for layer in model.layers if (layer.weight or layer.bias) and layer.trainable]
+            blocked = [layer.problem for layer in model.layers if layer.weight or layer.bias]
+            if not names and blocked:
+                raise UnsupportedOp(f"no layer of {model.path.name} can be trained: {blocked[-1]}")
+        else:  # a layer named twice (by its name and an ONNX node's) is one layer
+            names = list(dict.fromkeys(model.layer(n).name for n in self.layers))
+        for name in names:
+            problem = model.layer(name).problem
+            if problem:
+                raise UnsupportedOp(
+                    f"cannot train layer '{name}': {problem} (leave it out of the space's `layers`)"
+                )
+        if not names:
+            raise BadInput(f"search space '{self.name}' leaves no layer to train")
+        return names
+
+    def excluded_layers(self, model: Model) -> dict[str, str]:
+        """Layers with parameters the study leaves frozen because planner cannot train them, and why."""
+        searched = set(self.layer_names(model))
+        return {layer.name: layer.problem for layer in model.layers if layer.problem and layer.name not in searched and (layer.weight or layer.bias)}
+
+    @field_validator("modes")
+    @classmethod
+    def _some_mode(cls, v: list[str]) -> list[str]:
+        if not [m for m in v if m != "frozen"]:
+            raise ValueError("modes must include bias, full or ratio")
+        return v
+
+    @field_validator("ratios")
+    @classmethod
+    def _ratios(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0 < r <= 1 for r in v):
+            raise ValueError("ratios must be a non-empty list of numbers in (0, 1]")
+        return v
+
+    def _allowed(self, model: Model, name: str) -> list[str]:
+        """The space's modes a layer can take (no bias-only for a bias-free layer, …)."""
+        layer = model.layer(name)
+        return [
+            m for m in self.modes
+            if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
+        ]
+
+    def anchors(self, model: Model) -> list[dict[str, object]]:
+        """The hand-made schemes this space contains, as Optuna parameters a study starts from.
+
+        Why: the classic recipes — the last layer or two, every bias (TinyTL), every bias plus the
+        last layer, every layer — sit along the accuracy/latency/memory front, where blind
+        sampling of per-layer modes rarely lands (head-only is 1 draw in 3^(layers-1)). Starting
+        there means a plan is never worse than the recipe a user would otherwise copy, and TPE
+        refines between them. They run at the smallest batch size, the cheap end of the front;
+        optimizer, lr, … stay to the sampler.
+        """
+        names = self.layer_names(model)
+        L = len(names)
+        recipes = [("frozen", "full", 1), ("frozen", "full", 2), ("bias", "bias", 0), ("bias", "full", 1), ("full", "full", L)]
+        found: list[dict[str, object]] = []
+        for rest, head, k in recipes:
+            wanted = [head if i >= L - k else rest for i in range(L)]
+            params = self._anchor_params(model, names, wanted)
+            if params is not None and params not in found:
+                found.append(params)
+        return [{**p, "batch_size": min(self.batch_size)} for p in found]
+
+    def _anchor_params(self, model: Model, names: list[str], wanted: list[str]) -> dict[str, object] | None:
+        """Optuna parameters drawing `wanted` (a mode per layer) from this space, or None when it
+        cannot (a mode it lacks, a mix its strategy cannot express)."""
+        if any(m not in self.modes for m in set(wanted) - {"frozen"}):
+            return None
+        modes = [m if m in self._allowed(model, n) else "frozen" for n, m in zip(names, wanted)]
+        if "frozen" in modes and "frozen" not in self.modes and self.strategy != "last-k":
+            return None
+        if set(modes) == {"frozen"}:
+            return None
+        if self.strategy == "per-layer":
+            return {f"mode:{n}": m for n, m in zip(names, modes)}
+        first = next(i for i, m in enumerate(modes) if m != "frozen")
+        if self.strategy == "sparse":
+            return {"depth": len(names) - first, f"deepest_mode:{names[first]}": modes[first]} | {
+                f"mode:{n}": m for n, m in zip(names[first + 1 :], modes[first + 1 :])
+            }
+        # last-k / all: one mode for the last k layers
+        uniform = set(wanted[first:]) == {wanted[-1]} and set(wanted[:first]) <= {"frozen"}
+        if not uniform or (self.strategy == "all" and first > 0):
+            return None
+        return {"mode": wanted[-1]} | ({"last_k": len(names) - first} if self.strategy == "last-k" else {})
+
+    def sample(self, trial: Suggester, model: Model) -> Candidate:
+        """Draw one candidate: the trainable set by `strategy`, then batch, optimizer, lr, precision."""
+        names = self.layer_names(model)
+        if self.strategy in ("per-layer", "sparse"):
+            if self.strategy == "sparse":
+                # log-uniform: most trials update few layers, where backpropagation is cheap
+                names = names[len(names) - int(trial.suggest_int("depth", 1, len(names), log=True)) :]
+            modes = {}
+            for i, n in enumerate(names):
+                allowed = self._allowed(model, n)
+                if self.strategy == "sparse" and i == 0:
+                    # the depth is how far back the update reaches: the deepest layer of the window
+                    # trains (its own parameter name, so every name keeps one set of choices)
+                    modes[n] = str(trial.suggest_categorical(f"deepest_mode:{n}", [m for m in allowed if m != "frozen"]))
+                else:
+                    modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
+                if modes[n] == "ratio":
+                    modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"
+        else:
+            k = int(trial.suggest_int("last_k", 1, len(names))) if self.strategy == "last-k" else len(names)
+            mode = str(trial.suggest_categorical("mode", [m for m in self.modes if m not in ("frozen", "ratio")]))
+            modes = {n: mode for n in names[len(names) - k :]}
+        # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
+        trainable = tuple((n, m) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))
+        lr = self.lr
+        return Candidate(
+            trainable=trainable,
+            batch_size=int(trial.suggest_categorical("batch_size", list(self.batch_size))),
+            optimizer=str(trial.suggest_categorical("optimizer", list(self.optimizer))),
+            lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
+            precision=str(trial.suggest_categorical("precision", list(self.precision))),
+            grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
+            frozen_weights=str(trial.suggest_categorical("frozen_weights", list(self.frozen_weights))),
+            updates=str(trial.suggest_categorical("updates", list(self.updates))),
+        )
+
+
+def load_space(name_or_path: str | None) -> SearchSpace:
+    """A shipped space by name (`search_spaces/NAME.yaml`) or a user's YAML file."""
+    return load_spec(name_or_path or DEFAULT_SPACE, SPACES_DIR, "search space", SearchSpace)

@@ -1,0 +1,157 @@
+"""Hardware targets: what a board is, how to compile for it, how to reach it, and its budgets.
+
+Targets are YAML files (`hw_targets/NAME.yaml`, or a user's path), validated here:
+
+    description: Raspberry Pi 4 Model B (Cortex-A72)
+    tvm_target: {kind: llvm, mtriple: aarch64-linux-gnu, mcpu: cortex-a72}
+    toolchain: aarch64-linux-gnu-g++        # cross compiler for export; omit for the host's
+    ram_budget_bytes: 1GiB                  # memory the training step may use
+    latency_budget_ms: 200                  # optional
+    flash_budget_bytes: 64MiB               # optional: the compiled step must fit
+    precisions: [fp32]
+    runner: rpc                             # local | rpc
+    rpc: {tracker: 127.0.0.1:9190, key: raspberry-pi-4, priority: 1, session_timeout_s: 600}
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from planner.inputs.resources import shipped
+from planner.errors import BadInput, last_line
+from planner.inputs.specs import load_spec
+
+TARGETS_DIR = shipped("hw_targets")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port)."""
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not HOST:PORT: {value!r}")
+    return host, int(port)
+
+
+
+def parse_bytes(value: int | str) -> int:
+    """`536870912`, `512MiB`, `0.5 GB` -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use bytes or units like 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class RpcRunner(BaseModel):
+    """Boards registered with a TVM RPC tracker under one key (several boards may share it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracker: str
+    key: str = Field(min_length=1)
+    priority: int = 1
+    session_timeout_s: float = Field(default=600, gt=0)
+
+    @field_validator("tracker")
+    @classmethod
+    def _addr(cls, v: str) -> str:
+        parse_host_port(v)
+        return v
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_host_port(self.tracker)
+
+
+class HardwareTarget(BaseModel):
+    """A board planner plans for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    tvm_target: dict[str, Any]
+    toolchain: str | None = None
+    ram_budget_bytes: int = Field(gt=0)
+    latency_budget_ms: float | None = Field(default=None, gt=0)
+    flash_budget_bytes: int | None = Field(default=None, gt=0)
+    precisions: list[Literal["fp32", "fp16", "bf16"]] = ["fp32"]
+    runner: Literal["local", "rpc"] = "local"
+    rpc: RpcRunner | None = None
+
+    @field_validator("tvm_target", mode="before")
+    @classmethod
+    def _target_mapping(cls, v: Any) -> Any:
+        if isinstance(v, str):  # TVM's own string form: the usual slip
+            raise ValueError(f"write it as a mapping like {{kind: llvm, mtriple: aarch64-linux-gnu, mcpu: cortex-a72}}, not {v!r}")
+        return v
+
+    @field_validator("ram_budget_bytes", "flash_budget_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: int | str | None) -> int | None:
+        return None if v is None else parse_bytes(v)
+
+    @model_validator(mode="after")
+    def _runner(self) -> HardwareTarget:
+        if self.runner == "rpc" and self.rpc is None:
+            raise ValueError("runner: rpc needs an `rpc: {tracker: HOST:PORT, key: KEY}` section")
+        return self
+
+    @property
+    def boards(self) -> RpcRunner | None:
+        """The boards behind a tracker this target runs on, or None when it runs here."""
+        return self.rpc if self.runner == "rpc" else None
+
+    @property
+    def device(self) -> str:
+        return f"rpc:{self.rpc.key}" if self.runner == "rpc" else "local"
+
+    def over_tracker(self, tracker: str, key: str) -> HardwareTarget:
+        """This target measured on boards behind `tracker` under `key` (the CLI's --tracker/--key)."""
+        rest = self.rpc.model_dump(exclude={"tracker", "key"}) if self.rpc else {}
+        try:
+            rpc = RpcRunner(tracker=tracker, key=key, **rest)
+        except ValidationError as exc:
+            raise BadInput(f"--tracker/--key: {exc.errors()[0]['msg']}") from None
+        return self.model_copy(update={"runner": "rpc", "rpc": rpc})
+
+    def identity(self) -> dict:
+        """What decides a measurement's result: the board kind and budgets, not where it is reached."""
+        return self.model_dump(exclude={"description", "runner", "rpc"})
+
+    def tvm(self):  # -> tvm.target.Target; imported lazily: TVM is slow to import
+        import tvm
+
+        return tvm.target.Target(self.tvm_target)
+
+    def toolchain_path(self) -> str | None:
+        """The cross compiler found on PATH (None: the target uses the host's default compiler)."""
+        if self.toolchain is None:
+            return None
+        found = shutil.which(self.toolchain)
+        if found is None:
+            raise BadInput(
+                f"target {self.name} needs the cross compiler {self.toolchain!r}, which is not on PATH "
+                "(Debian/Ubuntu: apt-get install g++-aarch64-linux-gnu)"
+            )
+        return found
+
+
+def load_target(name_or_path: str) -> HardwareTarget:
+    """A shipped target by name (`hw_targets/NAME.yaml`) or a user's YAML file."""
+    target = load_spec(name_or_path, TARGETS_DIR, "target", HardwareTarget)
+    try:
+        target.tvm()
+    except Exception as exc:
+        raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {last_line(exc)}") from None
+    return target
+
+
+def list_targets() -> list[HardwareTarget]:
+    return [load_target(p.stem) for p in sorted(TARGETS_DIR.glob("*.yaml"))]

@@ -1,0 +1,133 @@
+"""Measure a compiled step on a board behind a TVM RPC tracker.
+
+A measurement requests a board of the key from the tracker (waiting while all are busy), uploads
+the library, loads it into a Relax VM on the board, uploads the weights, times the step there with
+the VM's time evaluator and reads the board process's peak memory through planner's probes (when
+the board runs `planner board serve`). A board that disconnects, crashes or overruns its session
+costs one retry on another board; after the second, `BoardLost` when no board is left (the search
+queues the trial again and stops, exit 3), else the candidate failed on the board.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from planner.measurement.board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
+from planner.backend.compile import CompiledStep
+from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, PlannerError, first_line, last_line
+from planner.backend.session import TrainingSession
+from planner.measurement import Measurement
+from planner.measurement.latency import time_step
+
+
+@dataclass
+class BoardPool:
+    """The boards registered with one tracker under one key."""
+
+    tracker: tuple[str, int]
+    key: str
+    priority: int = 1
+    session_timeout_s: float = 600
+
+    @classmethod
+    def for_target(cls, target) -> BoardPool:
+        r = target.rpc
+        return cls(r.address, r.key, r.priority, r.session_timeout_s)
+
+    @property
+    def device(self) -> str:
+        return f"rpc:{self.key}"
+
+    def status(self) -> KeyStatus:
+        return key_status(self.tracker, self.key)
+
+    def check(self) -> KeyStatus:
+        """Fail fast (exit 3) when the tracker is down or knows no board of the key."""
+        status = self.status()
+        if status.total == 0:
+            raise BoardUnreachable(
+                f"the tracker at {self.tracker[0]}:{self.tracker[1]} has no board under key '{self.key}' "
+                f"(start one with `planner board serve --tracker {self.tracker[0]}:{self.tracker[1]} --key {self.key}`)"
+            )
+        return status
+
+    def session(self):
+        """A session on a free board of the key (blocks while every board is busy)."""
+        from tvm import rpc
+
+        try:
+            if self.status().total == 0:  # the tracker would queue the request forever
+                raise BoardLost(f"no '{self.key}' board is left at the tracker")
+            tracker = rpc.connect_tracker(*self.tracker)
+            return tracker.request(self.key, priority=self.priority, session_timeout=self.session_timeout_s, max_retry=2)
+        except (OSError, RuntimeError, BoardUnreachable) as exc:
+            raise BoardLost(f"no session on a '{self.key}' board: {last_line(exc)}") from None
+
+    def run(self, library: Path, fn: Callable):
+        """`fn(remote, lib, device)` with `library` loaded on a free board of the key.
+
+        A board that disconnects, crashes or overruns its session is retried once, on whichever
+        board is free then. After a second loss the tracker is asked who is to blame: with no
+        board of the key left (or no tracker), the boards are gone — `BoardLost`, an environment
+        failure that costs no trial; with boards still registered, their session died running
+        this candidate twice (a crash or a timeout of its code on the board) — `CandidateFailed`.
+        """
+        for attempt in range(2):
+            try:
+                remote = self.session()
+                try:
+                    remote.upload(str(library), _remote_name(library))
+                    return fn(remote, remote.load_module(_remote_name(library)), remote.cpu())
+                finally:
+                    del remote
+            except PlannerError:  # the work itself failed (e.g. training diverged): no retry
+                raise
+            except Exception as exc:  # a dropped connection or a timeout surfaces as TVM errors
+                if attempt:
+                    lost = last_line(exc)
+                    try:
+                        left = self.status().total
+                    except BoardUnreachable as gone:
+                        raise BoardLost(f"board lost ({lost}), and {first_line(gone)}") from None
+                    if left == 0:
+                        raise BoardLost(f"board lost: no '{self.key}' board is left at the tracker ({lost})") from None
+                    raise CandidateFailed(f"the board's session died running this candidate, twice: {lost}") from None
+        raise AssertionError("unreachable")
+
+    def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+        def on_board(remote, lib, dev) -> Measurement:
+            reset, peak = _probe(remote, RESET_PEAK), _probe(remote, PEAK_RSS)
+            rss0 = reset() if reset else None
+            session = TrainingSession(lib, compiled.signature, weights, device=dev)
+            latency = time_step(session, repeats, device=self.device)
+            memory = None
+            if rss0 is not None and peak is not None:
+                memory = {
+                    "peak_rss_growth_bytes": int(peak()) - int(rss0),
+                    "method": "board process VmHWM during weight upload and timed steps, minus VmRSS before",
+                }
+            return Measurement(latency=latency, board=_address(remote, self.key), board_memory=memory)
+
+        return self.run(compiled.library, on_board)
+
+
+def _remote_name(library: Path) -> str:
+    """Each upload gets its own name in the session's work directory."""
+    return f"{library.parent.name}-{library.name}"
+
+
+def _probe(remote, name: str):
+    try:
+        return remote.get_function(name)
+    except Exception:  # a stock TVM server has no planner probes
+        return None
+
+
+def _address(remote, key: str) -> str:
+    """Which board: planner's probe names its host and server process; a stock server stays anonymous."""
+    board_id = _probe(remote, BOARD_ID)
+    return str(board_id()) if board_id else f"rpc:{key}"

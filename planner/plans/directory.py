@@ -1,0 +1,334 @@
+"""Output directories planner owns: checked before any trial, claimed, locked, replaced atomically.
+
+Root ignores permission bits and a disk fills up mid-run, so the only honest checks are real
+writes; failures anywhere (the plan files, the study's SQLite file) become `OutputUnwritable`.
+
+Ownership: a directory planner writes into carries a `.planner` marker naming what it holds (a
+plan, or a run's fine-tuned model). A directory that holds anything else is refused, never
+overwritten: `--out ~/Documents` must not replace someone's `report.md`. The marker is also the
+lock a writer holds, so two processes never write one directory at once.
+
+Atomicity under kill -9 at any instant: the new files are staged in a hidden folder inside the
+directory, then a commit record naming them is renamed into place (the instant the new contents
+become the truth), then each file is renamed over its old version. Whoever next opens the
+directory (a writer or a reader) finishes an interrupted roll-forward from the commit record, or
+removes staged folders that never got one. So a reader sees the old files or the new ones, never
+a mix, and nothing stale stays behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager, suppress
+from pathlib import Path
+from typing import Literal
+
+from planner import faults
+from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
+from planner.search.urls import redact
+
+MARKER = ".planner"
+COMMIT = ".planner-commit"
+STAGED_PREFIX = ".staged-"
+Kind = Literal["plan", "run"]
+_WHAT = {"plan": "a plan directory", "run": "fine-tuned weights"}
+
+
+def _foreign(out: Path, kind: Kind) -> list[str]:
+    """Entries of `out` that say planner did not make it for `kind` (empty: it may be used)."""
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return []
+    marker = out / MARKER
+    if marker.is_file():
+        try:
+            text = marker.read_text()
+            owner = json.loads(text).get("kind") if text else kind  # empty: torn by a kill as planner made it
+        except (OSError, ValueError, AttributeError):
+            owner = None
+        return [] if owner == kind else [f"{MARKER} (it holds {_WHAT.get(owner, 'something else')})"]
+    if kind == "plan" and (out / "plan.json").is_file() and (out / "study.db").is_file():
+        return []  # a plan directory from before markers existed
+    return entries
+
+
+def prepare_out_dir(out: str | Path, create: bool = True, kind: Kind = "plan") -> Path:
+    """`out` once planner may write `kind` into it: new, empty, or marked as planner's `kind`.
+
+    Created (with its marker) when `create`; else only checked (its nearest existing parent is
+    probed, nothing is made). A file given as --out, a directory holding other files, a
+    read-only directory or file system is one line, before any trial runs."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputUnwritable(f"--out {out} is a file, not a directory; give a directory for the {kind}")
+    if out.is_dir():
+        foreign = _foreign(out, kind)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
+            raise BadInput(
+                f"--out {out} holds files planner did not write for {_WHAT[kind]} ({shown}); "
+                "give a new or empty directory, so nothing of yours is overwritten"
+            )
+    try:
+        if create:
+            out.mkdir(parents=True, exist_ok=True)
+        probe = out if create else next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not probe.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
+        with tempfile.TemporaryFile(dir=probe, prefix=".planner-probe-"):
+            pass  # root ignores permission bits: only a real file tells whether writing works
+        if create:
+            _create_marker(out / MARKER, kind)
+    except OSError as exc:
+        raise OutputUnwritable(f"cannot write the {kind} into {out}: {reason(exc)}") from None
+    return out
+
+
+def _create_marker(marker: Path, kind: Kind) -> None:
+    """The marker, made once and never replaced: it is also the lock file, and a lock taken on
+    one inode means nothing once a rename has put another in its place."""
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"kind": kind, "written_by": "planner"}) + "\n")
+
+
+def release_if_empty(out: Path, created: bool = True) -> None:
+    """When `out` holds nothing but planner's marker (a run that wrote nothing), remove the
+    marker, and `out` itself if this run `created` it."""
+    with suppress(OSError):
+        if {p.name for p in out.iterdir()} <= {MARKER}:
+            (out / MARKER).unlink(missing_ok=True)
+            if created:
+                out.rmdir()
+
+
+_HELD: set[Path] = set()  # directories this process holds (re-entrant: `plan` holds, then writes)
+
+
+@contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold `out` for this process: a second planner process writing into it (a second `plan`
+    on the same --out) is refused with one line, instead of racing it (e.g. both creating the
+    study database). The lock dies with the process, so kill -9 leaves no stale lock."""
+    key = out.resolve()
+    if key in _HELD:
+        yield
+        return
+    marker = out / MARKER
+    try:
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OutputUnwritable(f"cannot write into {out}: {reason(exc)}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput(f"another planner process is writing into {out}; wait for it, or give another --out") from None
+        _HELD.add(key)
+        try:
+            yield
+        finally:
+            _HELD.discard(key)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_STAGED = re.compile(r"\.staged-[A-Za-z0-9_]+")
+KEPT = frozenset({"study.db", "study.db-journal", "study.db-wal", "study.db-shm"})  # never replaced or removed
+
+
+def safe_name(name: object) -> bool:
+    """Whether `name` may be written or removed in a planner directory: a plain relative path
+    inside it, not planner's own bookkeeping, not the study. A commit record or an old plan.json
+    comes from disk, and a directory someone sent you must not make planner delete or overwrite
+    `../anything`."""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    path = Path(name)
+    return (
+        not path.is_absolute() and ".." not in path.parts and "." not in path.parts
+        and not path.parts[0].startswith((MARKER, STAGED_PREFIX)) and name not in KEPT
+    )
+
+
+@contextmanager
+def _dir_lock(out: Path, shared: bool) -> Iterator[None]:
+    """flock on the directory itself: writers (`replace_files`) hold it exclusively while they
+    replace files, readers share it while they verify and load, so a reader never sees (or
+    loads) a mix, and never cleans up after a writer that is still at work."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def reading(out: Path) -> Iterator[None]:
+    """Hold `out` for reading: no writer replaces files meanwhile. A replacement a killed writer
+    committed is finished first (with the writer's lock, briefly). A directory planner did not
+    mark is read as it is, never touched."""
+    out = Path(out)
+    if not (out / MARKER).is_file():
+        yield
+        return
+    if (out / COMMIT).exists() or any(out.glob(f"{STAGED_PREFIX}*")):
+        with suppress(OSError), _dir_lock(out, shared=False):
+            recover(out)  # (a read-only copy of a plan stays as it is)
+    with _dir_lock(out, shared=True):
+        yield
+
+
+def recover(out: Path) -> None:
+    """Finish a replacement a killed process committed, and remove staged folders it never did.
+
+    Call it only holding the directory's exclusive lock (`replace_files` and `reading` do): a
+    staged folder is a live writer's work until then. A commit record that names anything but
+    a staged folder of this directory and plain files in it is ignored (and removed)."""
+    commit = out / COMMIT
+    if commit.is_file():
+        try:
+            record = json.loads(commit.read_text())
+            staged, names, stale = record["staged"], list(record["files"]), list(record["remove"])
+            valid = isinstance(staged, str) and _STAGED.fullmatch(staged) and all(map(safe_name, names + stale))
+        except (OSError, ValueError, KeyError, TypeError):
+            valid = False  # torn before its rename: never committed
+        if valid:
+            for name in names:
+                with suppress(FileNotFoundError):
+                    (out / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(out / staged / name, out / name)
+                    faults.point("write-renaming")
+            for name in stale:
+                (out / name).unlink(missing_ok=True)
+        commit.unlink(missing_ok=True)
+    for leftover in out.glob(f"{STAGED_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in out.glob(f"{COMMIT}.tmp-*"):
+        leftover.unlink(missing_ok=True)
+
+
+def replace_files(out: Path, fill: Callable[[Path], None], last: str | None = None, remove: tuple[str, ...] = ()) -> None:
+    """Replace files of `out` with those `fill(staging_dir)` writes, atomically (module docstring).
+
+    `last` is renamed after every other file (a plan's plan.json: its presence marks a plan);
+    `remove` are old files the new contents no longer have. Files of `out` that `fill` does not
+    write (the study database, the marker) are kept. When writing fails (out of disk, a
+    read-only file system, ...) `out` is left as it was and the failure is one
+    `OutputUnwritable` line."""
+    with _dir_lock(out, shared=False):
+        _replace_files(out, fill, last, tuple(r for r in remove if safe_name(r)))
+
+
+def _replace_files(out: Path, fill: Callable[[Path], None], last: str | None, remove: tuple[str, ...]) -> None:
+    recover(out)
+    staged = None
+    try:
+        staged = Path(tempfile.mkdtemp(dir=out, prefix=STAGED_PREFIX))
+        fill(staged)
+        names = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
+        for name in names:
+            with open(staged / name, "rb") as f:
+                os.fsync(f.fileno())
+        names = [n for n in names if n != last] + [n for n in names if n == last]
+        _fsync_dir(staged)
+        faults.point("write-staged")
+        _write_atomically(out / COMMIT, json.dumps({"staged": staged.name, "files": names, "remove": [r for r in remove if r not in names]}))
+        faults.point("write-committed")
+    except OSError as exc:
+        failed = _newest(staged) if staged is not None else None  # the file being written when it failed
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        where = f" ({failed})" if failed else ""
+        raise OutputUnwritable(f"cannot write into {out}: {reason(exc)}{where}; nothing was written") from None
+    recover(out)  # renames within one directory: they need no space
+    _fsync_dir(out)
+
+
+def _newest(staged: Path) -> str | None:
+    files = [p for p in staged.rglob("*") if p.is_file()]
+    return str(max(files, key=lambda p: p.stat().st_mtime_ns).relative_to(staged)) if files else None
+
+
+@contextmanager
+def study_storage_writes(storage_url: str, out: str | Path | None = None) -> Iterator[None]:
+    """Around opening and running a study whose storage may live in `out`: running out of disk
+    (or a read-only file system) is one `OutputUnwritable` line naming the directory, not
+    Optuna's traceback. A storage file this run created and that holds no finished trial is
+    removed again (and `out`, the plan directory, if it is left empty); finished trials are
+    kept, so the same command resumes the study once there is room.
+    """
+    db = _sqlite_file(storage_url)
+    db_existed = db is not None and db.exists()
+    try:
+        yield
+    except Exception as exc:
+        found = disk_problem(exc)
+        if found is None:
+            raise
+        reason, filename = found
+        where = db if db is not None else (Path(storage_url) if "://" not in storage_url else None)
+        if filename is not None and (where is None or Path(filename).parent != where.parent):
+            raise OutputUnwritable(f"cannot write {filename}: {reason}") from None  # not the storage
+        tail = ""
+        if db is not None and db.exists():
+            if not db_existed and _finished_trials(db) == 0:
+                for path in (db, db.with_name(db.name + "-journal")):
+                    path.unlink(missing_ok=True)
+                if out is not None and Path(out).is_dir():
+                    release_if_empty(Path(out))
+            else:
+                tail = f"; the trials finished so far stay in {db.name}: make room and rerun the same command to resume"
+        place = f"into {where.parent}: {reason} ({where.name})" if where is not None else f"{redact(storage_url)}: {reason}"
+        raise OutputUnwritable(f"cannot write the study storage {place}{tail}") from None
+
+
+def _sqlite_file(storage_url: str) -> Path | None:
+    """The file behind a `sqlite:///PATH` storage URL (None for any other storage)."""
+    prefix = "sqlite:///"
+    path = storage_url[len(prefix):].split("?", 1)[0] if storage_url.startswith(prefix) else ""
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _finished_trials(db: Path) -> int | None:
+    """Finished trials in an Optuna SQLite file, read read-only (None: unreadable, so keep it)."""
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "trials" not in tables:
+                return 0
+            return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
+    except sqlite3.Error:
+        return None

@@ -1,0 +1,153 @@
+"""Execute a plan: fine-tune with the plan's compiled step and export the result.
+
+A plan directory is self-contained — plan.json, the compiled step, the starting weights and the
+model graph — so it runs where it was compiled for: in this process (on the board itself, or on
+the planning host for a host plan), or on a board over TVM RPC with `--target`, where the weights
+go up, every step runs on the board, and the trained weights come back.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from planner.measurement.accuracy import finetune
+from planner.backend.compile import compile_candidate, default_cache_dir
+from planner.inputs.data import Dataset, load_dataset
+from planner.inputs.defaults import DEFAULT_RUN_STEPS
+from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
+from planner.inputs.model import load_model, save_onnx
+from planner.plans.directory import locked, prepare_out_dir, reading, release_if_empty, replace_files
+from planner.plans.plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, Plan, read_plan
+from planner.backend.session import TrainingSession
+from planner.inputs.targets import HardwareTarget
+
+
+@dataclass(frozen=True)
+class RunResult:
+    before: dict[str, float]  # {loss, accuracy} on the val split
+    after: dict[str, float]
+    steps: int
+    out: Path
+    device: str
+
+    def to_json(self) -> dict:
+        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
+
+
+def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None):
+    loss0, acc0 = session.evaluate(data.x_val, data.y_val)
+    losses = finetune(session, data, steps, seed)
+    if not np.isfinite(losses[-1]):
+        raise MeasureFailed(f"training diverged at step {len(losses)} (loss {losses[-1]}); no weights written")
+    loss1, acc1 = session.evaluate(data.x_val, data.y_val)
+    return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
+
+
+def run_plan(
+    plan_dir: Path,
+    data: Path | None = None,
+    steps: int = DEFAULT_RUN_STEPS,
+    out: Path | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    target: HardwareTarget | None = None,
+) -> RunResult:
+    """Train `steps` steps from the plan's weights; write weights.npz and model.onnx to `out`.
+
+    Without `target`, runs the plan's library in this process. With an RPC target, runs on one of
+    its boards (the plan is recompiled for the target if it was built for another).
+    """
+    plan_dir = Path(plan_dir)
+    if steps < 1:
+        raise BadInput("--steps must be at least 1")
+    with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
+        plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
+        model = load_model(plan_dir / MODEL_FILE)
+        dataset = load_dataset(data or Path(plan.dataset.source), model)
+        weights = _weights(plan_dir / WEIGHTS_FILE, model)
+        out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
+        order_seed = seed if shuffle else None
+
+        library, sig = plan_dir / STEP_LIBRARY, plan.signature
+        if target is not None and not _built_for(plan, target):
+            compiled = compile_candidate(model, plan.candidate, target.tvm(), default_cache_dir(), target.toolchain)
+            library, sig = compiled.library, compiled.signature
+        if target is not None and target.runner == "rpc":
+            from planner.measurement.rpc import BoardPool
+
+            pool = BoardPool.for_target(target)
+            pool.check()
+            before, after, final = pool.run(
+                library, lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
+            )
+            device = target.device
+        else:
+            try:
+                session = TrainingSession(library, sig, weights)
+            except Exception as exc:
+                raise BadInput(
+                    f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
+                    f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or pass --target"
+                ) from None
+            before, after, final = _train(session, dataset, steps, order_seed)
+            device = "local"
+
+    def fill(staged: Path) -> None:
+        np.savez(staged / WEIGHTS_FILE, **final)
+        save_onnx(model, final, staged / MODEL_FILE)
+
+    created = not out.exists()
+    out = prepare_out_dir(out, kind="run")
+    try:
+        with locked(out):
+            replace_files(out, fill)  # the previous run's files stay whole until the new ones are complete
+    except OutputUnwritable as exc:
+        release_if_empty(out, created)
+        raise OutputUnwritable(f"{exc}; the training is lost, rerun with an --out that has room") from None
+    return RunResult(before, after, steps, out, device)
+
+
+def _weights(path: Path, model) -> dict[str, np.ndarray]:
+    """weights.npz, checked against the model's initializers (names, shapes, dtypes): a file
+    that does not fit is one line naming what differs, not a crash inside the step."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            weights = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise BadInput(f"{path} is not a readable weights file: {exc}") from None
+    expected = model.initializers
+    missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    if missing or extra:
+        what = f"lacks {', '.join(missing[:3])}" if missing else f"has weights the model lacks: {', '.join(extra[:3])}"
+        raise BadInput(f"{path} does not fit {MODEL_FILE}: it {what}")
+    for name, ref in expected.items():
+        got = weights[name]
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            raise BadInput(
+                f"{path}: weight {name} is {got.dtype}{list(got.shape)}, the model needs {ref.dtype}{list(ref.shape)}"
+            )
+    return weights
+
+
+def _out_dir(plan_dir: Path, out: Path, model) -> Path:
+    """`--out`, checked before any training: not the plan itself (its weights and model are
+    what the plan's hashes vouch for), not a directory of someone else's files, writable, with
+    room for the weights and the model."""
+    if out.resolve() == plan_dir.resolve():
+        raise BadInput(f"--out {out} is the plan directory; the plan's own weights must stay — give another directory")
+    prepare_out_dir(out, create=False, kind="run")
+    probe = next(p for p in (out, *out.absolute().parents) if p.exists())
+    need = 2 * sum(w.nbytes for w in model.initializers.values()) + model.path.stat().st_size
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputUnwritable(f"cannot write the fine-tuned model into {out}: {free:,} bytes free, it needs about {need:,}")
+    return out
+
+
+def _built_for(plan: Plan, target: HardwareTarget) -> bool:
+    return plan.target.tvm_target == target.tvm_target and plan.target.toolchain == target.toolchain

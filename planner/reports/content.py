@@ -1,0 +1,159 @@
+"""What a report shows, gathered once from a plan directory or a study; renderers only format it.
+
+A plan directory carries everything: plan.json (the choice, its metrics, how they were measured),
+trials.json (every trial of the study that chose it) and model.onnx (the layer table). A study in
+storage carries the trials and where its model lives; its report marks the trial `planner plan`
+would choose (default policy) instead of a written plan.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import BadInput, NoFeasiblePlan
+from planner.search.evaluate import TrialRecord
+from planner.inputs.model import Model, load_model
+from planner.plans.plan import MODEL_FILE, Choice, Plan, choice_json, metrics_json, read_plan, select
+from planner.inputs.targets import load_target
+from planner.search.urls import redact
+
+TRIALS_FILE = "trials.json"
+MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
+
+
+@dataclass(frozen=True)
+class ReportContent:
+    title: str
+    target: dict  # name, device, ram_budget_bytes, latency_budget_ms
+    trials: list[TrialRecord]
+    pareto: list[int]  # trial numbers on the feasible Pareto front
+    chosen: int | None  # the deployed (or, for a bare study, the would-be) trial
+    choice: dict | None  # what the chosen trial trains, as plan.json's "choice"
+    metrics: dict | None  # the chosen trial's numbers, as plan.json's "metrics"
+    layers: list[dict]  # per layer: name, op, param_bytes, mode, ratio, params
+    provenance: dict  # how every number was measured; versions; the study
+    plan: Plan | None = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        c = Counter("feasible" if t.feasible else "infeasible" if t.complete else t.state.lower() for t in self.trials)
+        return {k: c.get(k, 0) for k in ("feasible", "infeasible", "fail", "running")}
+
+    def to_json(self) -> dict:
+        return {
+            "title": self.title, "target": self.target, "chosen": self.chosen, "choice": self.choice,
+            "metrics": self.metrics, "pareto": self.pareto, "counts": self.counts, "layers": self.layers,
+            "provenance": self.provenance, "trials": [t.to_json() for t in self.trials],
+        }
+
+
+def write_trials(trials: list[TrialRecord]) -> str:
+    """trials.json's text."""
+    return json.dumps([t.to_json() for t in trials], indent=1) + "\n"
+
+
+def _workers(trials: list[TrialRecord]) -> str | None:
+    """Which processes ran the trials, and how many each (None when the records do not say)."""
+    counts = Counter(t.worker for t in trials if t.worker)
+    return ", ".join(f"{w}: {n}" for w, n in counts.most_common()) or None
+
+
+def _layer_map(model: Model, choice: dict | None) -> list[dict]:
+    trains = {t["layer"]: t for t in (choice or {}).get("trainable", [])}
+    frozen = "frozen" if not choice or choice.get("frozen_weights", "fp32") == "fp32" else f"frozen ({choice['frozen_weights']})"
+    rows = []
+    for layer in model.layers:
+        t = trains.get(layer.name)
+        rows.append({
+            "layer": layer.name, "op": layer.op, "param_bytes": layer.param_bytes,
+            "mode": t["mode"] if t else frozen, "ratio": t.get("ratio") if t else None,
+            "params": t["params"] if t else [], "precision": choice["precision"] if t else None,
+            "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can
+        })
+    return rows
+
+
+def updated(row: dict) -> str:
+    """A per-layer row's "parameters updated" cell: the parameters, or why there are none."""
+    if row["params"]:
+        return ", ".join(row["params"])
+    return f"— (not trainable: {row['excluded']})" if row.get("excluded") else "—"
+
+
+def from_plan_dir(plan_dir: str | Path) -> ReportContent:
+    plan_dir = Path(plan_dir)
+    plan = read_plan(plan_dir)
+    trials_path = plan_dir / TRIALS_FILE
+    if trials_path.is_file():
+        trials = [TrialRecord.from_json(d) for d in json.loads(trials_path.read_text())]
+    else:  # a plan written before trials.json existed: its Pareto front is all it kept
+        trials = [_pareto_record(p) for p in plan.pareto]
+    return from_plan(plan, load_model(plan_dir / MODEL_FILE), trials)
+
+
+def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportContent:
+    """The report of a plan (as it is being written, or read back) and the trials behind it."""
+    choice = plan.choice.model_dump()
+    lat = plan.metrics["step_latency_ms"]
+    provenance = {
+        **{k: v for k, v in plan.measurement.items() if v is not None and not k.endswith("_budget_bytes") and k != "latency_budget_ms"},
+        "device": lat.get("device"), "board": plan.metrics.get("board"),
+        "repeats": f"{lat['repeats']} × {lat['number']} steps; median {lat['median']:.3f} ms, p90 {lat['p90']:.3f} ms, "
+        f"spread {lat['min']:.3f}–{lat['max']:.3f} ms",
+        "study": f"{plan.study.get('name')} in {plan.study.get('storage')}" if plan.study.get("storage") else "none (one measured scheme)",
+        "trials per process": _workers(trials),
+        "versions": ", ".join(f"{k} {v}" for k, v in plan.versions.items()),
+    }
+    return ReportContent(
+        title=f"Training plan: {Path(plan.model.path).name} on {plan.target.name}",
+        target={"name": plan.target.name, "device": plan.target.device,
+                "ram_budget_bytes": plan.measurement.get("ram_budget_bytes"),
+                "latency_budget_ms": plan.measurement.get("latency_budget_ms")},
+        trials=trials, pareto=[p["trial"] for p in plan.pareto], chosen=plan.selection["trial"],
+        choice=choice, metrics=plan.metrics, layers=_layer_map(model, choice), provenance=provenance, plan=plan,
+    )
+
+
+def _pareto_record(entry: dict) -> TrialRecord:
+    m = entry["metrics"]
+    cand = Choice.model_validate(entry["choice"]).candidate().to_json()
+    acc = {**m["accuracy"], "loss_before": float("nan"), "loss_after": float("nan"), "seconds": 0.0}
+    return TrialRecord.from_attrs(
+        entry["trial"], "COMPLETE",
+        {"candidate": cand, "accuracy": acc, "latency": m["step_latency_ms"], "memory": m["peak_memory_bytes"]}, {},
+    )
+
+
+def from_study(storage: str, study: str) -> ReportContent:
+    """A report of a study in storage (finished or still running), before or without a plan."""
+    from planner.search.study import load_records
+
+    records, pareto, inputs = load_records(storage, study)
+    target = load_target(inputs["target"])
+    try:
+        model = load_model(inputs["model"])
+    except BadInput:
+        model = None  # the model moved: the report goes on without the per-layer map
+    try:
+        chosen = select(records)
+    except NoFeasiblePlan:
+        chosen = None
+    choice = choice_json(model, chosen.candidate) if chosen is not None and model is not None else None
+    return ReportContent(
+        title=f"Study {study}: {Path(inputs['model']).name} on {target.name}",
+        target={"name": target.name, "device": target.device, "ram_budget_bytes": target.ram_budget_bytes,
+                "latency_budget_ms": target.latency_budget_ms},
+        trials=records, pareto=pareto, chosen=chosen.number if chosen else None, choice=choice,
+        metrics=metrics_json(chosen) if chosen else None,
+        layers=_layer_map(model, choice) if model is not None else [],
+        provenance={
+            "study": f"{study} in {redact(storage)}",
+            "latency": f"TVM VM time_evaluator per trial, median of {inputs['latency_repeats']} repeats",
+            "accuracy": f"fine-tuned {inputs['accuracy_steps']} steps (seed {inputs['seed']}) per trial",
+            "selection": "the trial `planner plan` would choose (least memory within 0.01 of the best accuracy); no plan written",
+            "trials per process": _workers(records),
+        },
+    )

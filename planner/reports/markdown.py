@@ -1,0 +1,85 @@
+"""report.md: the chosen plan, what trains per layer, where memory goes, the Pareto front, the trials."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from planner.reports.content import MEMORY_PARTS, ReportContent, updated
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def _mode(entry: dict) -> str:
+    return f"ratio {entry['ratio']:g}" if entry["mode"] == "ratio" else entry["mode"]
+
+
+def _origin(content: ReportContent) -> str:
+    plan = content.plan
+    counts = content.counts
+    tally = f"{len(content.trials)} trials ({counts['fail']} failed, {counts['feasible']} feasible)"
+    if plan is None:
+        return f"Study report: {tally}. Trial {content.chosen} is what `planner plan` would choose; no plan is written yet."
+    sel = plan.selection
+    if sel["policy"] == "scheme":
+        fits = "fits the target's budgets" if sel["feasible"] else f"is infeasible ({', '.join(sel['over_budget'])})"
+        return f"Measured scheme `{sel['scheme']}` (no search); it {fits}."
+    return f"Chosen by `{sel['policy']}` (accuracy tolerance {sel['accuracy_tolerance']}) from trial {content.chosen} of {tally}."
+
+
+def render(content: ReportContent) -> str:
+    lines = [f"# {content.title}", ""]
+    c, m = content.choice, content.metrics
+    if c is None or m is None:
+        lines += [f"{len(content.trials)} trials, none feasible yet.", ""]
+    else:
+        lat, mem, acc = m["step_latency_ms"], m["peak_memory_bytes"], m["accuracy"]
+        budget = content.target.get("ram_budget_bytes")
+        lines += [
+            _origin(content),
+            "",
+            "| | |",
+            "|---|---|",
+            f"| trainable | {', '.join(t['layer'] + ':' + _mode(t) for t in c['trainable']) or '—'} |",
+            f"| batch size | {c['batch_size']} |",
+            f"| optimizer | {c['optimizer']['name']} (lr {c['optimizer']['lr']:.4g}) |",
+            f"| precision | {c['precision']} |",
+            f"| frozen weights stored | {c.get('frozen_weights', 'fp32')} |",
+            f"| updates | {c.get('updates', 'copy')} |",
+            f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
+            f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms |",
+            f"| peak memory | {_kib(mem['total'])}" + (f" (budget {_kib(budget)})" if budget else "") + " |",
+        ]
+    if content.layers:
+        lines += ["", "## Per-layer map", "", "| layer | op | mode | parameters updated | parameter bytes |", "|---|---|---|---|---|"]
+        for r in content.layers:
+            lines.append(f"| {r['layer']} | {r['op']} | {_mode(r)} | {updated(r)} | {r['param_bytes']:,} |")
+    if m is not None:
+        mem = m["peak_memory_bytes"]
+        lines += ["", "## Memory at the step's peak", "", "| part | bytes | share |", "|---|---|---|"]
+        for part in MEMORY_PARTS:
+            lines.append(f"| {part} | {mem.get(part, 0):,} | {mem.get(part, 0) / mem['total']:.0%} |")
+        lines.append(f"| **total** | **{mem['total']:,}** | |")
+    lines += [
+        "",
+        "## Pareto front (feasible trials)",
+        "",
+        "| trial | trainable | batch | lr | val acc | latency ms (median / p90) | peak memory |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    front = [t for t in content.trials if t.number in content.pareto and t.complete]
+    for t in sorted(front, key=lambda t: t.memory.total):
+        mark = " ★" if t.number == content.chosen else ""
+        cand = t.candidate
+        lines.append(
+            f"| {t.number}{mark} | {', '.join(f'{n}:{md}' for n, md in cand.trainable) or '—'} | {cand.batch_size} | "
+            f"{cand.lr:.3g} | {t.accuracy.after:.3f} | {t.latency.median:.2f} / {t.latency.p90:.2f} | {_kib(t.memory.total)} |"
+        )
+    reasons = Counter((t.fail_reason or "unknown").split(":")[0] for t in content.trials if t.state == "FAIL")
+    if reasons:
+        lines += ["", "## Failed trials", "", "| reason | trials |", "|---|---|"]
+        lines += [f"| {r} | {n} |" for r, n in reasons.most_common()]
+    lines += ["", "## How it was measured", ""]
+    lines += [f"- {k}: {v}" for k, v in content.provenance.items() if v is not None]
+    return "\n".join(lines) + "\n"

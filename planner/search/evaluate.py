@@ -1,0 +1,201 @@
+"""Evaluate one candidate for real: compile it for the target, measure it there, fine-tune it.
+
+This is the work of one search trial and of `planner measure` alike. Results are reported through
+`record(key, json_value)` as soon as each stage finishes, so a candidate that fails late still
+leaves what was measured; `TrialRecord` is the plain-data view of a finished evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tvm
+
+from planner import faults
+from planner.measurement.accuracy import AccuracyResult, measure_accuracy
+from planner.backend.compile import compile_candidate
+from planner.inputs.data import Dataset
+from planner.errors import CandidateFailed, EnvironmentFailure, last_line
+from planner.measurement import measure_step
+from planner.measurement.latency import Latency
+from planner.backend.memory import MemoryBreakdown
+from planner.inputs.model import Model
+from planner.errors import disk_problem
+from planner.inputs.spaces import Candidate
+from planner.inputs.targets import HardwareTarget
+
+log = logging.getLogger(__name__)
+
+HOST_TARGET = {"kind": "llvm"}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    seed: int
+    accuracy_steps: int
+    latency_repeats: int
+    cache_dir: Path
+    tune_trials: int = 0  # MetaSchedule trials per candidate build for the target (0: default schedules)
+
+
+@dataclass
+class TrialRecord:
+    """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
+
+    number: int
+    state: str  # COMPLETE | FAIL | RUNNING | PRUNED
+    candidate: Candidate | None
+    accuracy: AccuracyResult | None = None
+    latency: Latency | None = None
+    memory: MemoryBreakdown | None = None
+    feasible: bool = False
+    fail_reason: str | None = None
+    board: str | None = None
+    board_memory: dict | None = None
+    library_bytes: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
+    worker: str | None = None  # host:pid of the process that ran it
+    seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "COMPLETE" and self.accuracy is not None
+
+    @classmethod
+    def from_attrs(cls, number: int, state: str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:
+        """Rebuild a record from what `Evaluator.evaluate` recorded."""
+        cand = attrs.get("candidate")
+        rec = cls(
+            number=number,
+            state=state,
+            candidate=Candidate.from_json(cand) if cand else None,
+            accuracy=AccuracyResult(**attrs["accuracy"]) if "accuracy" in attrs else None,
+            latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
+            memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
+            fail_reason=attrs.get("fail_reason"),
+            board=attrs.get("board"),
+            board_memory=attrs.get("board_memory"),
+            library_bytes=attrs.get("library_bytes"),
+            seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
+            over_budget={k: v for k, v in constraints.items() if v > 0},
+            worker=attrs.get("worker"),
+            seed=attrs.get("seed"),
+        )
+        rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
+        return rec
+
+    def to_json(self) -> dict:
+        """Everything measured about the trial, as `trials.json` in a plan directory keeps it."""
+        parts = {
+            "candidate": self.candidate.to_json() if self.candidate else None,
+            "accuracy": self.accuracy.to_json() if self.accuracy else None,
+            "latency": self.latency.to_json() if self.latency else None,
+            "memory": self.memory.to_json() if self.memory else None,
+        }
+        return {
+            "number": self.number, "state": self.state, "feasible": self.feasible, **parts,
+            "over_budget": self.over_budget, "fail_reason": self.fail_reason, "board": self.board,
+            "board_memory": self.board_memory, "library_bytes": self.library_bytes, "seconds": self.seconds,
+            "worker": self.worker, "seed": self.seed,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrialRecord:
+        attrs = {k: v for k, v in d.items() if v is not None and k not in ("number", "state", "feasible", "over_budget", "seconds")}
+        attrs.update(d.get("seconds", {}))
+        rec = cls.from_attrs(d["number"], d["state"], attrs, d.get("over_budget", {}))
+        rec.feasible = bool(d["feasible"])
+        return rec
+
+
+def _label(c: Candidate) -> str:
+    """A candidate in one short line, for the debug log."""
+    return f"[{','.join(f'{n}:{m}' for n, m in c.trainable)} b{c.batch_size} {c.optimizer} {c.precision}]"
+
+
+class Evaluator:
+    """Evaluates candidates of one model on one target; safe to call from several threads."""
+
+    def __init__(self, model: Model, data: Dataset, target: HardwareTarget, settings: EvalSettings):
+        self.model, self.data, self.target, self.settings = model, data, target, settings
+        self._board_target = target.tvm()
+        self._host_target = tvm.target.Target(HOST_TARGET)
+        self._compile_lock = threading.Lock()  # TVM compiles one candidate at a time
+
+    def _build(self, candidate: Candidate, tvm_target, toolchain: str | None, tune_trials: int = 0):
+        with self._compile_lock:  # tuning (if any) times its trials on the target's boards
+            return compile_candidate(
+                self.model, candidate, tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards
+            )
+
+    def evaluate(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float]:
+        """Measure `candidate`; returns its budget constraints (feasible when all are <= 0).
+
+        Raises CandidateFailed (with the reason also recorded) when it cannot be built or run.
+        """
+        target, settings = self.target, self.settings
+        record("candidate", candidate.to_json())
+        try:
+            faults.point("trial-compile")
+            compiled = self._build(candidate, self._board_target, target.toolchain, settings.tune_trials)
+            record("memory", compiled.memory.to_json())
+            record("library_bytes", compiled.library.stat().st_size)
+            record("tuned_kernels", len(compiled.tuned_kernels))
+            # time this trial spent, not what cached results once cost
+            record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
+            record("tune_s", 0.0 if compiled.cached else compiled.tune_seconds)
+            log.debug(
+                "%s: %s, %d kernels (%d tuned), peak %d bytes", _label(candidate),
+                "from the cache" if compiled.cached else f"compiled in {compiled.compile_seconds:.1f} s",
+                compiled.kernels, len(compiled.tuned_kernels), compiled.memory.total,
+            )
+            faults.point("trial-measure")
+            t0 = time.perf_counter()
+            measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
+            record("latency", measured.latency.to_json())
+            record("board", measured.board)
+            record("board_memory", measured.board_memory)
+            record("measure_s", time.perf_counter() - t0)
+            log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
+            faults.point("trial-accuracy")
+            # accuracy does not depend on the board: a board build may not even run here
+            t0 = time.perf_counter()
+            on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
+            acc = measure_accuracy(
+                self.model, self.data, candidate, on_host, settings.accuracy_steps, settings.seed, settings.cache_dir
+            )
+            record("accuracy", acc.to_json())
+            record("accuracy_s", time.perf_counter() - t0)
+            log.debug(
+                "%s: fine-tuned %d steps, val acc %.3f -> %.3f%s", _label(candidate), acc.steps, acc.before, acc.after,
+                f" (diverged at step {acc.diverged_at})" if acc.diverged_at else "",
+            )
+        except EnvironmentFailure as exc:  # the board, cache or disk: not the candidate's failure
+            log.debug("%s: environment failed: %s", _label(candidate), exc)
+            raise
+        except CandidateFailed as exc:
+            log.debug("%s: failed: %s", _label(candidate), exc)
+            record("fail_reason", str(exc))
+            raise
+        except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
+            disk = disk_problem(exc)
+            if disk is not None:  # out of room or write access somewhere: the machine's, not the candidate's
+                raise EnvironmentFailure(f"cannot write {disk[1] or 'a file'}: {disk[0]}") from None
+            reason = f"{type(exc).__name__}: {last_line(exc)}" if str(exc).strip() else type(exc).__name__
+            log.debug("%s: failed", _label(candidate), exc_info=True)
+            record("fail_reason", reason)
+            raise CandidateFailed(reason) from exc
+        constraints = {"ram_budget": compiled.memory.total - target.ram_budget_bytes}
+        # a fine-tune that diverged is measured but never deployable (1: violated, -1: met)
+        constraints["diverged"] = 1.0 if acc.diverged_at is not None else -1.0
+        if target.latency_budget_ms is not None:
+            constraints["latency_budget"] = measured.latency.median - target.latency_budget_ms
+        if target.flash_budget_bytes is not None:
+            constraints["flash_budget"] = compiled.library.stat().st_size - target.flash_budget_bytes
+        return constraints

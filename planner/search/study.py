@@ -1,0 +1,473 @@
+"""The Optuna study: propose candidates, measure them for real, keep every result in storage.
+
+Three objectives — maximise val accuracy, minimise step latency and peak memory — and the target's
+budgets as Optuna constraints, so the sampler learns to avoid over-budget regions and an infeasible
+trial never reaches the Pareto front. A candidate that fails to build or run is a FAIL trial with
+its reason stored; the study goes on. Storage is SQLite (or any Optuna URL) with heartbeats, so a
+killed run's trials stay and the same command resumes where it stopped.
+
+Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import optuna
+
+from planner.inputs.data import Dataset
+from planner.errors import BadInput, CandidateFailed, EnvironmentFailure, first_line
+from planner.search.evaluate import EvalSettings, Evaluator, TrialRecord
+from planner.measurement import capacity
+from planner.inputs.model import Model
+from planner.inputs.spaces import SearchSpace
+from planner.inputs.targets import HardwareTarget
+from planner.search.urls import redact, scrubbed
+
+# heartbeats and metric names are "experimental" in Optuna; planner relies on them knowingly
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("accuracy", "step_latency_ms", "peak_memory_bytes")
+DIRECTIONS = ("maximize", "minimize", "minimize")
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    trials: int  # finished trials the study should hold
+    timeout_s: float | None
+    evaluation: EvalSettings
+    own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
+
+
+HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
+HEARTBEAT_S, GRACE_S = 10, 30  # their defaults
+RETRIES = 1  # a trial whose process died is run once more; dying again, it stays FAIL
+
+
+def _env_seconds(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadInput(f"{name} must be a whole number of seconds, at least 1 (not {raw!r})")
+    return int(raw)
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage from planner's URL: an RDB URL (sqlite/postgresql/mysql), else a journal
+    file path (Optuna's `JournalFileBackend`, safe for many processes on one disk).
+
+    An RDB storage keeps heartbeats: a running trial records one every PLANNER_HEARTBEAT_S seconds
+    (default 10). When a trial has been silent for PLANNER_HEARTBEAT_GRACE_S seconds (default 30),
+    its process was killed or its machine lost. The next process to start a trial on the study
+    (a `planner plan` or `planner worker`) then marks it FAIL and queues a copy with the same
+    parameters, which Optuna runs before sampling anything new (`RetryHeartbeatStaleTrialCallback`;
+    once per trial, so a candidate that kills its process cannot kill every worker in turn).
+
+    A journal file has no heartbeats in Optuna 5: a killed process's trial stays RUNNING there
+    and is not retried (the study goes on without it).
+    """
+    if url.startswith(("sqlite:", "postgresql", "mysql")):
+        interval, grace = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_S), _env_seconds(GRACE_ENV, GRACE_S)
+        if grace <= interval:
+            raise BadInput(f"{GRACE_ENV} ({grace} s) must be longer than {HEARTBEAT_ENV} ({interval} s)")
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=interval, grace_period=grace,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES),
+        )
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
+
+
+SAMPLERS = ("tpe", "random")
+
+
+class AnchoredSampler(optuna.samplers.BaseSampler):
+    """Trial number i < len(anchors) takes the parameters of `anchors[i]`; everything else comes
+    from the base sampler (like Optuna's `PartialFixedSampler`, per trial).
+
+    Keyed by trial number rather than queued with `enqueue_trial`, so parallel jobs and workers
+    on one storage never race for the same queued trial, and a resumed study does not redo one.
+    """
+
+    def __init__(self, base: optuna.samplers.BaseSampler, anchors: list[dict]) -> None:
+        self._base, self._anchors = base, anchors
+
+    def _anchor(self, trial: optuna.trial.FrozenTrial) -> dict | None:
+        return self._anchors[trial.number] if trial.number < len(self._anchors) else None
+
+    def reseed_rng(self) -> None:
+        self._base.reseed_rng()
+
+    def infer_relative_search_space(self, study, trial):
+        return {} if self._anchor(trial) is not None else self._base.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self._base.sample_relative(study, trial, search_space) if search_space else {}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        anchor = self._anchor(trial)
+        if anchor is not None and param_name in anchor:
+            return anchor[param_name]
+        return self._base.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial) -> None:
+        self._base.before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self._base.after_trial(study, trial, state, values)
+
+
+def make_sampler(name: str, seed: int, anchors: list[dict] | None = None) -> optuna.samplers.BaseSampler:
+    """`tpe`: multivariate TPE after 8 startup trials, which learns the budgets from the trials'
+    constraints (the default); `random`: independent uniform draws, the baseline
+    `benchmarks/search_quality.py` compares with. `anchors` (the space's hand-made schemes) fix
+    the parameters of the first trials."""
+    if name == "tpe":
+        base: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+    elif name == "random":
+        base = optuna.samplers.RandomSampler(seed=seed)
+    else:
+        raise BadInput(f"unknown sampler {name!r} (one of {', '.join(SAMPLERS)})")
+    return AnchoredSampler(base, anchors) if anchors else base
+
+
+def open_study(
+    storage_url: str, name: str, seed: int | None, config: dict, sampler: str = "tpe", anchors: list[dict] | None = None,
+    inputs: dict | None = None,
+) -> optuna.Study:
+    """Create the study, or load it when it exists — for the same model, data, target and space.
+
+    `inputs` (where the model, data, target and space are, and the run's settings) is stored at
+    creation, so `planner worker` can join the study knowing only its storage and name.
+    """
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported via on_trial
+    sampler = make_sampler(sampler, seed, anchors)
+    try:
+        study = optuna.create_study(
+            storage=open_storage(storage_url), study_name=name, directions=list(DIRECTIONS),
+            sampler=sampler, load_if_exists=True,
+        )
+    except Exception as exc:  # bad URL, unreachable database, unwritable file
+        raise BadInput(f"cannot open study storage {redact(storage_url)}: {scrubbed(exc, storage_url)}") from None
+    _stamp_trials(study)
+    stored = study.user_attrs.get("config")
+    if stored is None:
+        study.set_user_attr("config", config)
+        if inputs is not None:
+            study.set_user_attr("inputs", inputs)
+        study.set_metric_names(list(OBJECTIVES))
+    elif stored != config:
+        changed = sorted(k for k in config if stored.get(k) != config[k])
+        raise BadInput(
+            f"study '{name}' in {redact(storage_url)} was created with a different {', '.join(changed)}; "
+            "use another --study name or --out directory"
+        )
+    return study
+
+
+def stored_inputs(storage_url: str, name: str) -> tuple[dict, dict]:
+    """The (config, inputs) a study was created with, for a worker joining it."""
+    attrs = _planner_study(storage_url, name).user_attrs
+    return attrs["config"], attrs["inputs"]
+
+
+def _planner_study(storage_url: str, name: str) -> optuna.Study:
+    """An existing study `planner plan` created; anything else is one BadInput line."""
+    try:
+        study = optuna.load_study(study_name=name, storage=open_storage(storage_url))
+    except KeyError:
+        raise BadInput(f"no study '{name}' in {redact(storage_url)}") from None
+    except Exception as exc:
+        raise BadInput(f"cannot open study storage {redact(storage_url)}: {scrubbed(exc, storage_url)}") from None
+    if not {"inputs", "config"} <= study.user_attrs.keys():
+        raise BadInput(f"study '{name}' in {redact(storage_url)} was not created by `planner plan`")
+    return study
+
+
+HOST = socket.gethostname()
+WORKER = f"{HOST}:{os.getpid()}"
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, Linux), to tell it from a later
+    process that got the same pid; None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name may hold spaces
+
+
+def _machine() -> dict:
+    """What tells this machine and PID namespace from another with the same hostname (cloned
+    images, containers on the host's network): the kernel's boot id and the PID namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return {}
+    return {"boot": boot, "pidns": pidns}
+
+
+PROCESS = {"host": HOST, "pid": os.getpid(), "start": _start_time(os.getpid()), **_machine()}
+
+
+def _alive(process: dict) -> bool:
+    """Whether the process that recorded `process` still runs. Only answerable in the same
+    boot of the same machine and PID namespace; anything else counts as alive (its heartbeat,
+    on an RDB storage, tells when it is not)."""
+    here = _machine()
+    if process.get("host") != HOST or not here or any(process.get(k) != v for k, v in here.items()):
+        return True
+    pid = int(process["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    start = _start_time(pid)
+    return process.get("start") is None or start is None or start == process["start"]
+
+
+def _requeue(
+    trial: optuna.Trial | optuna.trial.FrozenTrial, study: optuna.Study, reason: str, crashed: bool = False,
+    env_failures: int | None = None,
+) -> None:
+    """Queue `trial`'s candidate again: the copy runs before anything new is sampled.
+
+    The trial itself is then ended PRUNED (planner prunes nothing else), which never counts as
+    finished, so the study still wants as many trials as before. `crashed` marks a process that
+    died mid-trial, which may be the candidate's doing (a crash in its code): such a candidate is
+    queued again only RETRIES times, then it is a FAIL."""
+    retries = int(trial.user_attrs.get("retries", 0)) + crashed
+    if isinstance(trial, optuna.Trial):  # a live trial, about to end PRUNED: say why
+        trial.set_user_attr("fail_reason", f"{reason}; queued again")
+    attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries}
+    attrs["env_failures"] = int(trial.user_attrs.get("env_failures", 0)) if env_failures is None else env_failures
+    study.enqueue_trial(trial.params, user_attrs=attrs)
+
+
+class _Halt:
+    """Why this process stops starting trials: Ctrl-C/SIGTERM (`stop`), a second one (`hard`), or
+    an environment failure (`error`, raised once the trials in flight end)."""
+
+    def __init__(self, stop: threading.Event | None) -> None:
+        self.stop = stop or threading.Event()
+        self.hard = False
+        self.error: EnvironmentFailure | None = None
+
+    def __call__(self) -> bool:
+        return self.stop.is_set() or self.hard or self.error is not None
+
+
+ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it may be what breaks it
+
+
+def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
+    def objective(trial: optuna.Trial) -> tuple[float, float, float]:
+        try:
+            return _evaluate(trial)
+        except KeyboardInterrupt:
+            # the second Ctrl-C, anywhere in the trial: stop now, the candidate is not to blame
+            halt.hard = True
+            _requeue(trial, trial.study, "interrupted mid-trial")
+            raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
+
+    def _evaluate(trial: optuna.Trial) -> tuple[float, float, float]:
+        trial.set_user_attr("worker", WORKER)  # which process ran it (a popped queued trial names another)
+        trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
+        candidate = space.sample(trial, evaluator.model)
+        try:
+            constraints = evaluator.evaluate(candidate, trial.set_user_attr)
+        except EnvironmentFailure as exc:
+            # the board, the disk or the cache failed, not the candidate: it is measured again by
+            # the next run, and this one stops (the caller raises `exc`)
+            halt.error = halt.error or exc
+            failures = int(trial.user_attrs.get("env_failures", 0)) + 1
+            if failures >= ENV_RETRIES:  # ... unless it failed the environment every time it ran
+                trial.set_user_attr("fail_reason", f"the environment failed each of the {failures} times this candidate ran: {first_line(exc)}")
+                raise CandidateFailed(first_line(exc)) from None
+            _requeue(trial, trial.study, f"environment: {first_line(exc)}", env_failures=failures)
+            raise optuna.TrialPruned(f"environment: {first_line(exc)}; queued again") from None
+        except CandidateFailed:
+            if not halt():
+                raise
+            # A terminal's Ctrl-C also reaches the compiler and linker this trial runs: its failure
+            # says nothing about the candidate. Resuming measures the same parameters.
+            _requeue(trial, trial.study, "interrupted mid-trial")
+            raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
+        for key, value in constraints.items():
+            trial.set_constraint(key, value)
+        attrs = trial.user_attrs
+        return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
+
+    return objective
+
+
+def _stamp_trials(study: optuna.Study) -> None:
+    """Make every trial this process starts carry its `process` from the instant it exists: a
+    new trial is created with it (one storage write), a queued one gets it right as it is popped.
+    Set later, in the objective, a kill in between would leave a RUNNING trial nobody can tell
+    is dead (until it is GRACE_S old)."""
+    storage = study._storage
+    create, set_state = storage.create_new_trial, storage.set_trial_state_values
+
+    def create_new_trial(study_id, template_trial=None):
+        if template_trial is None:
+            template_trial = optuna.trial.FrozenTrial(
+                number=-1, state=optuna.trial.TrialState.RUNNING, value=None, datetime_start=datetime.now(),
+                datetime_complete=None, params={}, distributions={}, user_attrs={"process": PROCESS, "worker": WORKER},
+                system_attrs={}, intermediate_values={}, trial_id=-1,
+            )
+        return create(study_id, template_trial)
+
+    def set_trial_state_values(trial_id, state, values=None):
+        popped = set_state(trial_id, state, values)
+        if popped and state == optuna.trial.TrialState.RUNNING:
+            storage.set_trial_user_attr(trial_id, "process", PROCESS)
+        return popped
+
+    storage.create_new_trial, storage.set_trial_state_values = create_new_trial, set_trial_state_values
+
+
+def recover_dead_trials(study: optuna.Study) -> list[int]:
+    """End the RUNNING trials whose process died on this host (kill -9, a crash, power loss),
+    whatever the storage (a journal file has no heartbeats; an RDB's only fire after a grace
+    period), and queue their candidates again, so a rerun a second later measures them. A
+    candidate whose process died RETRIES times already is a FAIL: it likely crashes planner.
+
+    Returns the numbers of the trials ended."""
+    ended = []
+    queued = {t.user_attrs.get("requeued_from") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        process = t.user_attrs.get("process")
+        if isinstance(process, dict):
+            if _alive(process):
+                continue
+            reason = f"its process ({process.get('host')}:{process.get('pid')}) died mid-trial"
+        elif t.datetime_start is not None and (datetime.now() - t.datetime_start).total_seconds() > _env_seconds(GRACE_ENV, GRACE_S):
+            reason = "its process died mid-trial (a trial with no process record, started long ago)"
+        else:
+            continue  # another process's trial, a moment old
+        storage, tid = study._storage, t._trial_id
+        crashes = int(t.user_attrs.get("retries", 0))
+        try:
+            if crashes >= RETRIES:
+                storage.set_trial_user_attr(tid, "fail_reason", f"{reason}, again: the candidate may crash planner")
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
+            else:
+                storage.set_trial_user_attr(tid, "fail_reason", f"{reason}; queued again")
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
+                if t.number not in queued:  # (its own process queued it, then died before ending it)
+                    _requeue(t, study, reason, crashed=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another process got there first
+        ended.append(t.number)
+    return ended
+
+
+def run_study(
+    study: optuna.Study,
+    model: Model,
+    data: Dataset,
+    target: HardwareTarget,
+    space: SearchSpace,
+    settings: SearchSettings,
+    on_trial: Callable[[TrialRecord, int, int], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None,
+) -> list[TrialRecord]:
+    """Run trials until the study holds `settings.trials` finished ones, counting those other
+    processes (workers) finish meanwhile — or exactly `settings.own_trials` here — or until the
+    timeout, or until `stop` is set (trials in flight then finish; none start).
+
+    `on_start(done, total)` and `on_trial(record, done, total)` report progress, `done` being the
+    study's finished trials (every process's)."""
+    space.layer_names(model)  # refuse an untrainable space before the first compile
+    n_jobs = capacity(target)  # one trial in flight per board
+    recover_dead_trials(study)  # a dead process on this host: queued again at once
+    optuna.storages.fail_stale_trials(study)  # a silent heartbeat (another host): failed and queued again now
+    done = _finished(study)
+    remaining = settings.trials - done if settings.own_trials is None else settings.own_trials
+    if on_start is not None:
+        on_start(done, settings.trials)
+    log.debug("study '%s': %d finished trials, %d to run here, %d in parallel", study.study_name, done, max(remaining, 0), n_jobs)
+    halt = _Halt(stop)
+    if remaining > 0 and not halt():
+        callbacks = []
+        if settings.own_trials is None:
+            callbacks.append(lambda s, t: s.stop() if _finished(s) >= settings.trials else None)
+        if on_trial is not None:
+            callbacks.append(lambda s, t: on_trial(to_record(t), _finished(s), settings.trials))
+        callbacks.append(lambda s, t: s.stop() if halt() else None)
+        study.optimize(
+            _objective(Evaluator(model, data, target, settings.evaluation), space, halt),
+            n_trials=remaining,
+            timeout=settings.timeout_s,
+            catch=(CandidateFailed,),
+            n_jobs=n_jobs,
+            callbacks=callbacks,
+            gc_after_trial=False,
+        )
+    if halt.error is not None:
+        raise type(halt.error)(
+            f"{first_line(halt.error)}; the trial was queued again and the study holds {_finished(study)} finished "
+            "trials: rerun the same command once that is fixed"
+        )
+    if halt.hard:
+        raise KeyboardInterrupt
+    return records(study)
+
+
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)  # PRUNED: cut short by Ctrl-C
+
+
+def _finished(study: optuna.Study) -> int:
+    """Finished trials, not counting one a dead process left that runs again as a retry (so a
+    killed worker costs the study no candidate)."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    return sum(t.state in FINISHED and t.number not in retried for t in trials)
+
+
+def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
+    attrs = dict(trial.user_attrs)
+    attrs.setdefault("fail_reason", trial.system_attrs.get("fail_reason"))
+    return TrialRecord.from_attrs(trial.number, trial.state.name, attrs, trial.constraints)
+
+
+def records(study: optuna.Study) -> list[TrialRecord]:
+    """Every trial as a record. A trial whose heartbeat stopped and that Optuna ran again is shown
+    cut short (PRUNED, not counted), as `_finished` counts it: a dead process costs no trial."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    out = []
+    for t in trials:
+        rec = to_record(t)
+        if rec.state == "FAIL" and t.number in retried:
+            rec.state = "PRUNED"
+            rec.fail_reason = rec.fail_reason or "its process stopped sending heartbeats (killed or lost); queued again"
+        out.append(rec)
+    return out
+
+
+def pareto_numbers(study: optuna.Study) -> list[int]:
+    """Trial numbers on the feasible Pareto front (Optuna's own dominance, constraints respected)."""
+    return [t.number for t in study.best_trials]
+
+
+def load_records(storage_url: str, name: str) -> tuple[list[TrialRecord], list[int], dict]:
+    """A study's trials, its feasible Pareto front and the inputs it was created with (for reports)."""
+    study = _planner_study(storage_url, name)
+    return records(study), pareto_numbers(study), study.user_attrs["inputs"]
