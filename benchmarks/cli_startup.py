@@ -18,8 +18,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = {
     "import tvm (PyTorch installed)": [sys.executable, "-c", "import tvm, tvm.relax.frontend.onnx"],
-    "import tvm, PyTorch kept out": [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import tvm, tvm.relax.frontend.onnx"],
-    "planner inspect (the command)": [sys.executable, "-m", "planner", "inspect", str(ROOT / "examples/digits/model.onnx"), "--json"],
+    "import tvm, PyTorch kept out": [
+        sys.executable,
+        "-c",
+        "import sys; sys.modules['torch'] = None; import tvm, tvm.relax.frontend.onnx",
+    ],
+    "planner inspect (the command)": [
+        sys.executable,
+        "-m",
+        "planner",
+        "inspect",
+        str(ROOT / "examples/digits/model.onnx"),
+        "--json",
+    ],
 }
 
 

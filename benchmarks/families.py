@@ -58,8 +58,18 @@ def _scheme(path: Path, layers: list[str], batch: int) -> Path:
 
 
 def _measure(model: Path, layers: list[str], data: Path, batch: int, work: Path, name: str) -> dict:
-    result, _ = _planner("measure", str(model), "--scheme", str(_scheme(work / f"{name}.yaml", layers, batch)),
-                         "--data", str(data), "--out", str(work / name), "--accuracy-steps", "20")
+    result, _ = _planner(
+        "measure",
+        str(model),
+        "--scheme",
+        str(_scheme(work / f"{name}.yaml", layers, batch)),
+        "--data",
+        str(data),
+        "--out",
+        str(work / name),
+        "--accuracy-steps",
+        "20",
+    )
     m = result["metrics"]
     return {"latency_ms": m["step_latency_ms"]["median"], "peak_kib": m["peak_memory_bytes"]["total"] / 1024}
 
@@ -68,20 +78,31 @@ def run(family: str, exporter: str, batch: int, plan: bool, trials: int) -> dict
     model = tf.export(family, exporter)
     layers, _ = _planner("inspect", str(model))
     names = [r["layer"] for r in layers["layers"] if r["trainable"]]
-    row = {"family": family, "exporter": exporter, "input": list(tf.FAMILIES[family].input_shape),
-           "layers": len(layers["layers"]), "trainable": len(names)}
+    row = {
+        "family": family,
+        "exporter": exporter,
+        "input": list(tf.FAMILIES[family].input_shape),
+        "layers": len(layers["layers"]),
+        "trainable": len(names),
+    }
     with tempfile.TemporaryDirectory(prefix="planner-families-") as tmp:
         work = Path(tmp)
         data = _dataset(work / "data.npz", family)
         row["full"] = _measure(model, names, data, batch, work, "full")
         row["last"] = _measure(model, names[-1:], data, batch, work, "last")
         if plan:
-            result, seconds = _planner("plan", "--model", str(model), "--data", str(data), "--trials", str(trials),
-                                       "--out", str(work / "plan"))
-            row["plan"] = {"seconds": seconds, "trials": trials, "trainable": [t["layer"] for t in result["choice"]["trainable"]],
-                           "batch_size": result["choice"]["batch_size"], "val_accuracy": result["metrics"]["accuracy"]["after"],
-                           "latency_ms": result["metrics"]["step_latency_ms"]["median"],
-                           "peak_kib": result["metrics"]["peak_memory_bytes"]["total"] / 1024}
+            result, seconds = _planner(
+                "plan", "--model", str(model), "--data", str(data), "--trials", str(trials), "--out", str(work / "plan")
+            )
+            row["plan"] = {
+                "seconds": seconds,
+                "trials": trials,
+                "trainable": [t["layer"] for t in result["choice"]["trainable"]],
+                "batch_size": result["choice"]["batch_size"],
+                "val_accuracy": result["metrics"]["accuracy"]["after"],
+                "latency_ms": result["metrics"]["step_latency_ms"]["median"],
+                "peak_kib": result["metrics"]["peak_memory_bytes"]["total"] / 1024,
+            }
     return row
 
 
@@ -95,20 +116,26 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
-    print("| family | input | exporter | layers | full update: step ms | peak KiB | last layer: step ms | peak KiB |"
-          + (" plan (default space): wall s, chosen |" if args.plan else ""))
+    print(
+        "| family | input | exporter | layers | full update: step ms | peak KiB | last layer: step ms | peak KiB |"
+        + (" plan (default space): wall s, chosen |" if args.plan else "")
+    )
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.plan else ""), flush=True)
     for family in args.families:
         for exporter in args.exporters:
             row = run(family, exporter, args.batch, args.plan, args.trials)
             rows.append(row)
-            line = (f"| {family} | {'x'.join(map(str, row['input']))} | {exporter} | {row['trainable']}/{row['layers']} | "
-                    f"{row['full']['latency_ms']:.2f} | {row['full']['peak_kib']:,.0f} | "
-                    f"{row['last']['latency_ms']:.2f} | {row['last']['peak_kib']:,.0f} |")
+            line = (
+                f"| {family} | {'x'.join(map(str, row['input']))} | {exporter} | {row['trainable']}/{row['layers']} | "
+                f"{row['full']['latency_ms']:.2f} | {row['full']['peak_kib']:,.0f} | "
+                f"{row['last']['latency_ms']:.2f} | {row['last']['peak_kib']:,.0f} |"
+            )
             if "plan" in row:
                 p = row["plan"]
-                line += (f" {p['seconds']:.0f} s: {len(p['trainable'])} layers, batch {p['batch_size']}, "
-                         f"acc {p['val_accuracy']:.2f}, {p['latency_ms']:.2f} ms, {p['peak_kib']:,.0f} KiB |")
+                line += (
+                    f" {p['seconds']:.0f} s: {len(p['trainable'])} layers, batch {p['batch_size']}, "
+                    f"acc {p['val_accuracy']:.2f}, {p['latency_ms']:.2f} ms, {p['peak_kib']:,.0f} KiB |"
+                )
             print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -43,7 +43,10 @@ def main() -> None:
         for way in ("tvm", "planner"):
             out = subprocess.run([sys.executable, "-c", PROBE, way, str(depth)], capture_output=True, text=True, check=True)
             seconds[way] = float(out.stdout.split()[-1])
-        print(f"| {depth} | {seconds['tvm']:.1f} | {seconds['planner']:.1f} | {seconds['tvm'] / seconds['planner']:.1f}x |", flush=True)
+        print(
+            f"| {depth} | {seconds['tvm']:.1f} | {seconds['planner']:.1f} | {seconds['tvm'] / seconds['planner']:.1f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits"
 
 
 def _scheme(path: Path, layers: list[str], batch: int, optimizer: dict) -> Path:
-    path.write_text(yaml.safe_dump({"trainable": [{"layer": n, "mode": "full"} for n in layers],
-                                    "batch_size": batch, "optimizer": optimizer}))
+    path.write_text(
+        yaml.safe_dump({"trainable": [{"layer": n, "mode": "full"} for n in layers], "batch_size": batch, "optimizer": optimizer})
+    )
     return path
 
 
@@ -64,53 +65,82 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     random_init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=128), out / "mobilenet_v2_035_128_init.onnx")
     upstream, downstream = _tasks(out, 128)
-    layers = [layer.name for layer in api.inspect_model(random_init).layers]
+    layers = [layer.name for layer in api.inspect(random_init).layers]
 
     pre_scheme = _scheme(out / "pretrain.yaml", layers, 16, {"name": "adam", "lr": 0.001})
     api.measure(random_init, scheme=pre_scheme, data=upstream, out=out / "pretrain-plan", accuracy_steps=1, latency_repeats=3)
-    pre = api.run_plan(out / "pretrain-plan", data=upstream, steps=args.pretrain_steps, out=out / "pretrained")
+    pre = api.run(out / "pretrain-plan", data=upstream, steps=args.pretrain_steps, out=out / "pretrained")
     model = out / "pretrained" / "model.onnx"
-    print(f"source digits (pretraining, full update, Adam, batch 16, {pre.steps} steps): "
-          f"val acc {pre.before['accuracy']:.3f} -> {pre.after['accuracy']:.3f}")
+    print(
+        f"source digits (pretraining, full update, Adam, batch 16, {pre.steps} steps): "
+        f"val acc {pre.before['accuracy']:.3f} -> {pre.after['accuracy']:.3f}"
+    )
 
     full = _scheme(out / "full.yaml", layers, 1, {"name": "sgd", "lr": 0.01})
-    base = api.measure(model, scheme=full, data=downstream, out=out / "full", accuracy_steps=args.accuracy_steps, latency_repeats=5)
-    full_peak = base.plan.metrics["peak_memory_bytes"]["total"]
+    base = api.measure(
+        model, scheme=full, data=downstream, out=out / "full", accuracy_steps=args.accuracy_steps, latency_repeats=5
+    )
+    full_peak = base.plan.metrics.peak_memory_bytes.total
 
     target = out / "eighth.yaml"
-    target.write_text(yaml.safe_dump({"description": "host, 1/8 of full update's peak", "tvm_target": {"kind": "llvm"},
-                                      "ram_budget_bytes": full_peak // 8, "precisions": ["fp32", "bf16"]}))
+    target.write_text(
+        yaml.safe_dump(
+            {
+                "description": "host, 1/8 of full update's peak",
+                "tvm_target": {"kind": "llvm"},
+                "ram_budget_bytes": full_peak // 8,
+                "precisions": ["fp32", "bf16"],
+            }
+        )
+    )
     space = yaml.safe_load((Path(__file__).resolve().parent.parent / "search_spaces" / "sparse-update.yaml").read_text())
     space["batch_size"] = [1]
     (out / "space.yaml").write_text(yaml.safe_dump(space))
     try:
-        best = api.plan(model=model, data=downstream, target=str(target), space=str(out / "space.yaml"),
-                        out=out / "plan", trials=args.trials, accuracy_steps=args.accuracy_steps, latency_repeats=5)
+        best = api.plan(
+            model=model,
+            data=downstream,
+            target=str(target),
+            space=str(out / "space.yaml"),
+            out=out / "plan",
+            storage=api.default_storage(out / "plan"),
+            trials=args.trials,
+            accuracy_steps=args.accuracy_steps,
+            latency_repeats=5,
+        )
     except NoFeasiblePlan:
         study = optuna.load_study(study_name="planner", storage=f"sqlite:///{(out / 'plan' / 'study.db').resolve()}")
         done = sorted((to_record(t) for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.memory.total)
-        print(f"no plan under {full_peak // 8 / 2**20:.2f} MiB (1/8 of full update {full_peak / 2**20:.2f} MiB) in "
-              f"{len(done)} trials; the leanest:")
+        print(
+            f"no plan under {full_peak // 8 / 2**20:.2f} MiB (1/8 of full update {full_peak / 2**20:.2f} MiB) in "
+            f"{len(done)} trials; the leanest:"
+        )
         for t in done[:3]:
-            print(f"  trial {t.number}: {len(t.candidate.trainable)} layers, peak {t.memory.total / 2**20:.2f} MiB "
-                  f"(1/{full_peak / t.memory.total:.1f} of full), activations {t.memory.activations / 2**20:.2f} MiB, "
-                  f"{t.latency.median:.1f} ms, val acc {t.accuracy.after:.3f}")
+            print(
+                f"  trial {t.number}: {len(t.candidate.trainable)} layers, peak {t.memory.total / 2**20:.2f} MiB "
+                f"(1/{full_peak / t.memory.total:.1f} of full), activations {t.memory.activations / 2**20:.2f} MiB, "
+                f"{t.latency.median:.1f} ms, val acc {t.accuracy.after:.3f}"
+            )
         return
 
     def row(name: str, plan) -> str:
         mt = plan.metrics
-        mem = mt["peak_memory_bytes"]
-        return (f"| {name} | {len(plan.choice.trainable)} | {mem['total'] / 2**20:.2f} | {mem['activations'] / 2**20:.2f} | "
-                f"{mt['step_latency_ms']['median']:.1f} | {mt['accuracy']['before']:.3f} → {mt['accuracy']['after']:.3f} | "
-                f"{plan.choice.precision}, frozen weights {plan.choice.frozen_weights} |")
+        mem = mt.peak_memory_bytes
+        return (
+            f"| {name} | {len(plan.choice.trainable)} | {mem.total / 2**20:.2f} | {mem.activations / 2**20:.2f} | "
+            f"{mt.step_latency_ms.median:.1f} | {mt.accuracy.before:.3f} → {mt.accuracy.after:.3f} | "
+            f"{plan.choice.precision}, frozen weights {plan.choice.frozen_weights} |"
+        )
 
-    print(f"budget: {full_peak // 8 / 2**20:.2f} MiB (1/8 of full update); {sum(t.complete for t in best.trials)} trials, "
-          f"{sum(t.feasible for t in best.trials)} feasible")
+    print(
+        f"budget: {full_peak // 8 / 2**20:.2f} MiB (1/8 of full update); {sum(t.complete for t in best.trials)} trials, "
+        f"{sum(t.feasible for t in best.trials)} feasible"
+    )
     print("| scheme | layers trained | peak MiB | activations MiB | step ms | downstream val acc | storage |")
     print("|---|---|---|---|---|---|---|")
     print(row("full update", base.plan))
     print(row("best plan under 1/8", best.plan))
-    print("chosen:", ", ".join(f"{t['layer']}:{t['mode']}{'@' + str(t['ratio']) if 'ratio' in t else ''}" for t in best.plan.choice.trainable))
+    print("chosen:", ", ".join(f"{t.layer}:{t.update_mode}" for t in best.plan.choice.trainable))
 
 
 if __name__ == "__main__":

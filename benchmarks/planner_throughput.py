@@ -59,8 +59,10 @@ def main() -> None:
             wall, spent, n, failed = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, args.tune_trials, inputs)
             other = max(0.0, wall - sum(spent.values()))
             shares = " | ".join(f"{spent[p]:.1f} s ({spent[p] / wall:.0%})" for p in PARTS)
-            print(f"| {label} | {n} ({failed}) | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
-                  flush=True)
+            print(
+                f"| {label} | {n} ({failed}) | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

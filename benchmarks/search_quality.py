@@ -36,11 +36,17 @@ def main() -> None:
         cache = Path(tmp) / "cache"
         for seed in args.seeds:
             for sampler, (name, anchors) in SAMPLERS.items():
-                result = api.plan(out=Path(tmp) / f"{sampler}-{seed}", trials=args.trials, seed=seed, sampler=name,
-                                  anchors=anchors, cache_dir=cache)
-                fronts[sampler, seed] = np.array([
-                    (1 - t.accuracy.after, t.latency.median, t.memory.total) for t in result.trials if t.feasible
-                ])
+                result = api.plan(
+                    out=Path(tmp) / f"{sampler}-{seed}",
+                    trials=args.trials,
+                    seed=seed,
+                    sampler=name,
+                    anchors=anchors,
+                    cache_dir=cache,
+                )
+                fronts[sampler, seed] = np.array(
+                    [(1 - t.accuracy.after, t.latency.median, t.memory.total) for t in result.trials if t.feasible]
+                )
                 print(f"seed {seed} {sampler}: {len(fronts[sampler, seed])} feasible of {len(result.trials)}", flush=True)
     scale = np.max(np.concatenate(list(fronts.values())), axis=0)
     scale[0] = 1.0  # 1 - accuracy is already in [0, 1]
@@ -54,8 +60,10 @@ def main() -> None:
         means[sampler] = float(np.mean(values))
         print(f"| {sampler} | " + " | ".join(f"{v:.4f}" for v in values) + f" | {means[sampler]:.4f} |")
     for sampler in ("tpe", "tpe-no-anchors"):
-        print(f"\nhypervolume, {sampler} / random: {means[sampler] / means['random']:.2f}x "
-              f"({args.trials} trials, {len(args.seeds)} seeds)")
+        print(
+            f"\nhypervolume, {sampler} / random: {means[sampler] / means['random']:.2f}x "
+            f"({args.trials} trials, {len(args.seeds)} seeds)"
+        )
 
 
 if __name__ == "__main__":

@@ -38,16 +38,34 @@ def main() -> None:
         model = zoo.save(build(), d / "model.onnx")
         np.savez(d / "data.npz", **zoo.synthetic_task((3, 32, 32), n=400))
         t0 = time.perf_counter()
-        result = api.plan(model=model, data=d / "data.npz", space="sparse-update", out=d / "plan", trials=args.trials,
-                          accuracy_steps=args.accuracy_steps, latency_repeats=5)
+        result = api.plan(
+            model=model,
+            data=d / "data.npz",
+            space="sparse-update",
+            out=d / "plan",
+            trials=args.trials,
+            accuracy_steps=args.accuracy_steps,
+            latency_repeats=5,
+        )
         p, m = result.plan, result.plan.metrics
-        rows.append((
-            name, sum(t.complete for t in result.trials), sum(t.state == "FAIL" for t in result.trials), len(p.pareto),
-            len(p.choice.trainable), f"{p.choice.precision}/{p.choice.frozen_weights}", m["accuracy"]["after"], m["step_latency_ms"]["median"],
-            m["peak_memory_bytes"]["total"] / 1024, time.perf_counter() - t0,
-        ))
+        rows.append(
+            (
+                name,
+                sum(t.complete for t in result.trials),
+                sum(t.state == "FAIL" for t in result.trials),
+                len(p.pareto),
+                len(p.choice.trainable),
+                f"{p.choice.precision}/{p.choice.frozen_weights}",
+                m.accuracy.after,
+                m.step_latency_ms.median,
+                m.peak_memory_bytes.total / 1024,
+                time.perf_counter() - t0,
+            )
+        )
         print(f"{name}: done in {rows[-1][-1]:.0f} s", flush=True)
-    print("\n| family | complete | failed | Pareto | layers trained | precision / frozen weights | val acc (proxy) | step ms | peak KiB | wall s |")
+    print(
+        "\n| family | complete | failed | Pareto | layers trained | precision / frozen weights | val acc (proxy) | step ms | peak KiB | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3f} | {r[7]:.2f} | {r[8]:,.0f} | {r[9]:.0f} |")

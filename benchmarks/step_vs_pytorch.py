@@ -74,8 +74,10 @@ def torch_model(proto: onnx.ModelProto):
         def __init__(self) -> None:
             super().__init__()
             self.params = torch.nn.ParameterDict(
-                {t.name.replace(".", "/"): torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()))
-                 for t in proto.graph.initializer}
+                {
+                    t.name.replace(".", "/"): torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()))
+                    for t in proto.graph.initializer
+                }
             )
 
         def p(self, name: str):
@@ -91,8 +93,15 @@ def torch_model(proto: onnx.ModelProto):
                     out = torch.from_numpy(numpy_helper.to_array(attrs["value"]).copy())
                 elif op == "Conv":
                     pads = attrs.get("pads", [0, 0, 0, 0])
-                    out = F.conv2d(ins[0], ins[1], ins[2] if len(ins) > 2 else None, attrs.get("strides", [1, 1]),
-                                   pads[:2], 1, attrs.get("group", 1))
+                    out = F.conv2d(
+                        ins[0],
+                        ins[1],
+                        ins[2] if len(ins) > 2 else None,
+                        attrs.get("strides", [1, 1]),
+                        pads[:2],
+                        1,
+                        attrs.get("group", 1),
+                    )
                 elif op == "BatchNormalization":
                     out = F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2], False, 0.0, attrs.get("epsilon", 1e-5))
                 elif op == "Relu":
@@ -153,13 +162,13 @@ def time_torch(step, repeats: int) -> float:
 def planner_step(model_path: Path, layers: list[str], batch: int, optimizer: str = "sgd", updates: str = "in-place"):
     import tvm
 
-    from planner.backend.compile import compile_candidate
+    from planner.backend.compile import BuildOptions, compile_candidate
     from planner.inputs.model import load_model
-    from planner.inputs.spaces import Candidate
+    from planner.types import Candidate
 
     model = load_model(model_path)
     cand = Candidate(tuple((n, "full") for n in layers), batch, optimizer, LR, updates=updates)
-    return model, compile_candidate(model, cand, tvm.target.Target({"kind": "llvm"}))
+    return model, compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"})))
 
 
 # --- the child process that measures one framework's memory -----------------------------------
@@ -176,8 +185,9 @@ def probe(spec: dict) -> None:
     else:
         from planner.backend.session import TrainingSession
 
-        model, compiled = planner_step(Path(spec["model"]), spec["layers"], spec["batch"],
-                                       spec.get("optimizer", "sgd"), spec.get("updates", "in-place"))
+        model, compiled = planner_step(
+            Path(spec["model"]), spec["layers"], spec["batch"], spec.get("optimizer", "sgd"), spec.get("updates", "in-place")
+        )
         session = TrainingSession(compiled.library, compiled.signature, model.initializers)
         sig = compiled.signature
         x = np.random.default_rng(0).standard_normal(sig.input_shape).astype("float32")
@@ -194,8 +204,9 @@ def probe(spec: dict) -> None:
 
 
 def peak_growth(spec: dict, env: dict) -> int:
-    out = subprocess.run([sys.executable, __file__, "--probe", json.dumps(spec)], capture_output=True, text=True,
-                         env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--probe", json.dumps(spec)], capture_output=True, text=True, env=env, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth"]
 
 
@@ -205,8 +216,10 @@ def peak_growth(spec: dict, env: dict) -> int:
 def layer_flops(proto: onnx.ModelProto, batch: int) -> dict[str, float]:
     """Forward FLOPs (2 x multiply-adds) of each Conv and Gemm node, by node name."""
     inferred = onnx.shape_inference.infer_shapes(proto)
-    shapes = {v.name: [d.dim_value or batch for d in v.type.tensor_type.shape.dim]
-              for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    shapes = {
+        v.name: [d.dim_value or batch for d in v.type.tensor_type.shape.dim]
+        for v in [*inferred.graph.value_info, *inferred.graph.output]
+    }
     inits = {t.name: list(t.dims) for t in proto.graph.initializer}
     flops = {}
     for node in proto.graph.node:
@@ -256,15 +269,17 @@ def main() -> None:
     import torch
 
     from planner import zoo
-    from planner.measurement.latency import time_step
-    from planner.inputs.model import load_model
     from planner.backend.session import TrainingSession
+    from planner.inputs.model import load_model
+    from planner.measurement.latency import time_step
 
     torch.set_num_threads(args.threads)
     peak_blas = numpy_gflops()
     print(f"host: {args.threads} threads; numpy float32 1024x1024 matmul: {peak_blas:.1f} GFLOP/s\n")
-    print("| model | batch | update | planner ms | PyTorch ms | time ratio | planner MiB (planned) | PyTorch MiB "
-          "| memory ratio | planner GFLOP/s (÷ numpy) | PyTorch GFLOP/s (÷ numpy) |")
+    print(
+        "| model | batch | update | planner ms | PyTorch ms | time ratio | planner MiB (planned) | PyTorch MiB "
+        "| memory ratio | planner GFLOP/s (÷ numpy) | PyTorch GFLOP/s (÷ numpy) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for label in args.models:
@@ -294,10 +309,13 @@ def main() -> None:
                     m_torch = peak_growth({**spec, "framework": "torch", "params": params}, env)
                     work = step_flops(flops, layers, trained) / 1e9
                     g_planner, g_torch = work / (t_planner / 1e3), work / (t_torch / 1e3)
-                    print(f"| {label} | {batch} | {update} | {t_planner:.2f} | {t_torch:.2f} | {t_planner / t_torch:.2f}x | "
-                          f"{m_planner / 2**20:.2f} ({compiled.memory.total / 2**20:.2f}) | {m_torch / 2**20:.2f} | "
-                          f"{m_planner / max(m_torch, 1):.2f}x | {g_planner:.2f} ({g_planner / peak_blas:.1%}) | "
-                          f"{g_torch:.2f} ({g_torch / peak_blas:.1%}) |", flush=True)
+                    print(
+                        f"| {label} | {batch} | {update} | {t_planner:.2f} | {t_torch:.2f} | {t_planner / t_torch:.2f}x | "
+                        f"{m_planner / 2**20:.2f} ({compiled.memory.total / 2**20:.2f}) | {m_torch / 2**20:.2f} | "
+                        f"{m_planner / max(m_torch, 1):.2f}x | {g_planner:.2f} ({g_planner / peak_blas:.1%}) | "
+                        f"{g_torch:.2f} ({g_torch / peak_blas:.1%}) |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -30,13 +30,15 @@ def main() -> None:
     if os.environ.get("TVM_NUM_THREADS") != str(args.threads):  # TVM reads it once, at start-up
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     from planner import zoo
-    from planner.measurement.latency import time_step
-    from planner.inputs.model import load_model
     from planner.backend.session import TrainingSession
+    from planner.inputs.model import load_model
+    from planner.measurement.latency import time_step
 
     print(f"batch {args.batch}, every layer trained, {args.threads} threads\n")
-    print("| model | optimizer | planned MiB copy → in-place | saving | measured MiB copy → in-place | saving "
-          "| step ms copy → in-place | updates in place |")
+    print(
+        "| model | optimizer | planned MiB copy → in-place | saving | measured MiB copy → in-place | saving "
+        "| step ms copy → in-place | updates in place |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for label, (builder, kwargs) in MODELS.items():
@@ -49,15 +51,25 @@ def main() -> None:
                     session = TrainingSession(compiled.library, compiled.signature, model.initializers)
                     ms[updates] = time_step(session, args.repeats, "local").median
                     planned[updates] = compiled.memory.total / 2**20
-                    spec = {"framework": "planner", "model": str(path), "batch": args.batch, "layers": layers,
-                            "optimizer": optimizer, "updates": updates, "threads": args.threads}
+                    spec = {
+                        "framework": "planner",
+                        "model": str(path),
+                        "batch": args.batch,
+                        "layers": layers,
+                        "optimizer": optimizer,
+                        "updates": updates,
+                        "threads": args.threads,
+                    }
                     measured[updates] = peak_growth(spec, env) / 2**20
                     in_place = max(in_place, compiled.in_place_updates)
                 n_updated = len(compiled.signature.trainable) + len(compiled.signature.optim_states)
-                print(f"| {label} | {optimizer} | {planned['copy']:.2f} → {planned['in-place']:.2f} | "
-                      f"{1 - planned['in-place'] / planned['copy']:.0%} | {measured['copy']:.2f} → {measured['in-place']:.2f} | "
-                      f"{1 - measured['in-place'] / measured['copy']:.0%} | {ms['copy']:.2f} → {ms['in-place']:.2f} | "
-                      f"{in_place} of {n_updated} |", flush=True)
+                print(
+                    f"| {label} | {optimizer} | {planned['copy']:.2f} → {planned['in-place']:.2f} | "
+                    f"{1 - planned['in-place'] / planned['copy']:.0%} | {measured['copy']:.2f} → {measured['in-place']:.2f} | "
+                    f"{1 - measured['in-place'] / measured['copy']:.0%} | {ms['copy']:.2f} → {ms['in-place']:.2f} | "
+                    f"{in_place} of {n_updated} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

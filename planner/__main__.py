@@ -1,3 +1,3 @@
-from planner.cli.app import main
+from planner.cli import main
 
 main()

@@ -40,17 +40,6 @@ class MeasureFailed(PlannerError):
     exit_code = 1
 
 
-class Interrupted(PlannerError):
-    """Ctrl-C: the trials in flight finished, no new one started; `result` is the plan written
-    from the finished trials, if any was feasible."""
-
-    exit_code = 130
-
-    def __init__(self, message: str, result: object | None = None) -> None:
-        super().__init__(message)
-        self.result = result
-
-
 class CandidateFailed(Exception):
     """One candidate could not be built, compiled or run: a failed trial, never a dead study."""
 

@@ -70,7 +70,8 @@ class _Graph:
 
     def model(self, name: str, input_shape: tuple[int, ...], classes: int) -> onnx.ModelProto:
         graph = helper.make_graph(
-            self.nodes, name,
+            self.nodes,
+            name,
             [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", *input_shape])],
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
             self.inits,
@@ -91,7 +92,9 @@ def _inverted_residual(g: _Graph, x: str, name: str, cin: int, cout: int, expand
     h = x
     if expand != 1:
         h = g.relu6(g.bn(g.conv(h, f"{name}.expand", cin, hidden, 1), f"{name}.expand_bn", hidden), f"{name}.expand_act")
-    h = g.relu6(g.bn(g.conv(h, f"{name}.dw", hidden, hidden, k, stride, groups=hidden), f"{name}.dw_bn", hidden), f"{name}.dw_act")
+    h = g.relu6(
+        g.bn(g.conv(h, f"{name}.dw", hidden, hidden, k, stride, groups=hidden), f"{name}.dw_bn", hidden), f"{name}.dw_act"
+    )
     h = g.bn(g.conv(h, f"{name}.project", hidden, cout, 1), f"{name}.project_bn", cout)
     if stride == 1 and cin == cout:
         h = g.node("Add", [x, h], f"{name}.add")
@@ -120,7 +123,18 @@ def mobilenet_v2(width: float = 0.35, resolution: int = 128, classes: int = 10, 
 
 
 # (expansion, kernel, channels, stride) of an MCUNet-style network (mixed kernels and ratios)
-_MCUNET = [(1, 3, 8, 1), (3, 7, 16, 2), (6, 3, 16, 1), (5, 7, 24, 2), (4, 5, 24, 1), (5, 5, 40, 2), (5, 5, 48, 1), (6, 7, 96, 2), (4, 3, 96, 1), (6, 5, 160, 1)]
+_MCUNET = [
+    (1, 3, 8, 1),
+    (3, 7, 16, 2),
+    (6, 3, 16, 1),
+    (5, 7, 24, 2),
+    (4, 5, 24, 1),
+    (5, 5, 40, 2),
+    (5, 5, 48, 1),
+    (6, 7, 96, 2),
+    (4, 3, 96, 1),
+    (6, 5, 160, 1),
+]
 
 
 def mcunet(resolution: int = 64, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
@@ -158,20 +172,31 @@ def resnet(depth: int = 8, resolution: int = 32, classes: int = 10, seed: int = 
             name, stride = f"s{stage}.b{j}", 2 if stage > 0 and j == 0 else 1
             h = g.node("Relu", [g.bn(g.conv(x, f"{name}.conv1", c, width, 3, stride), f"{name}.bn1", width)], f"{name}.act1")
             h = g.bn(g.conv(h, f"{name}.conv2", width, width, 3), f"{name}.bn2", width)
-            shortcut = x if stride == 1 and c == width else g.bn(g.conv(x, f"{name}.down", c, width, 1, stride), f"{name}.down_bn", width)
+            shortcut = (
+                x
+                if stride == 1 and c == width
+                else g.bn(g.conv(x, f"{name}.down", c, width, 1, stride), f"{name}.down_bn", width)
+            )
             x = g.node("Relu", [g.node("Add", [h, shortcut], f"{name}.add")], f"{name}.act2")
             c = width
     g.head(x, c, classes)
     return g.model(f"resnet{depth}_{resolution}", (3, resolution, resolution), classes)
 
 
-def vit_block(resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+def vit_block(
+    resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64, classes: int = 10, seed: int = 0
+) -> onnx.ModelProto:
     """Patch embedding, one pre-norm transformer block (single-head attention, GELU MLP), mean-pool head."""
     g = _Graph(seed)
     r = g.rng
     tokens = (resolution // patch) ** 2
-    x = g.node("Conv", ["input", g.param("embed.weight", r.normal(0, 0.1, (dim, 3, patch, patch))), g.param("embed.bias", np.zeros(dim))],
-               "embed", kernel_shape=[patch, patch], strides=[patch, patch])
+    x = g.node(
+        "Conv",
+        ["input", g.param("embed.weight", r.normal(0, 0.1, (dim, 3, patch, patch))), g.param("embed.bias", np.zeros(dim))],
+        "embed",
+        kernel_shape=[patch, patch],
+        strides=[patch, patch],
+    )
     x = g.node("Reshape", [x, g.const("embed.shape", np.array([0, dim, tokens], np.int64))], "embed.flatten")
     x = g.node("Transpose", [x], "tokens", perm=[0, 2, 1])  # [batch, tokens, dim]
 
@@ -180,7 +205,12 @@ def vit_block(resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64
         return g.node("Add", [h, g.param(f"{name}.bias", np.zeros(dout))], f"{name}.add_bias")
 
     def norm(h: str, name: str) -> str:
-        return g.node("LayerNormalization", [h, g.param(f"{name}.scale", np.ones(dim)), g.param(f"{name}.bias", np.zeros(dim))], name, axis=-1)
+        return g.node(
+            "LayerNormalization",
+            [h, g.param(f"{name}.scale", np.ones(dim)), g.param(f"{name}.bias", np.zeros(dim))],
+            name,
+            axis=-1,
+        )
 
     h = norm(x, "attn.norm")
     q, k, v = (linear(h, f"attn.{p}", dim, dim) for p in "qkv")
@@ -194,7 +224,9 @@ def vit_block(resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64
     x = g.node("Add", [x, h], "mlp.residual")
     x = g.node("ReduceMean", [x, g.const("pool.axes", np.array([1], np.int64))], "pool", keepdims=0)
     w = g.param("classifier.weight", r.normal(0, np.sqrt(1.0 / dim), (classes, dim)))
-    g.nodes.append(helper.make_node("Gemm", [x, w, g.param("classifier.bias", np.zeros(classes))], ["logits"], name="classifier", transB=1))
+    g.nodes.append(
+        helper.make_node("Gemm", [x, w, g.param("classifier.bias", np.zeros(classes))], ["logits"], name="classifier", transB=1)
+    )
     return g.model(f"vit_block_{resolution}", (3, resolution, resolution), classes)
 
 

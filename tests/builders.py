@@ -14,10 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.ops._op import OpRunUnaryNum
 
-from planner.backend.compile import compile_candidate
-from planner.inputs.model import load_model
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 
 def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: int = 3) -> Path:
@@ -32,12 +32,33 @@ def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: 
         inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
         return name
 
-    nodes.append(helper.make_node("Conv", ["x", p("c1.w", rng.normal(0, 0.5, (4, 1, 3, 3))), p("c1.b", rng.normal(0, 0.1, 4))], ["a1"], name="c1", pads=[1, 1, 1, 1]))
-    bn = [p("bn.s", rng.uniform(0.5, 1.5, 4)), p("bn.b", rng.normal(0, 0.1, 4)), p("bn.m", rng.normal(0, 0.1, 4)), p("bn.v", rng.uniform(0.5, 1.5, 4))]
+    nodes.append(
+        helper.make_node(
+            "Conv",
+            ["x", p("c1.w", rng.normal(0, 0.5, (4, 1, 3, 3))), p("c1.b", rng.normal(0, 0.1, 4))],
+            ["a1"],
+            name="c1",
+            pads=[1, 1, 1, 1],
+        )
+    )
+    bn = [
+        p("bn.s", rng.uniform(0.5, 1.5, 4)),
+        p("bn.b", rng.normal(0, 0.1, 4)),
+        p("bn.m", rng.normal(0, 0.1, 4)),
+        p("bn.v", rng.uniform(0.5, 1.5, 4)),
+    ]
     nodes.append(helper.make_node("BatchNormalization", ["a1", *bn], ["a2"], name="bn"))
     nodes.append(helper.make_node("Relu", ["a2"], ["a3"], name="r1"))
     nodes.append(helper.make_node("MaxPool", ["a3"], ["a4"], name="pool", kernel_shape=[2, 2], strides=[2, 2]))
-    nodes.append(helper.make_node("Conv", ["a4", p("c2.w", rng.normal(0, 0.4, (6, 4, 3, 3))), p("c2.b", rng.normal(0, 0.1, 6))], ["a5"], name="c2", pads=[1, 1, 1, 1]))
+    nodes.append(
+        helper.make_node(
+            "Conv",
+            ["a4", p("c2.w", rng.normal(0, 0.4, (6, 4, 3, 3))), p("c2.b", rng.normal(0, 0.1, 6))],
+            ["a5"],
+            name="c2",
+            pads=[1, 1, 1, 1],
+        )
+    )
     nodes.append(helper.make_node("Relu", ["a5"], ["a6"], name="r2"))
     nodes.append(helper.make_node("GlobalAveragePool", ["a6"], ["a7"], name="gap"))
     nodes.append(helper.make_node("Flatten", ["a7"], ["a8"], name="flat"))
@@ -45,10 +66,21 @@ def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: 
     if extra_op:
         nodes.append(helper.make_node(extra_op, ["a8"], ["a9"], name="blocker"))
         feat = "a9"
-    nodes.append(helper.make_node("Gemm", [feat, p("fc.w", rng.normal(0, 0.5, (n_classes, 6))), p("fc.b", rng.normal(0, 0.1, n_classes))], ["logits"], name="fc", transB=1))
+    nodes.append(
+        helper.make_node(
+            "Gemm",
+            [feat, p("fc.w", rng.normal(0, 0.5, (n_classes, 6))), p("fc.b", rng.normal(0, 0.1, n_classes))],
+            ["logits"],
+            name="fc",
+            transB=1,
+        )
+    )
     graph = helper.make_graph(
-        nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", n_classes])], inits,
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", n_classes])],
+        inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
@@ -91,7 +123,9 @@ def _binary(op: str) -> Body:
 
 def _clip(nodes, p, h, C, rng):  # ReLU6, with tensor bounds as every exporter writes it
     for name, v in (("lo", 0.0), ("hi", 6.0)):
-        nodes.append(helper.make_node("Constant", [], [name], name=f"const_{name}", value=numpy_helper.from_array(np.array(v, np.float32))))
+        nodes.append(
+            helper.make_node("Constant", [], [name], name=f"const_{name}", value=numpy_helper.from_array(np.array(v, np.float32)))
+        )
     nodes.append(helper.make_node("Clip", [h, "lo", "hi"], ["o"], name="op"))
     return "o"
 
@@ -100,7 +134,17 @@ def _conv(k: int, stride: int, groups: str) -> Body:
     def body(nodes, p, h, C, rng):
         G = {"depthwise": C, "grouped": 2, "dense": 1}[groups]
         w = p("op.w", rng.normal(0, 0.5, (C, C // G, k, k)))
-        nodes.append(helper.make_node("Conv", [h, w, p("op.b", rng.normal(0, 0.1, C))], ["o"], name="op", group=G, pads=[k // 2] * 4, strides=[stride, stride]))
+        nodes.append(
+            helper.make_node(
+                "Conv",
+                [h, w, p("op.b", rng.normal(0, 0.1, C))],
+                ["o"],
+                name="op",
+                group=G,
+                pads=[k // 2] * 4,
+                strides=[stride, stride],
+            )
+        )
         return "o"
 
     return body
@@ -117,7 +161,15 @@ def _channels_last(inner: Body) -> Body:
 
 
 def _layernorm(nodes, p, h, C, rng):
-    nodes.append(helper.make_node("LayerNormalization", [h, p("op.s", rng.uniform(0.5, 1.5, C)), p("op.b", rng.normal(0, 0.1, C))], ["o"], name="op", axis=-1))
+    nodes.append(
+        helper.make_node(
+            "LayerNormalization",
+            [h, p("op.s", rng.uniform(0.5, 1.5, C)), p("op.b", rng.normal(0, 0.1, C))],
+            ["o"],
+            name="op",
+            axis=-1,
+        )
+    )
     return "o"
 
 
@@ -133,7 +185,9 @@ def _concat(nodes, p, h, C, rng):
 
 
 def _reduce_mean(nodes, p, h, C, rng):
-    nodes.append(helper.make_node("Constant", [], ["axes"], name="const_axes", value=numpy_helper.from_array(np.array([2], np.int64))))
+    nodes.append(
+        helper.make_node("Constant", [], ["axes"], name="const_axes", value=numpy_helper.from_array(np.array([2], np.int64)))
+    )
     nodes.append(helper.make_node("ReduceMean", [h, "axes"], ["r"], name="op", keepdims=1))
     nodes.append(helper.make_node("Add", [h, "r"], ["o"], name="residual"))
     return "o"
@@ -159,7 +213,11 @@ def _gather_select(nodes, p, h, C, rng):  # x[:, :, 1] as a class-token select w
 
 def _gather_table(nodes, p, h, C, rng):  # an embedding: rows of a parameter table picked by constant indices
     table = p("op.table", rng.normal(0, 0.5, (5, 6)))
-    nodes.append(helper.make_node("Gather", [table, _const(nodes, "rows", np.array([4, 0, 2, 2, 1, 3], np.int64))], ["e"], name="op", axis=0))
+    nodes.append(
+        helper.make_node(
+            "Gather", [table, _const(nodes, "rows", np.array([4, 0, 2, 2, 1, 3], np.int64))], ["e"], name="op", axis=0
+        )
+    )
     nodes.append(helper.make_node("Add", [h, "e"], ["o"], name="op_add"))
     return "o"
 
@@ -177,7 +235,11 @@ def _slice(step: int) -> Body:
 
 
 def _split(nodes, p, h, C, rng):  # ShuffleNet's channel split, halves swapped
-    nodes.append(helper.make_node("Split", [h, _const(nodes, "sizes", np.array([C // 2, C // 2], np.int64))], ["a", "b"], name="op", axis=1))
+    nodes.append(
+        helper.make_node(
+            "Split", [h, _const(nodes, "sizes", np.array([C // 2, C // 2], np.int64))], ["a", "b"], name="op", axis=1
+        )
+    )
     nodes.append(helper.make_node("Relu", ["a"], ["ar"], name="op_relu"))
     nodes.append(helper.make_node("Concat", ["b", "ar"], ["o"], name="op_concat", axis=1))
     return "o"
@@ -250,8 +312,16 @@ OP_PATTERNS: dict[str, Body] = {
     "SiLU": _silu,
 }
 TRAINABLE_OP = {
-    "Conv1x1", "Conv5x5", "Conv7x7s2", "DepthwiseConv3x3s2", "DepthwiseConv5x5", "GroupedConv3x3", "LayerNormalization",
-    "MatMul+Transpose", "Gather(table)", "Expand(token)",
+    "Conv1x1",
+    "Conv5x5",
+    "Conv7x7s2",
+    "DepthwiseConv3x3s2",
+    "DepthwiseConv5x5",
+    "GroupedConv3x3",
+    "LayerNormalization",
+    "MatMul+Transpose",
+    "Gather(table)",
+    "Expand(token)",
 }
 
 
@@ -265,14 +335,29 @@ def op_pattern_model(path: Path, pattern: str, seed: int = 0) -> Path:
         return name
 
     C = 4
-    nodes.append(helper.make_node("Conv", ["x", p("c.w", rng.normal(0, 0.5, (C, 1, 3, 3))), p("c.b", rng.normal(0, 0.1, C))], ["h"], name="c", pads=[1, 1, 1, 1]))
+    nodes.append(
+        helper.make_node(
+            "Conv",
+            ["x", p("c.w", rng.normal(0, 0.5, (C, 1, 3, 3))), p("c.b", rng.normal(0, 0.1, C))],
+            ["h"],
+            name="c",
+            pads=[1, 1, 1, 1],
+        )
+    )
     out = OP_PATTERNS[pattern](nodes, p, "h", C, rng)
     nodes.append(helper.make_node("GlobalAveragePool", [out], ["gp"], name="gap"))
     nodes.append(helper.make_node("Flatten", ["gp"], ["f"], name="flat"))
-    nodes.append(helper.make_node("Gemm", ["f", p("fc.w", rng.normal(0, 0.5, (3, C))), p("fc.b", np.zeros(3))], ["logits"], name="fc", transB=1))
+    nodes.append(
+        helper.make_node(
+            "Gemm", ["f", p("fc.w", rng.normal(0, 0.5, (3, C))), p("fc.b", np.zeros(3))], ["logits"], name="fc", transB=1
+        )
+    )
     graph = helper.make_graph(
-        nodes, pattern, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])], inits,
+        nodes,
+        pattern,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     onnx.checker.check_model(model)
@@ -323,7 +408,11 @@ def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int =
     SGD with lr = 1 makes the compiled step compute p - grad, so grad = p_before - p_after.
     """
     model = load_model(path)
-    step = compile_candidate(model, Candidate(trainable=trainable, batch_size=batch, optimizer="sgd", lr=1.0), tvm.target.Target({"kind": "llvm"}))
+    step = compile_candidate(
+        model,
+        Candidate(trainable=trainable, batch_size=batch, optimizer="sgd", lr=1.0),
+        BuildOptions(tvm.target.Target({"kind": "llvm"})),
+    )
     w0 = {k: v.astype(np.float32) for k, v in model.initializers.items()}
     session = TrainingSession(step.library, step.signature, w0)
     rng = np.random.default_rng(1)

@@ -64,7 +64,6 @@ def _postgres_bindir() -> Path | None:
     return Path(postgres).parent if postgres else None
 
 
-
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """A PostgreSQL database URL for study storage: $PLANNER_TEST_POSTGRES when set, else a
@@ -101,9 +100,23 @@ def postgres_url() -> Iterator[str]:
     server = None
     try:
         init = subprocess.run(
-            [bindir / "initdb", "-D", data, "-U", "planner", "--pwfile", pwfile, "-E", "UTF8", "--no-sync",
-             "--auth-local=trust", "--auth-host=scram-sha-256"],
-            capture_output=True, text=True, **as_user,
+            [
+                bindir / "initdb",
+                "-D",
+                data,
+                "-U",
+                "planner",
+                "--pwfile",
+                pwfile,
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+            ],
+            capture_output=True,
+            text=True,
+            **as_user,
         )
         if init.returncode != 0:
             pytest.skip(f"initdb failed: {init.stderr.strip()[-500:]}")
@@ -113,13 +126,34 @@ def postgres_url() -> Iterator[str]:
             port = free_port()
             with open(log_path, "w") as log:
                 server = subprocess.Popen(
-                    [*guard, bindir / "postgres", "-D", data, "-h", "127.0.0.1", "-p", str(port), "-k", sock,
-                     "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, **as_user,
+                    [
+                        *guard,
+                        bindir / "postgres",
+                        "-D",
+                        data,
+                        "-h",
+                        "127.0.0.1",
+                        "-p",
+                        str(port),
+                        "-k",
+                        sock,
+                        "-c",
+                        "fsync=off",
+                        "-c",
+                        "synchronous_commit=off",
+                        "-c",
+                        "full_page_writes=off",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    **as_user,
                 )
             admin = sqlalchemy.create_engine(
-                f"postgresql://planner:planner@127.0.0.1:{port}/postgres", isolation_level="AUTOCOMMIT",
-                connect_args={"connect_timeout": 2}, poolclass=sqlalchemy.pool.NullPool,
+                f"postgresql://planner:planner@127.0.0.1:{port}/postgres",
+                isolation_level="AUTOCOMMIT",
+                connect_args={"connect_timeout": 2},
+                poolclass=sqlalchemy.pool.NullPool,
             )
             deadline = time.time() + 30
             while server.poll() is None and time.time() < deadline:

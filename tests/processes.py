@@ -15,18 +15,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from builders import free_port
-
 from planner.measurement.board import key_status
 
 
 def planner(
-    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
-    preexec_fn: Callable[[], None] | None = None, timeout: float = 900,
+    *args: str | Path,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """`planner ARGS` run to completion, output captured; `env` adds to this process's environment."""
     return subprocess.run(
-        [sys.executable, "-m", "planner", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-        env={**os.environ, **env} if env else None, preexec_fn=preexec_fn,
+        [sys.executable, "-m", "planner", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, **env} if env else None,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -34,7 +41,9 @@ def start(*args: str) -> subprocess.Popen:
     """A `planner board ...` process in its own process group (so a kill takes its workers too)."""
     return subprocess.Popen(
         [sys.executable, "-m", "planner", "board", *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
 
 

@@ -5,23 +5,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from builders import gradient_errors
 
+from builders import gradient_errors
 from planner import zoo
-from planner.backend.compile import compile_candidate
-from planner.inputs.model import load_model
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 FAMILIES = {
-    "mobilenet_v2": (lambda: zoo.mobilenet_v2(width=0.35, resolution=32),
-                     (("b1.dw", "full"), ("b1.dw_bn", "full"), ("b4.project", "full"), ("b6.project_bn", "bias"), ("classifier", "bias"))),
-    "resnet8": (lambda: zoo.resnet(8, resolution=16),
-                (("s0.b0.bn2", "full"), ("s1.b0.conv1", "full"), ("s1.b0.down", "full"), ("s2.b0.conv2", "bias"))),
-    "mcunet": (lambda: zoo.mcunet(resolution=32),
-               (("b1.dw", "full"), ("b3.expand", "full"), ("b7.dw_bn", "bias"))),
-    "vit_block": (lambda: zoo.vit_block(resolution=16),
-                  (("attn.norm", "full"), ("attn.q", "full"), ("attn.q.add_bias", "bias"), ("mlp.fc1", "full"), ("mlp.norm", "full"))),
+    "mobilenet_v2": (
+        lambda: zoo.mobilenet_v2(width=0.35, resolution=32),
+        (("b1.dw", "full"), ("b1.dw_bn", "full"), ("b4.project", "full"), ("b6.project_bn", "bias"), ("classifier", "bias")),
+    ),
+    "resnet8": (
+        lambda: zoo.resnet(8, resolution=16),
+        (("s0.b0.bn2", "full"), ("s1.b0.conv1", "full"), ("s1.b0.down", "full"), ("s2.b0.conv2", "bias")),
+    ),
+    "mcunet": (lambda: zoo.mcunet(resolution=32), (("b1.dw", "full"), ("b3.expand", "full"), ("b7.dw_bn", "bias"))),
+    "vit_block": (
+        lambda: zoo.vit_block(resolution=16),
+        (("attn.norm", "full"), ("attn.q", "full"), ("attn.q.add_bias", "bias"), ("mlp.fc1", "full"), ("mlp.norm", "full")),
+    ),
 }
 
 
@@ -47,7 +52,9 @@ def test_bf16_steps_of_edge_families_train_like_fp32(family, tmp_path):
     y = rng.integers(0, model.n_classes, 4)
     losses = {}
     for precision in ("fp32", "bf16"):
-        step = compile_candidate(model, Candidate(trainable, 4, "sgd", 0.05, precision), tvm.target.Target({"kind": "llvm"}))
+        step = compile_candidate(
+            model, Candidate(trainable, 4, "sgd", 0.05, precision), BuildOptions(tvm.target.Target({"kind": "llvm"}))
+        )
         session = TrainingSession(step.library, step.signature, model.initializers)
         losses[precision] = [session.step(x, y) for _ in range(30)]
     l32, l16 = losses["fp32"], losses["bf16"]

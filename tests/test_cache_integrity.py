@@ -22,13 +22,13 @@ import tvm
 
 from planner import cachefile
 from planner.backend import link
-from planner.measurement.accuracy import measure_accuracy
-from planner.backend.compile import LIB_NAME, META_NAME, check_cache_dir, compile_candidate
-from planner.inputs.data import load_dataset
-from planner.errors import EnvironmentFailure
-from planner.inputs.model import load_model
+from planner.backend.compile import LIB_NAME, META_NAME, BuildOptions, check_cache_dir, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.errors import EnvironmentFailure
+from planner.inputs.data import load_dataset
+from planner.inputs.model import load_model
+from planner.measurement.accuracy import measure_accuracy
+from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 
@@ -53,7 +53,7 @@ def pristine(tiny_model, tmp_path_factory):
     three steps with it (trained from a copy: the cached library is never loaded here)."""
     model = load_model(tiny_model)
     cache = tmp_path_factory.mktemp("pristine") / "cache"
-    step = compile_candidate(model, _candidate(model), HOST, cache)
+    step = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     copy = tmp_path_factory.mktemp("reference") / LIB_NAME
     shutil.copyfile(step.library, copy)
     return model, cache, step, copy.read_bytes(), _losses(model, copy, step)
@@ -98,7 +98,9 @@ STEP_DAMAGE = {
     "edited memory": lambda e: _edit_body(e / META_NAME, lambda b: b["memory"].update(total=1024)),
     "truncated metadata": lambda e: _truncate(e / META_NAME),
     "metadata not JSON": lambda e: (e / META_NAME).write_bytes(b"\x00\xff garbage"),
-    "metadata without its hash": lambda e: (e / META_NAME).write_text(json.dumps(json.loads((e / META_NAME).read_text())["body"])),
+    "metadata without its hash": lambda e: (e / META_NAME).write_text(
+        json.dumps(json.loads((e / META_NAME).read_text())["body"])
+    ),
     "metadata missing a field": lambda e: _rehash(e / META_NAME, lambda b: b.pop("signature")),
 }
 
@@ -113,13 +115,13 @@ def test_a_damaged_step_entry_is_rebuilt_not_loaded(pristine, cache, damage):
     STEP_DAMAGE[damage](entry)
 
     # checked before anything loads the library: a damaged one that was used fails here, not in dlopen
-    rebuilt = compile_candidate(model, _candidate(model), HOST, cache)
+    rebuilt = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     assert not rebuilt.cached, "the damaged entry was used"
     assert rebuilt.library.read_bytes() == library
     assert rebuilt.memory == fresh.memory and rebuilt.signature == fresh.signature
     assert _losses(model, rebuilt.library, rebuilt) == losses
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, f"{entry.name}.lock"]  # no .bad-*, no .tmp-*
-    assert compile_candidate(model, _candidate(model), HOST, cache).cached  # and the new entry verifies
+    assert compile_candidate(model, _candidate(model), BuildOptions(HOST, cache)).cached  # and the new entry verifies
 
 
 def _workspaces_doubled(body: dict) -> None:
@@ -143,7 +145,7 @@ def test_a_damaged_kernel_object_is_compiled_again(pristine, cache, damage):
         KERNEL_DAMAGE[damage](obj)
     shutil.rmtree(cache / "steps")  # the step is linked again from its kernels
 
-    rebuilt = compile_candidate(model, _candidate(model), HOST, cache)
+    rebuilt = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     assert sorted(link.objects_dir(cache, HOST).glob("*.o")) == objects
     assert rebuilt.library.read_bytes() == library
     assert rebuilt.memory == fresh.memory
@@ -183,7 +185,12 @@ def test_a_damaged_accuracy_result_is_measured_again(measured, damage):
     ACCURACY_DAMAGE[damage](path, first)
     again = measure()
     assert (again.before, again.after, again.loss_before, again.loss_after, again.steps, again.diverged_at) == (
-        first.before, first.after, first.loss_before, first.loss_after, first.steps, first.diverged_at
+        first.before,
+        first.after,
+        first.loss_before,
+        first.loss_after,
+        first.steps,
+        first.diverged_at,
     )
     assert measure() == again  # the fresh result is stored, and read back as is
 
@@ -230,7 +237,10 @@ def test_check_cache_dir_refuses_a_read_only_directory(tmpfs, tmp_path):
     mount namespace of its own (`unshare -rm`)."""
     ro = tmpfs("ro,size=64k")
     if ro is not None:
-        with pytest.raises(EnvironmentFailure, match=rf"cannot use the compile cache {re.escape(str(ro))}: read-only file system \(set PLANNER_CACHE_DIR"):
+        with pytest.raises(
+            EnvironmentFailure,
+            match=rf"cannot use the compile cache {re.escape(str(ro))}: read-only file system \(set PLANNER_CACHE_DIR",
+        ):
             check_cache_dir(ro)
         return
     if shutil.which("unshare") is None:
@@ -238,8 +248,12 @@ def test_check_cache_dir_refuses_a_read_only_directory(tmpfs, tmp_path):
     directory = tmp_path / "ro"
     directory.mkdir()
     script = f'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && exec "{sys.executable}" -c "$2" "$1"'
-    res = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(directory), _PROBE_READ_ONLY],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", str(directory), _PROBE_READ_ONLY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if "EnvironmentFailure" not in res.stdout and res.returncode != 0:
         pytest.skip(f"no tmpfs mount, and no read-only bind mount in a namespace: {res.stderr.strip()[-300:]}")
     assert f"cannot use the compile cache {directory}: read-only file system (set PLANNER_CACHE_DIR" in res.stdout
@@ -249,13 +263,12 @@ _COMPILE = """
 import json, sys
 from pathlib import Path
 import tvm
-from planner.backend.compile import compile_candidate
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.errors import CandidateFailed, EnvironmentFailure
 from planner.inputs.model import load_model
-from planner.inputs.spaces import Candidate
+from planner.types import Candidate
 try:
-    compile_candidate(load_model(sys.argv[1]), Candidate.from_json(json.loads(sys.argv[2])),
-                      tvm.target.Target({"kind": "llvm"}), Path(sys.argv[3]))
+    compile_candidate(load_model(sys.argv[1]), Candidate.from_json(json.loads(sys.argv[2])), BuildOptions(tvm.target.Target({"kind": "llvm"}), Path(sys.argv[3])))
 except (EnvironmentFailure, CandidateFailed) as exc:
     print(f"{type(exc).__name__}: {exc}")
 else:
@@ -268,7 +281,10 @@ def _compile_in_child(model_path: Path, model, cache: Path, preexec_fn=None) -> 
     full disk (`LLVM ERROR: IO failure on output stream`), which must not take pytest with it."""
     res = subprocess.run(
         [sys.executable, "-c", _COMPILE, str(model_path), json.dumps(_candidate(model).to_json()), str(cache)],
-        capture_output=True, text=True, timeout=600, preexec_fn=preexec_fn,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=preexec_fn,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout.strip()
@@ -317,8 +333,10 @@ def test_a_file_size_limit_linking_the_library_is_an_environment_failure(tiny_mo
     out = _compile_in_child(
         tiny_model, model, tmp_path / "cache", lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     )
-    assert out == f"EnvironmentFailure: linking the step: the linker cannot write into {tmp_path / 'cache'}: " \
+    assert (
+        out == f"EnvironmentFailure: linking the step: the linker cannot write into {tmp_path / 'cache'}: "
         "file too large (over the file size limit, see `ulimit -f`)"
+    )
 
 
 def test_a_failed_write_of_the_step_metadata_is_an_environment_failure(pristine, cache, monkeypatch):
@@ -332,8 +350,10 @@ def test_a_failed_write_of_the_step_metadata_is_an_environment_failure(pristine,
         write_json(path, body, key)
 
     monkeypatch.setattr(cachefile, "write_json", full_disk)
-    with pytest.raises(EnvironmentFailure, match=rf"^cannot write the compile cache {re.escape(str(cache))}: no space left on device$"):
-        compile_candidate(model, _candidate(model), HOST, cache)
+    with pytest.raises(
+        EnvironmentFailure, match=rf"^cannot write the compile cache {re.escape(str(cache))}: no space left on device$"
+    ):
+        compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     assert [p.name for p in (cache / "steps").iterdir()] == [f"{step.directory.name}.lock"]
 
 
@@ -348,8 +368,7 @@ def test_a_missing_compiler_is_an_environment_failure(pristine, cache, monkeypat
     if how == "CXX":
         monkeypatch.setenv("CXX", missing)
     with pytest.raises(EnvironmentFailure, match=re.escape(f"linking the step: the C++ compiler {missing} is not installed")):
-        compile_candidate(model, _candidate(model), HOST, cache, toolchain=toolchain)
-
+        compile_candidate(model, _candidate(model), BuildOptions(HOST, cache, toolchain=toolchain))
 
 
 def test_a_cache_removed_while_compiling_is_an_environment_failure(pristine, tmp_path, monkeypatch):
@@ -365,4 +384,4 @@ def test_a_cache_removed_while_compiling_is_an_environment_failure(pristine, tmp
     monkeypatch.setattr(link, "_object_code", removing_the_cache)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # kernels one at a time: none re-creates the folder
     with pytest.raises(EnvironmentFailure, match=rf"^TVM compile: {re.escape(str(cache))}/kernels/\w+/\.tmp-\w+\.o: not found$"):
-        compile_candidate(model, _candidate(model), HOST, cache)
+        compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))

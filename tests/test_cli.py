@@ -7,16 +7,26 @@ import signal
 import subprocess
 import sys
 
-from planner.plans.plan import read_plan
+from planner.plans.directory import read_plan
 from processes import planner
-
-
 
 
 def test_plan_and_run_json(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
-    res = planner("plan", "--model", str(tiny_model), "--data", str(tiny_data), "--out", str(out),
-                  "--trials", "2", "--accuracy-steps", "20", "--json")
+    res = planner(
+        "plan",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(out),
+        "--trials",
+        "2",
+        "--accuracy-steps",
+        "20",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert plan == json.loads((out / "plan.json").read_text())
@@ -38,8 +48,20 @@ def test_help_teaches_defaults():
 
 
 def test_verbose_prints_each_trial_and_the_debug_log(tiny_model, tiny_data, tmp_path):
-    res = planner("plan", "--model", str(tiny_model), "--data", str(tiny_data), "--out", str(tmp_path / "p"),
-                  "--trials", "2", "--accuracy-steps", "20", "-v")
+    res = planner(
+        "plan",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path / "p"),
+        "--trials",
+        "2",
+        "--accuracy-steps",
+        "20",
+        "-v",
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
     assert sum(line.startswith("trial ") for line in lines) == 2
@@ -48,8 +70,23 @@ def test_verbose_prints_each_trial_and_the_debug_log(tiny_model, tiny_data, tmp_
 
 def test_ctrl_c_finishes_the_trial_in_flight_and_writes_the_plan(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
-    cmd = [sys.executable, "-m", "planner", "plan", "--model", str(tiny_model), "--data", str(tiny_data),
-           "--out", str(out), "--trials", "8", "--accuracy-steps", "20", "-v"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "planner",
+        "plan",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(out),
+        "--trials",
+        "8",
+        "--accuracy-steps",
+        "20",
+        "-v",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:  # interrupt once two trials are in
@@ -58,17 +95,17 @@ def test_ctrl_c_finishes_the_trial_in_flight_and_writes_the_plan(tiny_model, tin
             proc.send_signal(signal.SIGINT)
             break
     rest, err = proc.communicate(timeout=300)
-    lines = (seen + err.splitlines(keepends=True))
+    lines = seen + err.splitlines(keepends=True)
     assert proc.returncode == 130, "".join(lines)
     assert lines[-1].startswith(f"interrupted: plan written to {out}/ from the ")
     assert "plan written to" in rest  # the summary of what was written, on stdout
-    finished = read_plan(out).study["n_trials"]
+    finished = read_plan(out).study.n_trials
     assert 2 <= finished < 8, "the study should stop after the trial in flight"
     assert not list(out.glob(".staged-*")) and not (out / ".planner-commit").exists(), "no half-written plan left behind"
 
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
-    assert read_plan(out).study["n_trials"] == 8
+    assert read_plan(out).study.n_trials == 8
     assert sum(s.startswith("trial ") for s in rerun.stderr.splitlines()) == 8 - finished
 
 
@@ -87,12 +124,29 @@ def test_a_trial_whose_linker_the_ctrl_c_killed_is_measured_again_on_resume(tiny
     target = tmp_path / "host-wrapped.yaml"
     target.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: 512MiB\ntoolchain: {cxx}\n")
     out = tmp_path / "p"
-    cmd = ["plan", "--model", str(tiny_model), "--data", str(tiny_data), "--target", str(target), "--out", str(out),
-           "--trials", "3", "--accuracy-steps", "20", "-v"]
+    cmd = [
+        "plan",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(tiny_data),
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--trials",
+        "3",
+        "--accuracy-steps",
+        "20",
+        "-v",
+    ]
     env_cache = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}  # cold: the first trial links
     first = planner(*cmd, env=env_cache)
     assert mark.exists() and first.returncode == 130, first.stderr
-    assert "cut short: interrupted mid-trial; queued again" in first.stderr and "no feasible trial among the 0 finished" in first.stderr
+    assert (
+        "cut short: interrupted mid-trial; queued again" in first.stderr
+        and "no feasible trial among the 0 finished" in first.stderr
+    )
 
     second = planner(*cmd, env=env_cache)
     assert second.returncode == 0, second.stderr

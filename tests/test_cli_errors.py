@@ -18,14 +18,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from builders import blobs, free_port, tiny_cnn
 
+from builders import blobs, free_port, tiny_cnn
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
 from processes import planner
-
-
-
 
 
 @dataclass
@@ -86,6 +83,7 @@ def _y(ctx: Ctx) -> np.ndarray:
 
 # --- the model ---------------------------------------------------------------------------------
 
+
 @case("missing model")
 def _(ctx):
     return Case(ctx.plan("--model", str(ctx.tmp / "nope.onnx")), "model file not found")
@@ -128,7 +126,9 @@ def _(ctx):
     head.output[0] = "pre"
     proto.graph.node.append(onnx.helper.make_node("Floor", ["pre"], ["logits"], name="floor"))
     onnx.save(proto, ctx.tmp / "floored.onnx")
-    return Case(ctx.plan("--model", str(ctx.tmp / "floored.onnx")), "no layer of floored.onnx can be trained: node 'floor' (Floor)")
+    return Case(
+        ctx.plan("--model", str(ctx.tmp / "floored.onnx")), "no layer of floored.onnx can be trained: node 'floor' (Floor)"
+    )
 
 
 @case("fixed batch outside the space")
@@ -163,6 +163,7 @@ def _(ctx):
 
 
 # --- the data ----------------------------------------------------------------------------------
+
 
 @case("data shape")
 def _(ctx):
@@ -216,7 +217,9 @@ def _(ctx):
 
 @case("labels out of range")
 def _(ctx):
-    return Case(ctx.plan("--data", str(blobs(ctx.tmp / "bad_labels.npz", y=np.full(240, 7, dtype=np.int64)))), "labels must lie in [0, 2]")
+    return Case(
+        ctx.plan("--data", str(blobs(ctx.tmp / "bad_labels.npz", y=np.full(240, 7, dtype=np.int64)))), "labels must lie in [0, 2]"
+    )
 
 
 @case("fractional float labels")
@@ -228,12 +231,17 @@ def _(ctx):
 
 @case("labels as strings")
 def _(ctx):
-    return Case(ctx.plan("--data", ctx.npz("names", y=np.array(["cat", "dog", "owl"])[_y(ctx)])), "train labels are <U3; planner needs class indices 0..2")
+    return Case(
+        ctx.plan("--data", ctx.npz("names", y=np.array(["cat", "dog", "owl"])[_y(ctx)])),
+        "train labels are <U3; planner needs class indices 0..2",
+    )
 
 
 @case("one-hot labels")
 def _(ctx):
-    return Case(ctx.plan("--data", ctx.npz("onehot", y=np.eye(3)[_y(ctx)])), "one-hot or scores; planner needs one class index per sample")
+    return Case(
+        ctx.plan("--data", ctx.npz("onehot", y=np.eye(3)[_y(ctx)])), "one-hot or scores; planner needs one class index per sample"
+    )
 
 
 @case("fewer labels than samples")
@@ -248,6 +256,7 @@ def _(ctx):
 
 # --- target and space YAML ---------------------------------------------------------------------
 
+
 @case("unknown target")
 def _(ctx):
     return Case(ctx.plan("--target", "toaster"), "unknown target 'toaster'")
@@ -255,7 +264,10 @@ def _(ctx):
 
 @case("target with a bad size")
 def _(ctx):
-    return Case(ctx.plan("--target", ctx.yaml("bad-target.yaml", "tvm_target: {kind: llvm}\nram_budget_bytes: lots\n")), "ram_budget_bytes")
+    return Case(
+        ctx.plan("--target", ctx.yaml("bad-target.yaml", "tvm_target: {kind: llvm}\nram_budget_bytes: lots\n")),
+        "ram_budget_bytes",
+    )
 
 
 @case("target with tvm_target as a string")
@@ -277,7 +289,10 @@ def _(ctx):
 
 @case("target that is not YAML")
 def _(ctx):
-    return Case(ctx.plan("--target", ctx.yaml("broken-target.yaml", "tvm_target: {kind: llvm\nram_budget_bytes: 1GiB\n")), "not valid YAML")
+    return Case(
+        ctx.plan("--target", ctx.yaml("broken-target.yaml", "tvm_target: {kind: llvm\nram_budget_bytes: 1GiB\n")),
+        "not valid YAML",
+    )
 
 
 @case("target that is a binary file")
@@ -289,7 +304,10 @@ def _(ctx):  # e.g. the model given as --target by mistake
 
 @case("space with an unknown key")
 def _(ctx):
-    return Case(ctx.plan("--space", ctx.yaml("bad-space.yaml", "batch_size: [8]\nlayerz: [c1]\n")), "layerz: Extra inputs are not permitted")
+    return Case(
+        ctx.plan("--space", ctx.yaml("bad-space.yaml", "batch_size: [8]\nlayerz: [c1]\n")),
+        "layerz: Extra inputs are not permitted",
+    )
 
 
 @case("space with a word for a number")
@@ -300,7 +318,9 @@ def _(ctx):
 
 @case("space with a scalar for a list")
 def _(ctx):
-    return Case(ctx.plan("--space", ctx.yaml("scalar-space.yaml", "batch_size: eight\n")), "batch_size: Input should be a valid list")
+    return Case(
+        ctx.plan("--space", ctx.yaml("scalar-space.yaml", "batch_size: eight\n")), "batch_size: Input should be a valid list"
+    )
 
 
 @case("space that is not a mapping")
@@ -320,14 +340,20 @@ def _(ctx):
 
 @case("precision the target lacks")
 def _(ctx):
-    return Case(ctx.plan("--space", ctx.yaml("fp16-space.yaml", "precision: [fp16]\n")), "proposes precision fp16; the target supports only")
+    return Case(
+        ctx.plan("--space", ctx.yaml("fp16-space.yaml", "precision: [fp16]\n")),
+        "proposes precision fp16; the target supports only",
+    )
 
 
 # --- boards ------------------------------------------------------------------------------------
 
+
 @case("unreachable tracker")
 def _(ctx):
-    return Case(ctx.plan("--tracker", f"127.0.0.1:{free_port()}", "--key", "nobody"), "cannot reach the RPC tracker at 127.0.0.1:", code=3)
+    return Case(
+        ctx.plan("--tracker", f"127.0.0.1:{free_port()}", "--key", "nobody"), "cannot reach the RPC tracker at 127.0.0.1:", code=3
+    )
 
 
 @case("tracker without boards of the key")
@@ -354,6 +380,7 @@ for flag, value, words in (
 
 # --- the environment ---------------------------------------------------------------------------
 
+
 @case("compile cache is a file")
 def _(ctx):
     file = ctx.tmp / "cache-file"
@@ -366,7 +393,9 @@ def _(ctx):
     ro = ctx.fixture("tmpfs")("ro,size=64k")
     if ro is None:
         pytest.skip("a read-only directory, as root, needs a read-only tmpfs mount, which this process cannot make")
-    return Case(ctx.plan("--trials", "1"), f"cannot use the compile cache {ro}: read-only file system", env={"PLANNER_CACHE_DIR": str(ro)})
+    return Case(
+        ctx.plan("--trials", "1"), f"cannot use the compile cache {ro}: read-only file system", env={"PLANNER_CACHE_DIR": str(ro)}
+    )
 
 
 @case("dataset larger than the memory limit")
@@ -384,8 +413,11 @@ def _(ctx):
         with z.open("y.npy", "w") as f:
             np.save(f, (np.arange(n) % 3).astype(np.int64))
     limit = 3 * 10**9
-    return Case(ctx.plan("--data", str(path), "--trials", "1"), "out of memory",
-                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    return Case(
+        ctx.plan("--data", str(path), "--trials", "1"),
+        "out of memory",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
 
 
 @case("--out holds someone else's files")
@@ -393,25 +425,36 @@ def _(ctx):
     mine = ctx.tmp / "documents"
     mine.mkdir()
     (mine / "report.md").write_text("my own notes\n")
-    return Case(ctx.plan("--trials", "1"), f"--out {mine} holds files planner did not write for a plan directory (report.md)",
-                out=mine, after=lambda out: _unchanged(out / "report.md", "my own notes\n"))
+    return Case(
+        ctx.plan("--trials", "1"),
+        f"--out {mine} holds files planner did not write for a plan directory (report.md)",
+        out=mine,
+        after=lambda out: _unchanged(out / "report.md", "my own notes\n"),
+    )
 
 
 # --- the output directory ----------------------------------------------------------------------
+
 
 @case("--out is a file")
 def _(ctx):
     file = ctx.tmp / "plan.txt"
     file.write_text("not a directory\n")
-    return Case(ctx.plan("--trials", "1"), f"--out {file} is a file, not a directory", out=file,
-                after=lambda out: _unchanged(out, "not a directory\n"))
+    return Case(
+        ctx.plan("--trials", "1"),
+        f"--out {file} is a file, not a directory",
+        out=file,
+        after=lambda out: _unchanged(out, "not a directory\n"),
+    )
 
 
 @case("--out inside a file")
 def _(ctx):
     file = ctx.tmp / "plan.txt"
     file.write_text("not a directory\n")
-    return Case(ctx.plan("--trials", "1"), "not a directory", out=file / "p", after=lambda out: _unchanged(file, "not a directory\n"))
+    return Case(
+        ctx.plan("--trials", "1"), "not a directory", out=file / "p", after=lambda out: _unchanged(file, "not a directory\n")
+    )
 
 
 @case("read-only --out")
@@ -421,13 +464,21 @@ def _(ctx):
     if os.geteuid() != 0:
         ro = ctx.tmp / "ro"
         ro.mkdir(mode=0o555)
-        return Case(ctx.plan("--trials", "1"), f"cannot write the plan into {ro / 'p'}: permission denied", out=ro / "p",
-                    after=lambda out: _no_files(out.parent))
+        return Case(
+            ctx.plan("--trials", "1"),
+            f"cannot write the plan into {ro / 'p'}: permission denied",
+            out=ro / "p",
+            after=lambda out: _no_files(out.parent),
+        )
     ro = ctx.fixture("tmpfs")("ro,size=64k")
     if ro is None:
         pytest.skip("as root, a read-only directory needs a read-only tmpfs mount, which this process cannot make")
-    return Case(ctx.plan("--trials", "1"), f"cannot write the plan into {ro / 'p'}: read-only file system", out=ro / "p",
-                after=lambda out: _no_files(out.parent))
+    return Case(
+        ctx.plan("--trials", "1"),
+        f"cannot write the plan into {ro / 'p'}: read-only file system",
+        out=ro / "p",
+        after=lambda out: _no_files(out.parent),
+    )
 
 
 @case("out of disk for the study")
@@ -438,9 +489,12 @@ def _(ctx):
     if disk is None:
         pytest.skip("needs a tmpfs mount (root); under RLIMIT_FSIZE SQLite reports EFBIG as a generic I/O error")
     out = disk / "p"
-    return Case(ctx.plan("--trials", "1", "--accuracy-steps", "5"),
-                f"cannot write the study storage into {out}: no space left on device (study.db)", out=out,
-                after=lambda out: _no_files(disk))
+    return Case(
+        ctx.plan("--trials", "1", "--accuracy-steps", "5"),
+        f"cannot write the study storage into {out}: no space left on device (study.db)",
+        out=out,
+        after=lambda out: _no_files(disk),
+    )
 
 
 @case("out of disk for the plan files")
@@ -455,8 +509,12 @@ def _(ctx):
     args = ctx.plan("--trials", "1", "--accuracy-steps", "5", "--storage", storage)
     disk = ctx.fixture("tmpfs")("size=64k")
     if disk is not None:
-        return Case(args, f"cannot write the plan into {disk / 'p'}: no space left on device (train_step.so); nothing was written",
-                    out=disk / "p", after=_no_files)
+        return Case(
+            args,
+            f"cannot write the plan into {disk / 'p'}: no space left on device (train_step.so); nothing was written",
+            out=disk / "p",
+            after=_no_files,
+        )
     warm = planner("plan", *args, "--out", str(ctx.tmp / "warm"))
     assert warm.returncode == 0, warm.stderr
     sizes = {p.name: p.stat().st_size for p in (ctx.tmp / "warm").iterdir() if p.name != "study.db"}
@@ -464,8 +522,14 @@ def _(ctx):
     if limit < (ctx.tmp / "study.db").stat().st_size + 65536:
         pytest.skip(f"no plan file is much larger than the study database ({sizes}): no RLIMIT_FSIZE splits them")
     biggest = max(sizes, key=sizes.get)
-    return Case(args, f"cannot write the plan into {ctx.tmp / 'p'}: file too large", out=ctx.tmp / "p", after=_no_files,
-                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)), notes=[f"limit {limit} < {biggest}"])
+    return Case(
+        args,
+        f"cannot write the plan into {ctx.tmp / 'p'}: file too large",
+        out=ctx.tmp / "p",
+        after=_no_files,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        notes=[f"limit {limit} < {biggest}"],
+    )
 
 
 @case("out of disk on a rerun")
@@ -494,9 +558,12 @@ def _(ctx):
             if name != "study.db":
                 assert now[name].read_bytes() == data, f"{name} changed"
 
-    return Case(ctx.plan("--trials", "3", "--accuracy-steps", "5"),
-                f"cannot write the study storage into {out}: no space left on device (study.db); the trials finished so far stay in study.db",
-                out=out, after=after)
+    return Case(
+        ctx.plan("--trials", "3", "--accuracy-steps", "5"),
+        f"cannot write the study storage into {out}: no space left on device (study.db); the trials finished so far stay in study.db",
+        out=out,
+        after=after,
+    )
 
 
 def _unchanged(file: Path, text: str) -> None:
@@ -550,8 +617,21 @@ def test_inspect_names_the_blocking_node(tmp_path):
 def test_no_feasible_plan_exits_1(tmp_path, tiny_model, tiny_data):
     target = tmp_path / "tiny-ram.yaml"
     target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: 1KiB\n")
-    res = planner("plan", "--model", str(tiny_model), "--data", str(tiny_data), "--target", str(target),
-                  "--out", str(tmp_path / "p"), "--trials", "2", "--accuracy-steps", "5")
+    res = planner(
+        "plan",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(tiny_data),
+        "--target",
+        str(target),
+        "--out",
+        str(tmp_path / "p"),
+        "--trials",
+        "2",
+        "--accuracy-steps",
+        "5",
+    )
     assert res.returncode == 1, res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: no feasible plan")
     assert not (tmp_path / "p" / "plan.json").exists()

@@ -9,10 +9,10 @@ import numpy as np
 import tvm
 
 from planner.backend import link
-from planner.backend.compile import compile_candidate
-from planner.inputs.model import load_model
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 
@@ -38,14 +38,14 @@ def test_a_candidate_compiles_only_kernels_no_earlier_candidate_had(tiny_model, 
     two = Candidate(trainable=tuple((n, "full") for n in names[-2:]), batch_size=4, optimizer="sgd", lr=0.05)
 
     warm = tmp_path / "warm"
-    compile_candidate(model, head, HOST, warm)
+    compile_candidate(model, head, BuildOptions(HOST, warm))
     before = _objects(warm)
-    reused = compile_candidate(model, two, HOST, warm)
+    reused = compile_candidate(model, two, BuildOptions(HOST, warm))
     compiled_now = _objects(warm) - before
     assert compiled_now, "the second layer's backward kernels are new"
     assert len(compiled_now) < reused.kernels, "the forward pass was compiled again"
 
-    scratch = compile_candidate(model, two, HOST, tmp_path / "cold")
+    scratch = compile_candidate(model, two, BuildOptions(HOST, tmp_path / "cold"))
     assert _objects(tmp_path / "cold") <= _objects(warm)  # same kernels, same names
     (losses_a, weights_a), (losses_b, weights_b) = _train(model, reused), _train(model, scratch)
     assert losses_a == losses_b

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from builders import free_port
-from processes import kill, start
 
+from builders import free_port
 from planner import api
 from planner.measurement.board import key_status
-from planner.plans.plan import read_plan
+from planner.plans.directory import read_plan
+from processes import kill, start
 
 EMU = Path(os.environ.get("PLANNER_EMU_DIR", Path.home() / ".cache" / "planner" / "aarch64-board"))
 REPO = Path(__file__).resolve().parent.parent
@@ -38,9 +38,23 @@ def pi():
     tracker_proc = start("tracker", "--port", str(port), "--port-end", str(port + 1))
     env = {**os.environ, "QEMU_LD_PREFIX": str(EMU / "root"), "PYTHONPATH": f"{EMU / 'site'}:{REPO}"}
     board = subprocess.Popen(
-        [str(EMU / "root/usr/bin/python3.11"), "-m", "planner", "board", "serve", "--tracker", tracker,
-         "--key", KEY, "--port", str(free_port())],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(EMU / "root/usr/bin/python3.11"),
+            "-m",
+            "planner",
+            "board",
+            "serve",
+            "--tracker",
+            tracker,
+            "--key",
+            KEY,
+            "--port",
+            str(free_port()),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     deadline = time.time() + 300  # importing TVM under emulation takes a while
     while time.time() < deadline:
@@ -60,8 +74,17 @@ def pi():
 
 
 def test_plan_for_raspberry_pi_4_is_measured_on_aarch64(pi, tiny_model, tiny_data, tmp_path):
-    result = api.plan(model=tiny_model, data=tiny_data, target="raspberry-pi-4", out=tmp_path / "p", trials=2,
-                      accuracy_steps=10, latency_repeats=3, tracker=pi, key=KEY)
+    result = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        target="raspberry-pi-4",
+        out=tmp_path / "p",
+        trials=2,
+        accuracy_steps=10,
+        latency_repeats=3,
+        tracker=pi,
+        key=KEY,
+    )
     assert result.plan.target.device == f"rpc:{KEY}"
     assert all(t.complete for t in result.trials), [t.fail_reason for t in result.trials]
     elf = (tmp_path / "p" / "train_step.so").read_bytes()[:20]
@@ -70,11 +93,10 @@ def test_plan_for_raspberry_pi_4_is_measured_on_aarch64(pi, tiny_model, tiny_dat
 
 def test_cross_compiled_step_trains_like_the_host_build(pi, tiny_model, tiny_data, tmp_path):
     api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "host", trials=1, accuracy_steps=5, latency_repeats=3)
-    api.compile_plan(tmp_path / "host", target="raspberry-pi-4", out=tmp_path / "pi")
+    api.compile(tmp_path / "host", target="raspberry-pi-4", out=tmp_path / "pi")
     assert read_plan(tmp_path / "pi").target.toolchain == "aarch64-linux-gnu-g++"
-    local = api.run_plan(tmp_path / "host", steps=15, out=tmp_path / "local", shuffle=False)
-    remote = api.run_plan(tmp_path / "pi", steps=15, out=tmp_path / "arm", shuffle=False,
-                          target="raspberry-pi-4", tracker=pi, key=KEY)
+    local = api.run(tmp_path / "host", steps=15, out=tmp_path / "local", shuffle=False)
+    remote = api.run(tmp_path / "pi", steps=15, out=tmp_path / "arm", shuffle=False, target="raspberry-pi-4", tracker=pi, key=KEY)
     assert remote.device == f"rpc:{KEY}"
     with np.load(tmp_path / "local" / "weights.npz") as a, np.load(tmp_path / "arm" / "weights.npz") as b:
         for k in a.files:

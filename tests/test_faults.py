@@ -30,14 +30,11 @@ import pytest
 from onnx import numpy_helper
 
 from planner.digest import file_sha256
-from planner.plans.directory import COMMIT, MARKER, STAGED_PREFIX, reading, replace_files
+from planner.plans.directory import COMMIT, MARKER, STAGED_PREFIX, read_plan, reading, replace_files
 from planner.search.urls import redact, scrubbed
-from planner.plans.plan import read_plan
 from processes import planner
 
 TRIALS = 3
-
-
 
 
 def plan_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -66,6 +63,7 @@ def leftovers(out: Path) -> list[str]:
 
 # --- kill -9 during a trial: the rerun measures exactly the missing trials -------------------------
 
+
 @pytest.mark.parametrize("phase", ["trial-compile", "trial-measure", "trial-accuracy"])
 def test_kill_9_mid_trial_then_an_immediate_rerun_measures_exactly_the_missing_trials(phase, tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
@@ -84,7 +82,7 @@ def test_kill_9_mid_trial_then_an_immediate_rerun_measures_exactly_the_missing_t
     assert dead.state == optuna.trial.TrialState.PRUNED and "died mid-trial" in dead.user_attrs["fail_reason"]
     again = [t for t in after if t.user_attrs.get("requeued_from") == dead.number]
     assert len(again) == 1 and again[0].state.is_finished() and again[0].params == dead.params
-    assert read_plan(out).study["n_trials"] == TRIALS
+    assert read_plan(out).study.n_trials == TRIALS
 
 
 def test_a_candidate_that_kills_its_process_twice_is_failed_not_retried_forever(tiny_model, tiny_data, tmp_path):
@@ -104,6 +102,7 @@ def test_a_candidate_that_kills_its_process_twice_is_failed_not_retried_forever(
 
 # --- kill -9 while the plan directory is written: the old plan whole, or the new one complete -----
 
+
 @pytest.mark.parametrize("point, new", [("write-staged", False), ("write-committed", True), ("write-renaming@2", True)])
 def test_kill_9_while_writing_the_plan_leaves_the_old_plan_or_the_new_one(point, new, tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
@@ -111,22 +110,25 @@ def test_kill_9_while_writing_the_plan_leaves_the_old_plan_or_the_new_one(point,
     killed = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2"), env={"PLANNER_KILL_AT": point})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     plan = read_plan(out)  # finishes a committed write; verifies every file against its sha256
-    assert plan.study["n_trials"] == (2 if new else 1)
+    assert plan.study.n_trials == (2 if new else 1)
     assert leftovers(out) == []
     trials = json.loads((out / "trials.json").read_text())
-    assert len([t for t in trials if t["state"] in ("COMPLETE", "FAIL")]) == plan.study["n_trials"]
+    assert len([t for t in trials if t["state"] in ("COMPLETE", "FAIL")]) == plan.study.n_trials
 
 
 def test_staged_files_of_a_killed_write_are_removed_by_the_next_run(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
-    assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1"), env={"PLANNER_KILL_AT": "write-staged"}).returncode == -9
+    assert (
+        planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1"), env={"PLANNER_KILL_AT": "write-staged"}).returncode == -9
+    )
     assert [p for p in out.iterdir() if p.name.startswith(STAGED_PREFIX)]
     assert not (out / "plan.json").exists()  # never committed: no plan at all, not half of one
     assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1")).returncode == 0
-    assert leftovers(out) == [] and read_plan(out).study["n_trials"] == 1
+    assert leftovers(out) == [] and read_plan(out).study.n_trials == 1
 
 
 # --- kill -9 during `planner run` -----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def a_plan(tiny_model, tiny_data, tmp_path_factory) -> Path:
@@ -192,6 +194,7 @@ def test_run_on_a_full_disk_is_one_line_before_training(a_plan, tmpfs):
 
 # --- untrusted files in a plan directory: checked before anything is loaded ------------------------
 
+
 def _copy(plan: Path, tmp: Path) -> Path:
     dst = tmp / "copy"
     shutil.copytree(plan, dst)
@@ -212,14 +215,19 @@ def _truncate(path: Path) -> None:
 def _planted_library(path: Path, marker: Path) -> None:
     """A shared library whose constructor runs at load: proof of code that ran unchecked."""
     src = path.with_suffix(".c")
-    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ FILE *m = fopen("{marker}", "w"); if (m) fclose(m); }}\n')
+    src.write_text(
+        f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ FILE *m = fopen("{marker}", "w"); if (m) fclose(m); }}\n'
+    )
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(path), str(src)], check=True)
     src.unlink()
 
 
 SWAPS = {  # case -> (the file changed, how)
     "truncated train_step.so": ("train_step.so", lambda p, tmp: _truncate(p / "train_step.so")),
-    "another plan's train_step.so": ("train_step.so", lambda p, tmp: shutil.copyfile(tmp / "other" / "train_step.so", p / "train_step.so")),
+    "another plan's train_step.so": (
+        "train_step.so",
+        lambda p, tmp: shutil.copyfile(tmp / "other" / "train_step.so", p / "train_step.so"),
+    ),
     "a library with a constructor": ("train_step.so", lambda p, tmp: _planted_library(p / "train_step.so", tmp / "ran")),
     "truncated weights.npz": ("weights.npz", lambda p, tmp: _truncate(p / "weights.npz")),
     "edited model.onnx": ("model.onnx", lambda p, tmp: (p / "model.onnx").write_bytes((p / "model.onnx").read_bytes() + b"\0")),
@@ -235,36 +243,58 @@ def other_plan(a_plan, tiny_model, tiny_data):
         f"  - {{layer: {t['layer']}, mode: {t['mode']}" + (f", ratio: {t['ratio']}" if "ratio" in t else "") + "}"
         for t in choice.trainable
     )
-    scheme.write_text(f"trainable:\n{layers}\nbatch_size: {choice.batch_size}\noptimizer: {{name: {choice.optimizer['name']}, lr: 0.5}}\n")
+    scheme.write_text(
+        f"trainable:\n{layers}\nbatch_size: {choice.batch_size}\noptimizer: {{name: {choice.optimizer['name']}, lr: 0.5}}\n"
+    )
     other = a_plan.parent / "other"
-    res = planner("measure", str(tiny_model), "--scheme", str(scheme), "--data", str(tiny_data), "--out", str(other), "--accuracy-steps", "5")
+    res = planner(
+        "measure",
+        str(tiny_model),
+        "--scheme",
+        str(scheme),
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(other),
+        "--accuracy-steps",
+        "5",
+    )
     assert res.returncode == 0, res.stderr
     return other
 
 
-@pytest.mark.parametrize("swap, command", [
-    *((swap, "run") for swap in SWAPS),
-    ("another plan's train_step.so", "compile"),  # compile reads the plan through the same check
-    ("edited model.onnx", "compile"),
-])
+@pytest.mark.parametrize(
+    "swap, command",
+    [
+        *((swap, "run") for swap in SWAPS),
+        ("another plan's train_step.so", "compile"),  # compile reads the plan through the same check
+        ("edited model.onnx", "compile"),
+    ],
+)
 def test_a_changed_plan_file_is_refused_before_anything_loads(swap, command, a_plan, other_plan, tmp_path):
     plan = _copy(a_plan, tmp_path)
     shutil.copytree(other_plan, tmp_path / "other")
     name, change = SWAPS[swap]
     change(plan, tmp_path)
-    args = ["run", str(plan), "--steps", "5", "--out", str(tmp_path / "ft")] if command == "run" else \
-        ["compile", str(plan), "--target", "host", "--out", str(tmp_path / "re")]
+    args = (
+        ["run", str(plan), "--steps", "5", "--out", str(tmp_path / "ft")]
+        if command == "run"
+        else ["compile", str(plan), "--target", "host", "--out", str(tmp_path / "re")]
+    )
     line = one_error_line(planner(*args), 2, "is not the file this plan was written with")
     assert name in line
     assert not (tmp_path / "ran").exists(), "the planted library's constructor ran"
     assert not (tmp_path / "ft").exists() and not (tmp_path / "re").exists()
 
 
-@pytest.mark.parametrize("edit, words", [
-    ("float64", "is float64"),
-    ("wrong shape", "the model needs"),
-    ("missing weight", "lacks"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        ("float64", "is float64"),
+        ("wrong shape", "the model needs"),
+        ("missing weight", "lacks"),
+    ],
+)
 def test_weights_that_do_not_fit_the_model_are_one_line_even_with_a_matching_hash(edit, words, a_plan, tmp_path):
     plan = _copy(a_plan, tmp_path)
     with np.load(plan / "weights.npz") as npz:
@@ -282,6 +312,7 @@ def test_weights_that_do_not_fit_the_model_are_one_line_even_with_a_matching_has
 
 
 # --- corrupt caches: a bad entry is a miss, rebuilt -----------------------------------------------
+
 
 def test_corrupt_cache_entries_are_rebuilt_not_loaded(tiny_model, tiny_data, tmp_path):
     cache = tmp_path / "cache"
@@ -305,6 +336,7 @@ def test_corrupt_cache_entries_are_rebuilt_not_loaded(tiny_model, tiny_data, tmp
 
 
 # --- stale and concurrent state -------------------------------------------------------------------
+
 
 def test_a_second_plan_on_the_same_out_is_refused_while_the_first_runs(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
@@ -330,7 +362,7 @@ def test_two_plans_started_together_on_one_new_out_never_race(tiny_model, tiny_d
     if codes[1] != 0:  # (both succeed only when the first finished before the second began)
         loser = [err for code, err in results if code != 0][0]
         assert codes[1] == 2 and f"another planner process is writing into {out}" in loser, results
-    assert read_plan(out).study["n_trials"] == 1
+    assert read_plan(out).study.n_trials == 1
 
 
 def test_a_dead_trial_in_a_journal_file_is_recovered_too(tiny_model, tiny_data, tmp_path):
@@ -354,11 +386,13 @@ def test_a_resume_with_another_seed_records_each_trials_own_seed(tiny_model, tin
     trials = json.loads((out / "trials.json").read_text())
     assert [t["seed"] for t in trials] == [0, 0, 7]
     plan = read_plan(out)
-    assert f"(seed {trials[plan.selection['trial']]['seed']})" in plan.measurement["accuracy"]
+    assert f"(seed {trials[plan.selection.trial]['seed']})" in plan.measurement.accuracy
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "planner", *args, "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "planner", *args, "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for(proc: subprocess.Popen, words: str, times: int = 1) -> list[str]:
@@ -381,7 +415,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_plan_and_no_trial_left_running(tiny_mo
     assert "SIGTERM: stopping after the trials in flight" in err
     trials = study_trials(out)
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
-    assert read_plan(out).study["n_trials"] == counted(trials) < 40
+    assert read_plan(out).study.n_trials == counted(trials) < 40
 
 
 def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model, tiny_data, tmp_path):
@@ -423,13 +457,16 @@ def test_a_reader_holds_off_a_writer_until_it_has_loaded(tmp_path):
     assert done.is_set() and (out / "a.txt").read_text() == "new"
 
 
-@pytest.mark.parametrize("record", [
-    {"staged": ".staged-x", "files": ["../victim.txt"], "remove": []},
-    {"staged": ".staged-x", "files": [], "remove": ["../victim.txt"]},
-    {"staged": ".staged-x/../..", "files": ["victim.txt"], "remove": []},
-    {"staged": ".staged-x", "files": [], "remove": ["study.db"]},
-    {"staged": ".staged-x", "files": [], "remove": ["/tmp/victim.txt"]},
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"staged": ".staged-x", "files": ["../victim.txt"], "remove": []},
+        {"staged": ".staged-x", "files": [], "remove": ["../victim.txt"]},
+        {"staged": ".staged-x/../..", "files": ["victim.txt"], "remove": []},
+        {"staged": ".staged-x", "files": [], "remove": ["study.db"]},
+        {"staged": ".staged-x", "files": [], "remove": ["/tmp/victim.txt"]},
+    ],
+)
 def test_a_hostile_commit_record_in_a_plan_directory_touches_nothing(record, a_plan, tmp_path):
     """A plan directory someone sent you may hold a commit record naming paths outside it."""
     plan = _copy(a_plan, tmp_path)
@@ -437,7 +474,9 @@ def test_a_hostile_commit_record_in_a_plan_directory_touches_nothing(record, a_p
     victim.write_text("mine")
     (plan / ".staged-x").mkdir()
     (plan / ".staged-x" / "victim.txt").write_text("planted")
-    record = {k: [str(victim) if v == "/tmp/victim.txt" else v for v in vs] if isinstance(vs, list) else vs for k, vs in record.items()}
+    record = {
+        k: [str(victim) if v == "/tmp/victim.txt" else v for v in vs] if isinstance(vs, list) else vs for k, vs in record.items()
+    }
     (plan / COMMIT).write_text(json.dumps(record))
     study = (plan / "study.db").read_bytes()
     read_plan(plan)
@@ -445,17 +484,21 @@ def test_a_hostile_commit_record_in_a_plan_directory_touches_nothing(record, a_p
     assert not (plan / COMMIT).exists() and leftovers(plan) == []
 
 
-@pytest.mark.parametrize("url", [
-    f"postgresql://user:{'S3CR' + 'ET'}@db.example/planner",
-    "postgresql://user@db.example/planner?password=S3CRET",
-    "postgresql:///planner?host=db.example&user=user&password=S3CRET&sslmode=require",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"postgresql://user:{'S3CR' + 'ET'}@db.example/planner",
+        "postgresql://user@db.example/planner?password=S3CRET",
+        "postgresql:///planner?host=db.example&user=user&password=S3CRET&sslmode=require",
+    ],
+)
 def test_redaction_hides_the_password_wherever_the_url_puts_it(url):
     assert "S3CRET" not in redact(url) and "***" in redact(url)
     assert "S3CRET" not in scrubbed(RuntimeError("driver said: S3CRET rejected"), url)
 
 
 # --- the local environment: the toolchain vanishes mid-study ---------------------------------------
+
 
 def test_a_vanished_toolchain_stops_the_study_exit_2_and_costs_no_trial(tiny_model, tiny_data, tmp_path):
     """The first link works; then the compiler is gone (an upgrade, an unmounted volume). The

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from builders import OP_PATTERNS, TRAINABLE_OP, gradient_errors, op_pattern_model, tiny_cnn
 
 

@@ -33,8 +33,9 @@ def test_transposed_convolution_by_taps_equals_tvms_dilated_one(n, o, c, size, k
     w = relax.Var("w", relax.TensorType((o, c, k, k), "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d_transpose(x, w, strides=stride, padding=pad, output_padding=out_pad,
-                                                     kernel_layout="IOHW"))
+            y = bb.emit(
+                relax.op.nn.conv2d_transpose(x, w, strides=stride, padding=pad, output_padding=out_pad, kernel_layout="IOHW")
+            )
             result = bb.emit_output(y)
         bb.emit_func_output(result)
     rng = np.random.default_rng(0)

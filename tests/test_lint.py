@@ -13,5 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_ruff_finds_nothing():
     pytest.importorskip("ruff", reason="the test extra installs ruff")
-    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True, text=True, cwd=ROOT
+    )
     assert res.returncode == 0, res.stdout + res.stderr

@@ -29,11 +29,25 @@ frozen_weights: int8
 def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     scheme = tmp_path / "paper.yaml"
     scheme.write_text(SCHEME)
-    res = planner("measure", tiny_model, "--scheme", scheme, "--data", tiny_data, "--out", tmp_path / "m", "--accuracy-steps", "20", "--json")
+    res = planner(
+        "measure",
+        tiny_model,
+        "--scheme",
+        scheme,
+        "--data",
+        tiny_data,
+        "--out",
+        tmp_path / "m",
+        "--accuracy-steps",
+        "20",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert [(t["layer"], t["mode"], t["params"]) for t in plan["choice"]["trainable"]] == [
-        ("c1", "ratio", ["c1.w", "c1.b"]), ("c2", "full", ["c2.w", "c2.b"]), ("fc", "bias", ["fc.b"])
+        ("c1", "ratio", ["c1.w", "c1.b"]),
+        ("c2", "full", ["c2.w", "c2.b"]),
+        ("fc", "bias", ["fc.b"]),
     ]
     assert plan["choice"]["trainable"][0]["ratio"] == 0.5
     assert plan["step"]["signature"]["splits"] == {"c1.w": [0, 2]}
@@ -42,7 +56,7 @@ def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     assert plan["choice"]["optimizer"] == {"name": "momentum", "lr": 0.05} and plan["choice"]["batch_size"] == 4
     assert plan["selection"]["policy"] == "scheme" and plan["selection"]["feasible"] is True
     assert plan["metrics"]["step_latency_ms"]["repeats"] >= 5
-    run = api.run_plan(tmp_path / "m", steps=10, out=tmp_path / "ft")
+    run = api.run(tmp_path / "m", steps=10, out=tmp_path / "ft")
     assert run.steps == 10 and (tmp_path / "ft" / "model.onnx").is_file()
 
 
@@ -51,8 +65,10 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
     scheme.write_text(SCHEME)
     target = tmp_path / "tiny.yaml"
     target.write_text("tvm_target: {kind: llvm}\nram_budget_bytes: 1KiB\nprecisions: [fp32, bf16]\n")
-    result = api.measure(tiny_model, scheme=scheme, data=tiny_data, target=str(target), out=tmp_path / "m", accuracy_steps=5, latency_repeats=3)
-    assert result.plan.selection["feasible"] is False and "ram_budget" in result.plan.selection["over_budget"]
+    result = api.measure(
+        tiny_model, scheme=scheme, data=tiny_data, target=str(target), out=tmp_path / "m", accuracy_steps=5, latency_repeats=3
+    )
+    assert result.plan.selection.feasible is False and "ram_budget" in result.plan.selection.over_budget
     assert (tmp_path / "m" / "plan.json").is_file()
 
 
@@ -64,8 +80,14 @@ def test_an_over_budget_scheme_is_still_written_and_flagged(tiny_model, tiny_dat
         ("trainable: [{layer: c1, params: [c1.w]}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "either a `layer` or `params`"),
         ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\ngrad_accum: 0\n", "grad_accum"),
         ("trainable: [{layer: c1, mode: ratio}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "goes with `ratio: R`"),
-        ("trainable: [{layer: bn, mode: ratio, ratio: 0.5}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n", "need a Conv, Gemm or MatMul"),
-        ("trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\nprecision: fp16\n", "target host supports only fp32, bf16"),
+        (
+            "trainable: [{layer: bn, mode: ratio, ratio: 0.5}]\nbatch_size: 4\noptimizer: {lr: 0.1}\n",
+            "need a Conv, Gemm or MatMul",
+        ),
+        (
+            "trainable: [{layer: c1}]\nbatch_size: 4\noptimizer: {lr: 0.1}\nprecision: fp16\n",
+            "target host supports only fp32, bf16",
+        ),
     ],
 )
 def test_bad_schemes_are_refused_before_any_compile(body, message, tiny_model, tiny_data, tmp_path):
@@ -86,7 +108,7 @@ def test_a_diverging_run_fails_clearly_and_writes_no_weights(tiny_model, tiny_da
         arrays = {k: d[k] * 1e30 if k.startswith("x") else d[k] for k in d.files}
     np.savez(tmp_path / "huge.npz", **arrays)
     with pytest.raises(MeasureFailed, match="diverged at step"):
-        api.run_plan(tmp_path / "m", data=tmp_path / "huge.npz", steps=50, out=tmp_path / "ft")
+        api.run(tmp_path / "m", data=tmp_path / "huge.npz", steps=50, out=tmp_path / "ft")
     assert not (tmp_path / "ft" / "weights.npz").exists()
 
 
@@ -94,9 +116,20 @@ def test_a_diverging_fine_tune_is_a_measured_infeasible_result(tiny_model, tiny_
     """A candidate whose fine-tune blows up is measured (latency, memory, the accuracy it leaves)
     and marked infeasible, so the search learns to avoid it rather than ignoring a failed trial."""
     space = tmp_path / "hot.yaml"
-    space.write_text("strategy: all\nmodes: [full]\nbatch_size: [4]\noptimizer: [sgd]\nlr: {low: 1.0e+30, high: 1.0e+31, log: true}\n")
+    space.write_text(
+        "strategy: all\nmodes: [full]\nbatch_size: [4]\noptimizer: [sgd]\nlr: {low: 1.0e+30, high: 1.0e+31, log: true}\n"
+    )
     with pytest.raises(NoFeasiblePlan, match="2 of them diverged while fine-tuning"):
-        api.plan(model=tiny_model, data=tiny_data, space=str(space), out=tmp_path / "p", trials=2, accuracy_steps=30, latency_repeats=3)
+        api.plan(
+            model=tiny_model,
+            data=tiny_data,
+            space=str(space),
+            out=tmp_path / "p",
+            storage=api.default_storage(tmp_path / "p"),
+            trials=2,
+            accuracy_steps=30,
+            latency_repeats=3,
+        )
     from planner.search.study import load_records
 
     records, _, _ = load_records(f"sqlite:///{tmp_path / 'p' / 'study.db'}", "planner")

@@ -11,10 +11,9 @@ import pytest
 import tvm
 
 from planner import zoo
-from planner.backend.compile import compile_candidate
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.inputs.model import load_model
-from planner.inputs.spaces import Candidate
-
+from planner.types import Candidate
 
 # Run in a fresh process: TVM's workspace pool is per thread and outlives a VirtualMachine, so a
 # step measured after another would find its scratch already held.
@@ -22,7 +21,8 @@ _ONE_STEP = """
 import ctypes, json, sys
 import numpy as np, tvm
 from tvm import relax
-from planner.backend.graph import STEP_FUNC, StepSignature
+from planner.backend.graph import STEP_FUNC
+from planner.types import StepSignature
 from planner.inputs.model import load_model
 from planner.backend.session import TrainingSession
 
@@ -58,11 +58,13 @@ def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, tmp_p
     model = load_model(path)
     layers = model.layers if trainable == "full" else model.layers[-3:]
     cand = Candidate(tuple((layer.name, "full") for layer in layers), batch_size=8, optimizer="sgd", lr=0.01)
-    step = compile_candidate(model, cand, tvm.target.Target({"kind": "llvm"}))
+    step = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"})))
     sig = step.signature
     res = subprocess.run(
         [sys.executable, "-c", _ONE_STEP, str(path), str(step.library), json.dumps(sig.to_json())],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr
     allocated = int(res.stdout.split()[-1])
@@ -80,6 +82,6 @@ def test_scheduled_kernels_keep_no_whole_tensor_scratch(tmp_path):
     a reduction runs row by row inside its epilogue, and no kernel holds a tensor's worth."""
     model = load_model(zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx"))
     cand = Candidate(tuple((layer.name, "full") for layer in model.layers), batch_size=8, optimizer="sgd", lr=0.01)
-    mem = compile_candidate(model, cand, tvm.target.Target({"kind": "llvm"})).memory
+    mem = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"}))).memory
     smallest_activation = 8 * 64 * 8 * 8 * 4  # the last stage's feature map
     assert mem.scratch < smallest_activation, mem

@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import tvm
 
-from planner.backend.compile import compile_candidate
-from planner.inputs.model import load_model
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 TRAINABLE = (("c2", "full"), ("fc", "full"))
 
 
 def _session(model, optimizer, lr, weights):
-    step = compile_candidate(model, Candidate(TRAINABLE, 4, optimizer, lr), HOST)
+    step = compile_candidate(model, Candidate(TRAINABLE, 4, optimizer, lr), BuildOptions(HOST))
     return TrainingSession(step.library, step.signature, weights), step.signature.trainable
 
 
@@ -50,7 +50,7 @@ def test_momentum_accumulates_velocity(tiny_model):
 def test_adam_first_step_is_bias_corrected(tiny_model):
     model = load_model(tiny_model)
     w0 = model.initializers
-    (x, y), = _batches(model, 1)
+    ((x, y),) = _batches(model, 1)
     session, names = _session(model, "adam", 0.01, w0)
     session.step(x, y)
     w1 = session.weights()

@@ -14,23 +14,27 @@ import optuna
 import pytest
 import tvm
 
-from planner import api
-from planner.measurement.accuracy import AccuracyResult
-from planner.backend.compile import compile_candidate
-from planner.measurement.latency import Latency
-from planner.backend.memory import MemoryBreakdown
-from planner.inputs.model import load_model
-from planner.plans.plan import read_plan, select
-from planner.search.evaluate import TrialRecord
-from planner.inputs.spaces import Candidate
-
 from builders import tiny_cnn
+from planner import api
+from planner.backend.compile import BuildOptions, compile_candidate
+from planner.inputs.model import load_model
+from planner.plans.directory import read_plan
+from planner.plans.select import select
+from planner.types import AccuracyResult, Candidate, Latency, MemoryBreakdown, TrialRecord
 
 
 @pytest.fixture(scope="module")
 def tiny_plan(tiny_model, tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
-    result = api.plan(model=tiny_model, data=tiny_data, out=out, trials=5, accuracy_steps=30, latency_repeats=5)
+    result = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=out,
+        storage=api.default_storage(out),
+        trials=5,
+        accuracy_steps=30,
+        latency_repeats=5,
+    )
     return result
 
 
@@ -64,17 +68,28 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
 
 
 def test_rerun_resumes_instead_of_repeating(tiny_plan, tiny_model, tiny_data):
-    again = api.plan(model=tiny_model, data=tiny_data, out=tiny_plan.out, trials=6, accuracy_steps=30, latency_repeats=5)
+    again = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=tiny_plan.out,
+        storage=api.default_storage(tiny_plan.out),
+        trials=6,
+        accuracy_steps=30,
+        latency_repeats=5,
+    )
     assert len(again.trials) == 6
     assert [t.candidate for t in again.trials[:5]] == [t.candidate for t in tiny_plan.trials]
 
 
 def _rec(n, acc, mem, feasible):
     return TrialRecord(
-        number=n, state="COMPLETE", candidate=Candidate((("fc", "full"),), 4, "sgd", 0.1),
+        number=n,
+        state="COMPLETE",
+        candidate=Candidate((("fc", "full"),), 4, "sgd", 0.1),
         accuracy=AccuracyResult(0.1, acc, 1.0, 0.5, 10, 0.1),
         latency=Latency(1.0, 1.1, 0.9, 1.2, 5, 1, "local"),
-        memory=MemoryBreakdown(mem, mem, 0, 0, 0, 0), feasible=feasible,
+        memory=MemoryBreakdown(mem, mem, 0, 0, 0, 0),
+        feasible=feasible,
     )
 
 
@@ -83,10 +98,10 @@ def test_layers_behind_an_op_without_gradient_stay_frozen_and_are_named(tiny_dat
     and its report name each excluded layer and why."""
     blocked = tiny_cnn(tmp_path / "blocked.onnx", extra_op="Floor")
     result = api.plan(model=blocked, data=tiny_data, out=tmp_path / "p", trials=3, accuracy_steps=10, latency_repeats=2)
-    assert result.plan.selection["layers_searched"] == ["fc"]
-    excluded = {e["layer"]: e["reason"] for e in result.plan.selection["layers_excluded"]}
+    assert result.plan.selection.layers_searched == ["fc"]
+    excluded = {e.layer: e.reason for e in result.plan.selection.layers_excluded}
     assert set(excluded) == {"c1", "bn", "c2"} and all("'blocker' (Floor)" in r for r in excluded.values())
-    assert [t["layer"] for t in result.plan.choice.trainable] == ["fc"]
+    assert [t.layer for t in result.plan.choice.trainable] == ["fc"]
     report = (tmp_path / "p" / "report.md").read_text()
     assert "not trainable: node 'blocker' (Floor) has no gradient in planner" in report
 
@@ -101,27 +116,53 @@ def test_selection_policies_never_pick_an_over_budget_trial():
 def test_over_budget_candidates_are_infeasible_and_never_chosen(tiny_model, tiny_data, tmp_path):
     model = load_model(tiny_model)
     host = tvm.target.Target({"kind": "llvm"})
-    small = compile_candidate(model, Candidate((("fc", "bias"),), 4, "sgd", 0.1), host).memory.total
-    big = compile_candidate(model, Candidate(tuple((layer.name, "full") for layer in model.layers), 4, "sgd", 0.1), host).memory.total
+    small = compile_candidate(model, Candidate((("fc", "bias"),), 4, "sgd", 0.1), BuildOptions(host)).memory.total
+    big = compile_candidate(
+        model, Candidate(tuple((layer.name, "full") for layer in model.layers), 4, "sgd", 0.1), BuildOptions(host)
+    ).memory.total
     budget = (small + big) // 2
     target = tmp_path / "tight.yaml"
     target.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: {budget}\n")
     space = tmp_path / "space.yaml"
     space.write_text("batch_size: [4, 32]\nlr: {low: 0.05, high: 0.2}\n")
-    result = api.plan(model=tiny_model, data=tiny_data, target=str(target), space=str(space), out=tmp_path / "p",
-                      trials=8, accuracy_steps=20, latency_repeats=3, policy="accuracy")
+    result = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        target=str(target),
+        space=str(space),
+        out=tmp_path / "p",
+        trials=8,
+        accuracy_steps=20,
+        latency_repeats=3,
+        policy="accuracy",
+    )
     done = [t for t in result.trials if t.complete]
     assert any(t.memory.total > budget for t in done), "the test needs an over-budget trial"
     for t in done:
         assert t.feasible == (t.memory.total <= budget)
-    assert result.plan.metrics["peak_memory_bytes"]["total"] <= budget
-    assert all(p["metrics"]["peak_memory_bytes"]["total"] <= budget for p in result.plan.pareto)
+    assert result.plan.metrics.peak_memory_bytes.total <= budget
+    assert all(p.metrics.peak_memory_bytes.total <= budget for p in result.plan.pareto)
 
 
 def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
-    cmd = [sys.executable, "-m", "planner", "plan", "--model", str(tiny_model), "--data", str(tiny_data),
-           "--out", str(out), "--trials", "7", "--accuracy-steps", "40", "-v"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "planner",
+        "plan",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(out),
+        "--trials",
+        "7",
+        "--accuracy-steps",
+        "40",
+        "-v",
+    ]
     log_path = tmp_path / "first-run.log"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
     url = f"sqlite:///{out / 'study.db'}"
@@ -146,15 +187,15 @@ def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tm
     # the trial the kill cut short is PRUNED (not counted) and its candidate measured again
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     assert sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for t in trials) == 7
-    assert read_plan(out).study["n_trials"] == 7
+    assert read_plan(out).study.n_trials == 7
 
 
 def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data, tmp_path):
-    from planner.inputs.data import load_dataset
     from planner.backend.session import TrainingSession
+    from planner.inputs.data import load_dataset
 
-    r1 = api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "a", shuffle=False)
-    api.run_plan(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)
+    r1 = api.run(tiny_plan.out, steps=60, out=tmp_path / "a", shuffle=False)
+    api.run(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)
     assert r1.after["loss"] < r1.before["loss"]
     with np.load(tmp_path / "a" / "weights.npz") as a, np.load(tmp_path / "b" / "weights.npz") as b:
         wa = {k: a[k] for k in a.files}
@@ -179,7 +220,7 @@ def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data
 
 def test_no_feasible_plan_says_how_many_trials_failed_and_the_commonest_reason():
     from planner.errors import NoFeasiblePlan
-    from planner.search.evaluate import TrialRecord
+    from planner.types import TrialRecord
 
     trials = [
         TrialRecord(0, "FAIL", None, fail_reason="TVM compile failed: X"),

@@ -20,11 +20,10 @@ import tvm
 
 torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
 import torch_families as tf  # noqa: E402
-
 from planner import api  # noqa: E402
-from planner.backend.compile import compile_candidate  # noqa: E402
+from planner.backend.compile import BuildOptions, compile_candidate  # noqa: E402
 from planner.backend.session import TrainingSession  # noqa: E402
-from planner.inputs.spaces import Candidate  # noqa: E402
+from planner.types import Candidate  # noqa: E402
 from processes import planner  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,7 +46,7 @@ def test_layers_are_pytorch_modules_and_all_train(family, exporter):
     exporter wrote the file; every layer of these families can train; and every parameter planner
     would train is a PyTorch tensor (a constant, such as an attention scale, never is)."""
     path = tf.export(family, exporter)
-    model = api.inspect_model(path)
+    model = api.inspect(path)
     assert {layer.name for layer in model.layers} == tf.pytorch_layer_names(family)
     assert [(layer.name, layer.problem) for layer in model.layers if not layer.trainable] == []
     params = [p for layer in model.layers for p in layer.params_for("full")]
@@ -66,7 +65,7 @@ def test_other_opsets_train_like_pytorch(family, exporter, opset):
     """Opsets 17 to 21 (the default exports above are opset 20): at 17 and 18 GELU is written
     with Erf, LayerNormalization and HardSwish as their own ops; the step still matches autograd."""
     path = tf.export(family, exporter, opset=opset)
-    assert {layer.name for layer in api.inspect_model(path).layers} == tf.pytorch_layer_names(family)
+    assert {layer.name for layer in api.inspect(path).layers} == tf.pytorch_layer_names(family)
     _check_one_step(family, path)
 
 
@@ -75,7 +74,7 @@ def test_last_layers_with_gradient_accumulation_train_like_pytorch(family, expor
     """The last layers only, two micro-batches per step: the frozen front runs outside the
     differentiated function (per micro-batch), and the step is PyTorch's on the whole batch."""
     path = tf.export(family, exporter)
-    model = api.inspect_model(path)
+    model = api.inspect(path)
     _check_one_step(family, path, [layer.name for layer in model.layers[-5:]], accum=2)
 
 
@@ -87,10 +86,10 @@ def _check_one_step(family: str, path: Path, layers: list[str] | None = None, ac
     step||, must be at most 1e-4, or — where float32 itself cannot do better (a ReLU whose input
     rounds to the other side of zero) — at most ten times the error of PyTorch's own float32 step
     on the same weights and batch."""
-    model = api.inspect_model(path)
+    model = api.inspect(path)
     layers = layers or [layer.name for layer in model.layers]
     candidate = Candidate(tuple((name, "full") for name in layers), BATCH, "sgd", LR, grad_accum=accum)
-    step = compile_candidate(model, candidate, HOST)
+    step = compile_candidate(model, candidate, BuildOptions(HOST))
     x, y = tf.sample_batch(family, BATCH * accum)
     before = {name: value.copy() for name, value in model.initializers.items()}
     session = TrainingSession(step.library, step.signature, before)
@@ -124,7 +123,7 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
     """`planner measure` of the three classic schemes writes a plan each; the full update holds
     more memory than the last layer alone."""
     path = tf.export(family, exporter)
-    model = api.inspect_model(path)
+    model = api.inspect(path)
     data = _dataset(tmp_path / "data.npz", family)
     schemes = {
         "full": [(layer.name, "full") for layer in model.layers],
@@ -134,15 +133,15 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
     peak = {}
     for name, layers in schemes.items():
         out = tmp_path / name
-        result = api.measure(path, scheme=_scheme(tmp_path / f"{name}.yaml", layers), data=data, out=out, accuracy_steps=2, latency_repeats=2)
+        result = api.measure(
+            path, scheme=_scheme(tmp_path / f"{name}.yaml", layers), data=data, out=out, accuracy_steps=2, latency_repeats=2
+        )
         metrics = result.plan.metrics
         assert metrics["step_latency_ms"]["median"] > 0 and np.isfinite(metrics["accuracy"]["after"])
         peak[name] = metrics["peak_memory_bytes"]["total"]
         for data_file in model.data_files:  # the plan directory stands alone
             assert (out / data_file).read_bytes() == (path.parent / data_file).read_bytes()
     assert peak["full"] > peak["last"], peak
-
-
 
 
 def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
@@ -163,8 +162,20 @@ def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
     assert res.returncode == 0, res.stderr
     assert {r["layer"] for r in json.loads(res.stdout)["layers"]} == tf.pytorch_layer_names(family)
 
-    res = planner("plan", "--model", str(user / "encoder.onnx"), "--data", str(data), "--trials", "3",
-                   "--accuracy-steps", "4", "--out", str(tmp_path / "plan"), cwd=elsewhere)
+    res = planner(
+        "plan",
+        "--model",
+        str(user / "encoder.onnx"),
+        "--data",
+        str(data),
+        "--trials",
+        "3",
+        "--accuracy-steps",
+        "4",
+        "--out",
+        str(tmp_path / "plan"),
+        cwd=elsewhere,
+    )
     assert res.returncode == 0, res.stderr
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "plan", moved)
@@ -172,7 +183,7 @@ def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
 
     res = planner("run", str(moved), "--data", str(data), "--steps", "3", "--out", str(tmp_path / "tuned"), cwd=elsewhere)
     assert res.returncode == 0, res.stderr
-    tuned = api.inspect_model(tmp_path / "tuned" / "model.onnx")
+    tuned = api.inspect(tmp_path / "tuned" / "model.onnx")
     assert tuned.data_files == ("model.onnx.data",)
     with np.load(tmp_path / "tuned" / "weights.npz") as npz:
         for name, value in tuned.initializers.items():

@@ -19,15 +19,29 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def plans(tiny_model, tiny_data, tmp_path_factory):
     """A plan on the host, and one on a target whose RAM budget half its trials break."""
     root = tmp_path_factory.mktemp("report")
-    first = api.plan(model=tiny_model, data=tiny_data, out=root / "roomy", trials=6, accuracy_steps=30, latency_repeats=5)
+    first = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=root / "roomy",
+        storage=api.default_storage(root / "roomy"),
+        trials=6,
+        accuracy_steps=30,
+        latency_repeats=5,
+    )
     memories = sorted(t.memory.total for t in first.trials if t.complete)
     tight = root / "tight.yaml"
     tight.write_text(f"tvm_target: {{kind: llvm}}\nram_budget_bytes: {memories[len(memories) // 2]}\n")
-    second = api.plan(model=tiny_model, data=tiny_data, out=root / "tight", target=str(tight), trials=6,
-                      accuracy_steps=30, latency_repeats=5)
+    second = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=root / "tight",
+        storage=api.default_storage(root / "tight"),
+        target=str(tight),
+        trials=6,
+        accuracy_steps=30,
+        latency_repeats=5,
+    )
     return first, second
-
-
 
 
 def test_plan_writes_a_self_contained_report(plans):
@@ -44,17 +58,17 @@ def test_report_json_from_the_plan_and_from_the_study_agree(plans):
     result = plans[1]
     from_plan = json.loads(planner("report", str(result.out), "--format", "json").stdout)
     study = result.plan.study
-    res = planner("report", "--storage", study["storage"], "--study", study["name"], "--format", "json")
+    res = planner("report", "--storage", study.storage, "--study", study.name, "--format", "json")
     assert res.returncode == 0, res.stderr
     from_study = json.loads(res.stdout)
-    assert from_plan["chosen"] == from_study["chosen"] == result.plan.selection["trial"]
-    assert from_plan["pareto"] == sorted(from_study["pareto"]) == [p["trial"] for p in result.plan.pareto]
+    assert from_plan["chosen"] == from_study["chosen"] == result.plan.selection.trial
+    assert from_plan["pareto"] == sorted(from_study["pareto"]) == [p.trial for p in result.plan.pareto]
     assert [t["number"] for t in from_plan["trials"]] == [t["number"] for t in from_study["trials"]]
     counts = from_plan["counts"]
     assert counts["feasible"] + counts["infeasible"] + counts["fail"] == 6 and counts["infeasible"] >= 1
     trains = {r["layer"]: r["mode"] for r in from_plan["layers"]}
     for entry in result.plan.choice.trainable:
-        assert trains[entry["layer"]] == entry["mode"]
+        assert trains[entry.layer] == entry.mode
     assert sum(mode == "frozen" for mode in trains.values()) == len(trains) - len(result.plan.choice.trainable)
 
 
@@ -65,7 +79,7 @@ def test_report_md_to_a_file(plans, tmp_path):
     text = target.read_text()
     for heading in ("## Per-layer map", "## Memory at the step's peak", "## Pareto front", "## How it was measured"):
         assert heading in text
-    assert f"| {plans[0].plan.selection['trial']} ★ |" in text
+    assert f"| {plans[0].plan.selection.trial} ★ |" in text
 
 
 def test_report_of_nothing_is_one_line(tmp_path):
@@ -79,19 +93,33 @@ def test_report_of_nothing_is_one_line(tmp_path):
 def test_headless_chromium_draws_every_figure(plans, tmp_path):
     page = plans[1].out / "report.html"
     res = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--dump-dom", page.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     dom = res.stdout
     assert "</html>" in dom, res.stderr[-2000:]
     for plot in ("plot-pareto", "plot-memory", "plot-history"):
         start = dom.index(f'id="{plot}"')
-        assert "main-svg" in dom[start:start + 20000], f"{plot} was not drawn"
-    history = dom[dom.index('id="plot-history"'):]
+        assert "main-svg" in dom[start : start + 20000], f"{plot} was not drawn"
+    history = dom[dom.index('id="plot-history"') :]
     drawn = history[: history.index("</svg>", history.index("main-svg"))].count('class="point"')
     assert drawn >= 6, f"the trial history shows {drawn} of 6 trials"
-    pareto = dom[dom.index('id="plot-pareto"'):dom.index('id="plot-memory"')]
+    pareto = dom[dom.index('id="plot-pareto"') : dom.index('id="plot-memory"')]
     for legend in ("Pareto front (feasible)", "infeasible (over a budget, or diverged)", "chosen plan"):
         assert legend in pareto

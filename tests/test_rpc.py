@@ -17,14 +17,13 @@ import psutil
 import pytest
 
 from builders import free_port
-from processes import Boards, kill, planner, start
-
 from planner import api
+from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
 from planner.inputs.targets import parse_host_port
 from planner.measurement.board import RSS, check_bind_host, key_status
-from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
-from planner.plans.plan import read_plan
+from planner.plans.directory import read_plan
 from planner.search.study import to_record
+from processes import Boards, kill, planner, start
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +42,16 @@ def doomed_boards():
 
 
 def test_search_measures_on_the_boards_in_parallel(boards, tiny_model, tiny_data, tmp_path):
-    result = api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "p", trials=6, accuracy_steps=20,
-                      latency_repeats=5, tracker=boards.tracker, key=boards.key)
+    result = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=tmp_path / "p",
+        trials=6,
+        accuracy_steps=20,
+        latency_repeats=5,
+        tracker=boards.tracker,
+        key=boards.key,
+    )
     assert result.plan.target.device == f"rpc:{boards.key}"
     done = [t for t in result.trials if t.complete]
     assert sum(t.state in ("COMPLETE", "FAIL") for t in result.trials) == 6
@@ -53,7 +60,7 @@ def test_search_measures_on_the_boards_in_parallel(boards, tiny_model, tiny_data
     assert len({t.board for t in done}) == 2, "both boards should have measured candidates"
     # the board reports its own memory use through planner's probes
     assert all(t.board_memory["peak_rss_growth_bytes"] > 0 for t in done)
-    assert "host" in result.plan.measurement["accuracy"]
+    assert "host" in result.plan.measurement.accuracy
 
 
 def test_a_killed_board_costs_at_most_its_in_flight_trial(doomed_boards, tiny_model, tiny_data, tmp_path):
@@ -65,8 +72,17 @@ def test_a_killed_board_costs_at_most_its_in_flight_trial(doomed_boards, tiny_mo
             kill(boards.servers[0])
             killed.set()
 
-    result = api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "p", trials=6, accuracy_steps=20,
-                      latency_repeats=5, tracker=boards.tracker, key=boards.key, on_trial=on_trial)
+    result = api.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=tmp_path / "p",
+        trials=6,
+        accuracy_steps=20,
+        latency_repeats=5,
+        tracker=boards.tracker,
+        key=boards.key,
+        on_trial=on_trial,
+    )
     assert killed.is_set()
     finished = [t for t in result.trials if t.state in ("COMPLETE", "FAIL")]
     # the trial in flight on the killed board is retried on the other one: nothing fails for it
@@ -87,8 +103,17 @@ def test_losing_every_board_stops_exit_3_and_the_rerun_measures_exactly_the_miss
                 kill(boards.servers[0])
                 killed.set()
 
-        kwargs = dict(model=tiny_model, data=tiny_data, out=tmp_path / "p", trials=4, accuracy_steps=20, latency_repeats=3,
-                      tracker=boards.tracker, key=boards.key)
+        kwargs = dict(
+            model=tiny_model,
+            data=tiny_data,
+            out=tmp_path / "p",
+            storage=api.default_storage(tmp_path / "p"),
+            trials=4,
+            accuracy_steps=20,
+            latency_repeats=3,
+            tracker=boards.tracker,
+            key=boards.key,
+        )
         with pytest.raises(BoardLost) as lost:
             api.plan(**kwargs, on_trial=on_trial)
         assert lost.value.exit_code == 3 and "rerun the same command" in str(lost.value)
@@ -101,8 +126,11 @@ def test_losing_every_board_stops_exit_3_and_the_rerun_measures_exactly_the_miss
         boards.wait_for(1)
         result = api.plan(**kwargs)
         assert sum(t.state in ("COMPLETE", "FAIL") for t in result.trials) == 4
-        again = [t for t in optuna.load_study(study_name="planner", storage=f"sqlite:///{tmp_path / 'p' / 'study.db'}").trials
-                 if t.user_attrs.get("requeued_from") == cut[0].number]
+        again = [
+            t
+            for t in optuna.load_study(study_name="planner", storage=f"sqlite:///{tmp_path / 'p' / 'study.db'}").trials
+            if t.user_attrs.get("requeued_from") == cut[0].number
+        ]
         assert len(again) == 1 and again[0].state == optuna.trial.TrialState.COMPLETE
     finally:
         boards.close()
@@ -115,7 +143,15 @@ def test_a_session_timeout_is_a_failed_trial_not_a_dead_study(boards, tiny_model
         f"rpc: {{tracker: '{boards.tracker}', key: {boards.key}, session_timeout_s: 0.05}}\n"
     )
     with pytest.raises(NoFeasiblePlan):
-        api.plan(model=tiny_model, data=tiny_data, target=str(target), out=tmp_path / "p", trials=2, accuracy_steps=5)
+        api.plan(
+            model=tiny_model,
+            data=tiny_data,
+            target=str(target),
+            out=tmp_path / "p",
+            storage=api.default_storage(tmp_path / "p"),
+            trials=2,
+            accuracy_steps=5,
+        )
     study = optuna.load_study(study_name="planner", storage=f"sqlite:///{tmp_path / 'p' / 'study.db'}")
     trials = [to_record(t) for t in study.trials]
     # the boards stay registered: their session died running the candidate (too slow for the
@@ -126,8 +162,8 @@ def test_a_session_timeout_is_a_failed_trial_not_a_dead_study(boards, tiny_model
 
 def test_run_over_rpc_equals_a_local_run(boards, tiny_model, tiny_data, tmp_path):
     api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "p", trials=2, accuracy_steps=10, latency_repeats=3)
-    local = api.run_plan(tmp_path / "p", steps=40, out=tmp_path / "local", shuffle=False)
-    remote = api.run_plan(tmp_path / "p", steps=40, out=tmp_path / "remote", shuffle=False, tracker=boards.tracker, key=boards.key)
+    local = api.run(tmp_path / "p", steps=40, out=tmp_path / "local", shuffle=False)
+    remote = api.run(tmp_path / "p", steps=40, out=tmp_path / "remote", shuffle=False, tracker=boards.tracker, key=boards.key)
     assert remote.device == f"rpc:{boards.key}" and local.device == "local"
     with np.load(tmp_path / "local" / "weights.npz") as a, np.load(tmp_path / "remote" / "weights.npz") as b:
         for k in a.files:
@@ -201,8 +237,11 @@ def _stop_and_check_gone(proc: subprocess.Popen, sig: signal.Signals, port: int,
     Ctrl-C would reach its workers too), then: its port closes and none of its workers survives."""
     os.kill(proc.pid, sig)
     proc.wait(timeout=30)
-    _wait_until(lambda: not _accepts(port) and not _alive(workers), 10,
-                f"after {sig.name}: port {port} accepting={_accepts(port)}, still running: {_alive(workers)}")
+    _wait_until(
+        lambda: not _accepts(port) and not _alive(workers),
+        10,
+        f"after {sig.name}: port {port} accepting={_accepts(port)}, still running: {_alive(workers)}",
+    )
 
 
 @STOPS
@@ -246,8 +285,13 @@ def _board_args(command: str, port: int) -> list[str]:
 @pytest.mark.parametrize("command", ["tracker", "serve"])
 def test_a_non_loopback_host_needs_allow_remote(command):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "planner", "board", *_board_args(command, port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "planner", "board", *_board_args(command, port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=60)
     finally:
@@ -264,8 +308,12 @@ def test_allow_remote_binds_a_non_loopback_host_and_warns(command, tmp_path):
     port = free_port()
     log = tmp_path / "stderr"
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "planner", "board", *_board_args(command, port), "--allow-remote"],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "planner", "board", *_board_args(command, port), "--allow-remote"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
     try:
         _wait_until(lambda: _accepts(port) and " on 0.0.0.0:" in log.read_text(), 60, f"it did not start: {log.read_text()}")
         warnings = [line for line in log.read_text().splitlines() if line.startswith("warning: ")]

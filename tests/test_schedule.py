@@ -31,10 +31,10 @@ from tvm.script import tirx as T
 from planner.backend.compile import _fuse, _schedule
 from planner.backend.graph import STEP_FUNC, build_training_module
 from planner.backend.inplace import in_place_candidates, update_in_place
-from planner.inputs.model import load_model
 from planner.backend.schedule import default_schedule
-from planner.inputs.spaces import Candidate
 from planner.backend.weights import to_step
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 # The unscheduled step, built without LLVM's optimisations: it computes the same bits (TVM allows
@@ -83,18 +83,49 @@ def _describe(op: Op) -> str:
 # -- the cases: every kernel kind, its free parameters drawn with a seeded RNG ---------------------
 
 CONVS = [  # (kernel, stride, groups): kernels 1/3/5/7, strides 1/2/3, dense, depthwise and grouped
-    (1, 1, "dense"), (1, 2, "dense"), (3, 1, "dense"), (3, 2, "dense"), (3, 3, "dense"), (5, 1, "dense"),
-    (5, 2, "dense"), (7, 1, "dense"), (7, 2, "dense"), (3, 1, "depthwise"), (3, 2, "depthwise"), (3, 3, "depthwise"),
-    (5, 1, "depthwise"), (5, 2, "depthwise"), (7, 2, "depthwise"), (1, 1, "depthwise"), (1, 1, "grouped"), (3, 1, "grouped"),
-    (3, 2, "grouped"), (5, 2, "grouped"),
+    (1, 1, "dense"),
+    (1, 2, "dense"),
+    (3, 1, "dense"),
+    (3, 2, "dense"),
+    (3, 3, "dense"),
+    (5, 1, "dense"),
+    (5, 2, "dense"),
+    (7, 1, "dense"),
+    (7, 2, "dense"),
+    (3, 1, "depthwise"),
+    (3, 2, "depthwise"),
+    (3, 3, "depthwise"),
+    (5, 1, "depthwise"),
+    (5, 2, "depthwise"),
+    (7, 2, "depthwise"),
+    (1, 1, "depthwise"),
+    (1, 1, "grouped"),
+    (3, 1, "grouped"),
+    (3, 2, "grouped"),
+    (5, 2, "grouped"),
 ]
 MAXPOOLS = [  # (kernel, stride, pad, ceil_mode)
-    (2, 2, 0, 0), (2, 2, 0, 1), (3, 1, 1, 0), (3, 2, 0, 0), (3, 2, 0, 1), (3, 2, 1, 0), (3, 2, 1, 1),
-    (3, 3, 0, 1), (5, 2, 2, 0), (5, 3, 2, 1),
+    (2, 2, 0, 0),
+    (2, 2, 0, 1),
+    (3, 1, 1, 0),
+    (3, 2, 0, 0),
+    (3, 2, 0, 1),
+    (3, 2, 1, 0),
+    (3, 2, 1, 1),
+    (3, 3, 0, 1),
+    (5, 2, 2, 0),
+    (5, 3, 2, 1),
 ]
 AVGPOOLS = [  # (kernel, stride, pad, ceil_mode, count_include_pad)
-    (2, 2, 0, 0, 0), (2, 2, 0, 1, 0), (3, 1, 1, 0, 1), (3, 2, 1, 0, 0), (3, 2, 1, 0, 1), (3, 2, 1, 1, 0),
-    (3, 2, 1, 1, 1), (3, 3, 0, 1, 0), (5, 3, 2, 0, 1),
+    (2, 2, 0, 0, 0),
+    (2, 2, 0, 1, 0),
+    (3, 1, 1, 0, 1),
+    (3, 2, 1, 0, 0),
+    (3, 2, 1, 0, 1),
+    (3, 2, 1, 1, 0),
+    (3, 2, 1, 1, 1),
+    (3, 3, 0, 1, 0),
+    (5, 3, 2, 0, 1),
 ]
 ACTIVATIONS = ["Relu", "Clip", "HardSwish", "Sigmoid", "Gelu", "Tanh", "HardSigmoid", "Erf"]
 OTHERS: list[tuple[Op, ...]] = [
@@ -143,13 +174,15 @@ def _draw_cases(seed: int = 0) -> list[Case]:
         group = branches[i : i + BRANCHES_PER_CASE]
         fits = [s for s in SIZES if s >= _smallest(group)]
         most = max(_vector_rows(group, s) for s in fits)
-        cases.append(Case(
-            size=rng.choice([s for s in fits if _vector_rows(group, s) == most]),
-            channels=rng.choice([8, 16]),
-            batch=rng.choice([1, 2, 3, 4]),
-            updates=rng.choice(["in-place", "copy"]),
-            branches=tuple(branches[i : i + BRANCHES_PER_CASE]),
-        ))
+        cases.append(
+            Case(
+                size=rng.choice([s for s in fits if _vector_rows(group, s) == most]),
+                channels=rng.choice([8, 16]),
+                batch=rng.choice([1, 2, 3, 4]),
+                updates=rng.choice(["in-place", "copy"]),
+                branches=tuple(branches[i : i + BRANCHES_PER_CASE]),
+            )
+        )
 
     variants = [
         {"optimizer": "momentum"},
@@ -162,7 +195,8 @@ def _draw_cases(seed: int = 0) -> list[Case]:
         cases[j] = replace(cases[j], **variant)
     with_conv = [
         (j, [f"b{b}.0.conv" for b, ops in enumerate(c.branches) if ops[0][0] == "conv"])
-        for j, c in enumerate(cases) if j >= len(variants)
+        for j, c in enumerate(cases)
+        if j >= len(variants)
     ]
     (ratio, convs), (int8, frozen) = [(j, convs) for j, convs in with_conv if convs][:2]
     # a ratio update (its first half of channels) and a bias-only one
@@ -174,8 +208,12 @@ def _draw_cases(seed: int = 0) -> list[Case]:
 
 def _windows(branches: list[tuple[Op, ...]]) -> list[tuple[int, int, int, bool]]:
     """(kernel, stride, padding either side, ceil_mode) of every windowed op of `branches`."""
-    return [(op[1], op[2], op[3][0] + op[3][2] if op[0] == "conv" else 2 * op[3], op[0] != "conv" and bool(op[4]))
-            for b in branches for op in b if op[0] in ("conv", "maxpool", "avgpool")]
+    return [
+        (op[1], op[2], op[3][0] + op[3][2] if op[0] == "conv" else 2 * op[3], op[0] != "conv" and bool(op[4]))
+        for b in branches
+        for op in b
+        if op[0] in ("conv", "maxpool", "avgpool")
+    ]
 
 
 def _smallest(branches: list[tuple[Op, ...]]) -> int:
@@ -221,8 +259,15 @@ class _Graph:
 
     def bn(self, h: str, name: str, c: int) -> str:
         r = self.rng
-        stats = [self.param(f"{name}.{p}", v) for p, v in
-                 (("s", r.uniform(0.5, 1.5, c)), ("b", r.normal(0, 0.1, c)), ("m", r.normal(0, 0.1, c)), ("v", r.uniform(0.5, 1.5, c)))]
+        stats = [
+            self.param(f"{name}.{p}", v)
+            for p, v in (
+                ("s", r.uniform(0.5, 1.5, c)),
+                ("b", r.normal(0, 0.1, c)),
+                ("m", r.normal(0, 0.1, c)),
+                ("v", r.uniform(0.5, 1.5, c)),
+            )
+        ]
         return self.node("BatchNormalization", [h, *stats], name)
 
     def act(self, h: str, name: str, kind: str) -> str:
@@ -249,15 +294,20 @@ def _emit(g: _Graph, op: Op, h: str, c: int, name: str) -> tuple[str, int]:
         return g.node("MaxPool", [h], name, kernel_shape=[k, k], strides=[s, s], pads=[pad] * 4, ceil_mode=ceil), c
     if kind == "avgpool":
         k, s, pad, ceil, cip = args
-        return g.node("AveragePool", [h], name, kernel_shape=[k, k], strides=[s, s], pads=[pad] * 4, ceil_mode=ceil,
-                      count_include_pad=cip), c
+        return g.node(
+            "AveragePool", [h], name, kernel_shape=[k, k], strides=[s, s], pads=[pad] * 4, ceil_mode=ceil, count_include_pad=cip
+        ), c
     if kind == "softmax":
         return g.node("Softmax", [h], name, axis=args[0]), c
     if kind == "channels_last":
         t = g.node("Transpose", [h], f"{name}.nhwc", perm=[0, 2, 3, 1])
         if args[0] == "layernorm":
-            t = g.node("LayerNormalization", [t, g.param(f"{name}.s", r.uniform(0.5, 1.5, c)), g.param(f"{name}.b", r.normal(0, 0.1, c))],
-                       f"{name}.ln", axis=-1)
+            t = g.node(
+                "LayerNormalization",
+                [t, g.param(f"{name}.s", r.uniform(0.5, 1.5, c)), g.param(f"{name}.b", r.normal(0, 0.1, c))],
+                f"{name}.ln",
+                axis=-1,
+            )
         else:
             t = g.node("MatMul", [t, g.param(f"{name}.up.w", r.normal(0, 0.5, (c, 2 * c)))], f"{name}.up")
             t = g.node("Add", [t, g.param(f"{name}.up.b", r.normal(0, 0.1, 2 * c))], f"{name}.up.bias")
@@ -265,8 +315,12 @@ def _emit(g: _Graph, op: Op, h: str, c: int, name: str) -> tuple[str, int]:
             t = g.node("MatMul", [t, g.param(f"{name}.down.w", r.normal(0, 0.5, (2 * c, c)))], f"{name}.down")
         return g.node("Transpose", [t], name, perm=[0, 3, 1, 2]), c
     if kind == "attention":
-        tokens = g.node("Transpose", [g.node("Reshape", [h, g.const(f"{name}.flat", np.array([0, c, -1]))], f"{name}.reshape")],
-                        f"{name}.tokens", perm=[0, 2, 1])
+        tokens = g.node(
+            "Transpose",
+            [g.node("Reshape", [h, g.const(f"{name}.flat", np.array([0, c, -1]))], f"{name}.reshape")],
+            f"{name}.tokens",
+            perm=[0, 2, 1],
+        )
         q, k = (g.node("MatMul", [tokens, g.param(f"{name}.{p}.w", r.normal(0, 0.3, (c, c)))], f"{name}.{p}") for p in "qk")
         scores = g.node("MatMul", [q, g.node("Transpose", [k], f"{name}.kT", perm=[0, 2, 1])], f"{name}.scores")
         mixed = g.node("MatMul", [g.node("Softmax", [scores], f"{name}.softmax", axis=-1), tokens], f"{name}.mix")
@@ -274,7 +328,11 @@ def _emit(g: _Graph, op: Op, h: str, c: int, name: str) -> tuple[str, int]:
         return g.node("Reshape", [back, g.const(f"{name}.shape", np.array([0, 0, -1, 1]))], name), c
     if kind == "split_concat":
         halves = [f"{name}.lo", f"{name}.hi"]
-        g.nodes.append(helper.make_node("Split", [h, g.const(f"{name}.sizes", np.array([c // 2, c // 2]))], halves, name=f"{name}.split", axis=1))
+        g.nodes.append(
+            helper.make_node(
+                "Split", [h, g.const(f"{name}.sizes", np.array([c // 2, c // 2]))], halves, name=f"{name}.split", axis=1
+            )
+        )
         lo = g.conv(halves[0], f"{name}.conv", c // 2, c // 2, 3, pads=(1, 1, 1, 1))
         return g.node("Concat", [lo, g.act(halves[1], f"{name}.sigmoid", "Sigmoid")], name, axis=1), c
     if kind == "reduce":
@@ -290,15 +348,20 @@ def _emit(g: _Graph, op: Op, h: str, c: int, name: str) -> tuple[str, int]:
         y = g.node("Sub", [y, g.const(f"{name}.k", np.float32(0.5))], f"{name}.sub")
         return g.node("Div", [y, g.const(f"{name}.d", np.float32(1.5))], name), c
     if kind == "slice":  # negative and past-the-end bounds, as exporters write them
-        bounds = [g.const(f"{name}.{k}", np.array(v)) for k, v in
-                  (("starts", [1, 1]), ("ends", [-1, 2**31 - 1]), ("axes", [2, 3]), ("steps", [args[0], 2]))]
+        bounds = [
+            g.const(f"{name}.{k}", np.array(v))
+            for k, v in (("starts", [1, 1]), ("ends", [-1, 2**31 - 1]), ("axes", [2, 3]), ("steps", [args[0], 2]))
+        ]
         return g.node("Slice", [h, *bounds], name), c
     if kind == "select_row":
         row = g.node("Gather", [h, g.const(f"{name}.index", np.array(1))], f"{name}.gather", axis=2)
         return g.node("Unsqueeze", [row, g.const(f"{name}.axes", np.array([2]))], name), c
     if kind == "token":
-        token = g.node("Expand", [g.param(f"{name}.token", r.normal(1, 0.3, (1, c, 1, 1))), g.node("Shape", [h], f"{name}.shape")],
-                       f"{name}.expand")
+        token = g.node(
+            "Expand",
+            [g.param(f"{name}.token", r.normal(1, 0.3, (1, c, 1, 1))), g.node("Shape", [h], f"{name}.shape")],
+            f"{name}.expand",
+        )
         return g.node("Mul", [h, token], name), c
     if kind == "where":
         mask = g.const(f"{name}.mask", r.uniform(size=(1, c, 1, 1)) > 0.5)
@@ -320,8 +383,11 @@ def build_model(case: Case, path: Path, classes: int = 4) -> Path:
     fc = [g.param("fc.w", g.rng.normal(0, 0.5, (classes, width))), g.param("fc.b", g.rng.normal(0, 0.1, classes))]
     g.nodes.append(helper.make_node("Gemm", [features, *fc], ["logits"], name="fc", transB=1))
     graph = helper.make_graph(
-        g.nodes, "case", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, case.size, case.size])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])], g.inits,
+        g.nodes,
+        "case",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, case.size, case.size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])],
+        g.inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     onnx.checker.check_model(model)
@@ -342,10 +408,20 @@ def _run(mod: tvm.IRModule, target: tvm.target.Target, args: list[np.ndarray]) -
 def test_scheduled_step_computes_what_the_unscheduled_one_does(case, tmp_path):
     model = load_model(build_model(case, tmp_path / "case.onnx"))
     modes = dict(case.modes)
-    trainable = tuple((layer.name, modes.get(layer.name, "full")) for layer in model.layers if layer.trainable and modes.get(layer.name) != "frozen")
+    trainable = tuple(
+        (layer.name, modes.get(layer.name, "full"))
+        for layer in model.layers
+        if layer.trainable and modes.get(layer.name) != "frozen"
+    )
     options = dict(case.options)
-    candidate = Candidate(trainable=trainable, batch_size=case.batch, optimizer=case.optimizer,
-                          lr=0.01 if case.optimizer == "adam" else 1.0, updates=case.updates, **options)
+    candidate = Candidate(
+        trainable=trainable,
+        batch_size=case.batch,
+        optimizer=case.optimizer,
+        lr=0.01 if case.optimizer == "adam" else 1.0,
+        updates=case.updates,
+        **options,
+    )
     mod, sig = build_training_module(model, candidate)
     fused = _fuse(mod, HOST)
     # as `compile_candidate` builds it: scheduled, then its updates written over their weights
@@ -388,8 +464,12 @@ def _shift_right(a: T.Buffer((4, 8), "float32"), b: T.Buffer((4, 8), "float32"))
 
 
 @T.prim_func(s_tir=True)
-def _sgd_at_batch_one(x: T.Buffer((8, 1), "float32"), dy: T.Buffer((1, 8), "float32"), w: T.Buffer((8, 8), "float32"),
-                      new_w: T.Buffer((8, 8), "float32")):
+def _sgd_at_batch_one(
+    x: T.Buffer((8, 1), "float32"),
+    dy: T.Buffer((1, 8), "float32"),
+    w: T.Buffer((8, 8), "float32"),
+    new_w: T.Buffer((8, 8), "float32"),
+):
     grad = T.sblock_alloc_buffer((8, 8))
     for i, j, k in T.grid(8, 8, 1):
         with T.sblock("grad"):

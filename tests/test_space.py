@@ -7,14 +7,26 @@ import pytest
 
 from planner.errors import BadInput
 from planner.inputs.model import load_model
+from planner.inputs.spaces import SPACES_DIR, load_space
 from planner.search.study import make_sampler
-from planner.inputs.spaces import SPACES_DIR, load_space, split_mode
 
 
 def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
     model = load_model(tiny_model)
     space = load_space("last-k")
-    trial = optuna.trial.FixedTrial({"last_k": 2, "mode": "full", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"})
+    trial = optuna.trial.FixedTrial(
+        {
+            "last_k": 2,
+            "mode": "full",
+            "batch_size": 8,
+            "optimizer": "sgd",
+            "lr": 0.01,
+            "precision": "fp32",
+            "grad_accum": 1,
+            "frozen_weights": "fp32",
+            "updates": "in-place",
+        }
+    )
     cand = space.sample(trial, model)
     assert cand.trainable == (("c2", "full"), ("fc", "full"))
 
@@ -22,7 +34,19 @@ def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
 def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
     model = load_model(tiny_model)
     cand = load_space("bias-only").sample(
-        optuna.trial.FixedTrial({"mode": "bias", "batch_size": 8, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"}), model
+        optuna.trial.FixedTrial(
+            {
+                "mode": "bias",
+                "batch_size": 8,
+                "optimizer": "sgd",
+                "lr": 0.01,
+                "precision": "fp32",
+                "grad_accum": 1,
+                "frozen_weights": "fp32",
+                "updates": "in-place",
+            }
+        ),
+        model,
     )
     assert cand.trainable == tuple((layer.name, "bias") for layer in model.layers)
 
@@ -30,7 +54,19 @@ def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
 def test_full_trains_everything(tiny_model):
     model = load_model(tiny_model)
     cand = load_space("full").sample(
-        optuna.trial.FixedTrial({"mode": "full", "batch_size": 8, "optimizer": "adam", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"}), model
+        optuna.trial.FixedTrial(
+            {
+                "mode": "full",
+                "batch_size": 8,
+                "optimizer": "adam",
+                "lr": 0.01,
+                "precision": "fp32",
+                "grad_accum": 1,
+                "frozen_weights": "fp32",
+                "updates": "in-place",
+            }
+        ),
+        model,
     )
     assert cand.trainable == tuple((layer.name, "full") for layer in model.layers) and cand.optimizer == "adam"
 
@@ -44,10 +80,10 @@ def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
         cand = space.sample(study.ask(), model)
         assert cand.batch_size in space.batch_size and cand.optimizer in space.optimizer
         assert space.lr.low <= cand.lr <= space.lr.high
-        assert all(split_mode(mode)[0] in space.modes for _, mode in cand.trainable)
-        assert all(split_mode(mode)[1] in (None, *space.ratios) for _, mode in cand.trainable)
+        assert all(mode.kind in space.modes for _, mode in cand.trainable)
+        assert all(mode.ratio in (None, *space.ratios) for _, mode in cand.trainable)
         # channel ratios only where a weight has output channels (never on BatchNormalization)
-        assert all(model.layer(n).out_axis is not None for n, mode in cand.trainable if mode.startswith("ratio"))
+        assert all(model.layer(n).out_axis is not None for n, mode in cand.trainable if mode.kind == "ratio")
 
 
 def test_a_space_without_a_training_mode_is_refused(tmp_path):
@@ -59,8 +95,19 @@ def test_a_space_without_a_training_mode_is_refused(tmp_path):
 
 def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
     model = load_model(tiny_model)
-    params = {"depth": 2, "deepest_mode:c2": "ratio", "ratio:c2": 0.5, "mode:fc": "bias",
-              "batch_size": 4, "optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32", "updates": "in-place"}
+    params = {
+        "depth": 2,
+        "deepest_mode:c2": "ratio",
+        "ratio:c2": 0.5,
+        "mode:fc": "bias",
+        "batch_size": 4,
+        "optimizer": "sgd",
+        "lr": 0.01,
+        "precision": "fp32",
+        "grad_accum": 1,
+        "frozen_weights": "fp32",
+        "updates": "in-place",
+    }
     cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
     assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from builders import gradient_errors
 
-from planner.backend.compile import compile_candidate
-from planner.inputs.model import load_model
+from builders import gradient_errors
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
 
@@ -25,7 +25,7 @@ def _batch(model, B=4, seed=1):
 def test_ratio_update_trains_only_the_first_channels_and_keeps_state_for_them(tiny_model):
     model = load_model(tiny_model)
     cand = Candidate(trainable=(("c2", "ratio:0.5"),), batch_size=4, optimizer="momentum", lr=0.1)
-    step = compile_candidate(model, cand, HOST)
+    step = compile_candidate(model, cand, BuildOptions(HOST))
     assert step.signature.splits == {"c2.w": (0, 3)}
     # momentum keeps one velocity per trainable tensor: the 3-channel slice and the bias, no more
     velocity_shapes = sorted(s for s, _, _ in step.signature.optim_states if s)
@@ -39,7 +39,7 @@ def test_ratio_update_trains_only_the_first_channels_and_keeps_state_for_them(ti
 def test_frozen_params_stay_and_trainable_ones_move(tiny_model):
     model = load_model(tiny_model)
     cand = Candidate(trainable=(("bn", "bias"), ("fc", "full")), batch_size=4, optimizer="sgd", lr=0.1)
-    step = compile_candidate(model, cand, HOST)
+    step = compile_candidate(model, cand, BuildOptions(HOST))
     session = TrainingSession(step.library, step.signature, model.initializers)
     before = {k: v.copy() for k, v in session.weights().items()}
     session.step(*_batch(model))
@@ -74,7 +74,7 @@ def test_low_precision_step_tracks_the_fp32_step(tiny_model, precision, scaled):
     results = {}
     for p in ("fp32", precision):
         cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1, p)
-        step = compile_candidate(model, cand, HOST)
+        step = compile_candidate(model, cand, BuildOptions(HOST))
         session = TrainingSession(step.library, step.signature, model.initializers)
         results[p] = (session.step(x, y), session.weights(), step.signature)
     (loss32, w32, _), (loss_lp, w_lp, sig_lp) = results["fp32"], results[precision]
@@ -94,7 +94,7 @@ def test_int8_frozen_weights_quarter_their_memory_and_train_like_fp32(tiny_model
     out = {}
     for storage in ("fp32", "int8"):
         cand = Candidate((("bn", "full"), ("fc", "full")), 4, "sgd", 0.1, frozen_weights=storage)
-        step = compile_candidate(model, cand, HOST)
+        step = compile_candidate(model, cand, BuildOptions(HOST))
         session = TrainingSession(step.library, step.signature, model.initializers)
         out[storage] = (step, session.step(x, y), session.weights())
     (s32, loss32, w32), (s8, loss8, w8) = out["fp32"], out["int8"]
@@ -117,7 +117,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model):
     results = []
     for batch, accum in ((8, 1), (2, 4)):
         cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), batch, "momentum", 0.1, grad_accum=accum)
-        step = compile_candidate(model, cand, HOST)
+        step = compile_candidate(model, cand, BuildOptions(HOST))
         assert step.signature.input_shape[0] == 8 and step.signature.micro_batch == batch
         session = TrainingSession(step.library, step.signature, model.initializers)
         losses = [session.step(x, y) for _ in range(2)]
@@ -136,7 +136,9 @@ def test_in_place_updates_train_exactly_like_copies_in_less_memory(tiny_model, o
     model = load_model(tiny_model)
     every = tuple((layer.name, "full") for layer in model.layers if layer.weight or layer.bias)
     steps = {
-        u: compile_candidate(model, Candidate(trainable=every, batch_size=4, optimizer=optimizer, lr=0.05, updates=u), HOST)
+        u: compile_candidate(
+            model, Candidate(trainable=every, batch_size=4, optimizer=optimizer, lr=0.05, updates=u), BuildOptions(HOST)
+        )
         for u in ("copy", "in-place")
     }
     assert steps["copy"].in_place_updates == 0

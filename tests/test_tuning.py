@@ -9,10 +9,10 @@ import tvm
 
 from planner import api
 from planner.backend import tune
-from planner.backend.compile import compile_candidate
-from planner.inputs.model import load_model
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.inputs.model import load_model
+from planner.types import Candidate
 
 SCHEME = "trainable: [{layer: c2}, {layer: fc}]\nbatch_size: 4\noptimizer: {name: sgd, lr: 0.1}\n"
 
@@ -21,21 +21,29 @@ def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_mode
     cache = tmp_path / "cache"
     scheme = tmp_path / "s.yaml"
     scheme.write_text(SCHEME)
-    result = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
-                         cache_dir=cache, tune_trials=8)
-    step = result.plan.step
+    result = api.measure(
+        tiny_model,
+        scheme=scheme,
+        data=tiny_data,
+        out=tmp_path / "m",
+        accuracy_steps=5,
+        latency_repeats=3,
+        cache_dir=cache,
+        tune_trials=8,
+    )
+    step = result.plan.step.model_dump()
     assert step["tune_trials"] == 8 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
-    assert f"{len(step['tuned_kernels'])} of {step['kernels']} kernels" in result.plan.measurement["schedules"]
+    assert f"{len(step['tuned_kernels'])} of {step['kernels']} kernels" in result.plan.measurement.schedules
 
     # another candidate, one trial of its own (spent on a kernel the database does not know):
     # the kernels it shares with the first come tuned from the first's records
     model = load_model(tiny_model)
     cand = Candidate((("c1", "bias"), ("c2", "full"), ("fc", "full")), 4, "sgd", 0.1)
     host = tvm.target.Target({"kind": "llvm"})
-    tuned = compile_candidate(model, cand, host, cache, tune_trials=1)
+    tuned = compile_candidate(model, cand, BuildOptions(host, cache, tune_trials=1))
     assert set(step["tuned_kernels"]) <= set(tuned.tuned_kernels), (step["tuned_kernels"], tuned.tuned_kernels)
 
-    default = compile_candidate(model, cand, host, cache)
+    default = compile_candidate(model, cand, BuildOptions(host, cache))
     assert default.tuned_kernels == ()
     rng = np.random.default_rng(0)
     x, y = rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)
@@ -57,11 +65,21 @@ def test_tuning_for_boards_behind_a_tracker_times_its_trials_there(tiny_model, t
     scheme.write_text(SCHEME)
     boards = Boards("tuning-board", 1)
     try:
-        result = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m", accuracy_steps=5, latency_repeats=3,
-                             cache_dir=tmp_path / "cache", tune_trials=8, tracker=boards.tracker, key=boards.key)
+        result = api.measure(
+            tiny_model,
+            scheme=scheme,
+            data=tiny_data,
+            out=tmp_path / "m",
+            accuracy_steps=5,
+            latency_repeats=3,
+            cache_dir=tmp_path / "cache",
+            tune_trials=8,
+            tracker=boards.tracker,
+            key=boards.key,
+        )
     finally:
         boards.close()
-    step = result.plan.step
+    step = result.plan.step.model_dump()
     assert result.plan.target.device == "rpc:tuning-board"
     assert 1 <= len(step["tuned_kernels"]) <= step["kernels"]
 

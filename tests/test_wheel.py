@@ -29,7 +29,8 @@ def installed(tmp_path_factory) -> Path:
     for isolation in (["--no-build-isolation"], []):  # this environment's setuptools, else pip brings one
         build = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp / "dist"), str(ROOT)],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if build.returncode == 0:
             break
@@ -44,7 +45,8 @@ def installed(tmp_path_factory) -> Path:
     (purelib / "borrowed-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(purelib), str(wheel)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert install.returncode == 0, install.stderr
     script = bin_dir / "planner"
@@ -74,8 +76,9 @@ def test_the_wheel_carries_targets_spaces_and_the_example_and_plans_from_anywher
     assert {t["name"] for t in json.loads(targets.stdout)} == shipped
 
     out = elsewhere / "plan"
-    res = _run(planner, "plan", "--trials", "2", "--accuracy-steps", "10", "--space", "bias-only", "--out", out,
-               "--json", cwd=elsewhere)
+    res = _run(
+        planner, "plan", "--trials", "2", "--accuracy-steps", "10", "--space", "bias-only", "--out", out, "--json", cwd=elsewhere
+    )
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert Path(plan["model"]["path"]).parent.parent.name == "examples"  # the bundled example, from the wheel

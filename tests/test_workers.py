@@ -25,7 +25,11 @@ State = optuna.trial.TrialState
 def _planner(*args: str, env: dict, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     # a session of its own, so a test can kill a process together with any child it started
     return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "planner", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*prefix, sys.executable, "-m", "planner", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
 
@@ -62,8 +66,24 @@ def _plan_and_two_workers(url: str, model, data, tmp_path) -> None:
     both workers run some, and no candidate is compiled twice."""
     storage = open_storage(url)  # creates the database's tables before any of the processes does
     name, env = _study_name(), _env(tmp_path)
-    plan = _planner("plan", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "plan"),
-                    "--storage", url, "--study", name, "--trials", "10", "--accuracy-steps", "20", env=env)
+    plan = _planner(
+        "plan",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "plan"),
+        "--storage",
+        url,
+        "--study",
+        name,
+        "--trials",
+        "10",
+        "--accuracy-steps",
+        "20",
+        env=env,
+    )
     processes = [plan]
     try:
         deadline = time.time() + 120
@@ -121,8 +141,16 @@ def test_a_killed_workers_trial_runs_again_with_the_same_parameters(where, rdb_u
     name, env = _study_name(), _env(tmp_path)
 
     def plan() -> api.PlanResult:
-        return api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "plan", trials=1, storage=rdb_url, study=name,
-                        accuracy_steps=20, cache_dir=tmp_path / "cache")
+        return api.plan(
+            model=tiny_model,
+            data=tiny_data,
+            out=tmp_path / "plan",
+            trials=1,
+            storage=rdb_url,
+            study=name,
+            accuracy_steps=20,
+            cache_dir=tmp_path / "cache",
+        )
 
     plan()
     study = optuna.load_study(study_name=name, storage=open_storage(rdb_url))
@@ -164,7 +192,7 @@ def test_a_killed_workers_trial_runs_again_with_the_same_parameters(where, rdb_u
     result = plan()  # rerun, the plan reads the study, the dead trial in it, and writes itself again
     # the dead trial is not counted: the plan holds exactly the trials that finished
     finished = sum(t.state in (State.COMPLETE, State.FAIL) for t in trials) - (where == "another host")
-    assert result.plan.study["n_trials"] == finished
+    assert result.plan.study.n_trials == finished
     assert [r.state for r in result.trials][dead.number] == "PRUNED"
 
 

@@ -24,10 +24,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from planner.backend.compile import compile_candidate
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.inputs.model import load_model, save_onnx
 from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
+from planner.types import Candidate
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,7 +85,7 @@ def pretrain(model_path: Path, x: np.ndarray, y: np.ndarray, steps: int, seed: i
     model = load_model(model_path)
     everything = tuple((layer.name, "full") for layer in model.layers)
     cand = Candidate(trainable=everything, batch_size=32, optimizer="sgd", lr=0.1)
-    step = compile_candidate(model, cand, tvm.target.Target({"kind": "llvm"}))
+    step = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"})))
     session = TrainingSession(step.library, step.signature, model.initializers)
     rng = np.random.default_rng(seed)
     for k in range(steps):

@@ -30,18 +30,16 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner import __version__, cachefile
-from planner.errors import CandidateFailed, EnvironmentFailure, first_line, last_line
-from planner.backend.graph import STEP_FUNC, StepSignature, build_training_module
+from planner.backend import link, tune
+from planner.backend.graph import STEP_FUNC, build_training_module
 from planner.backend.inplace import in_place_candidates, update_in_place
 from planner.backend.kernels import legalize
-from planner.backend import link
-from planner.backend.memory import MemoryBreakdown, step_peak
-from planner.inputs.model import Model
-from planner.errors import DISK_REASONS, disk_problem, reason
-from planner.backend import tune
+from planner.backend.memory import step_peak
 from planner.backend.schedule import default_schedule
-from planner.inputs.spaces import Candidate
-from planner.inputs.targets import RpcRunner
+from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
+from planner.inputs.model import Model
+from planner.inputs.targets import HardwareTarget, RpcRunner
+from planner.types import Candidate, MemoryBreakdown, StepSignature
 
 LIB_NAME = "train_step.so"
 META_NAME = "train_step.json"
@@ -100,9 +98,7 @@ def code_id() -> str:
     return h.hexdigest()[:16]
 
 
-def cache_key(
-    model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None, tune_trials: int = 0
-) -> str:
+def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None, tune_trials: int = 0) -> str:
     blob = json.dumps(
         {
             "model": model.sha256,
@@ -134,22 +130,18 @@ def _lower(scheduled: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """The rest of the CPU pipeline, up to memory planning, where the step's allocations become
     explicit."""
     passes = cpu.dataflow_lower_passes(target) + [
-        relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(), relax.transform.KillAfterLastUse()
+        relax.transform.StaticPlanBlockMemory(),
+        relax.transform.LowerAllocTensor(),
+        relax.transform.KillAfterLastUse(),
     ]
     with target:
         return tvm.transform.Sequential(passes)(scheduled)
 
 
-def compile_candidate(
-    model: Model,
-    candidate: Candidate,
-    target: tvm.target.Target,
-    cache_dir: Path | None = None,
-    toolchain: str | None = None,
-    tune_trials: int = 0,
-    rpc: RpcRunner | None = None,
-) -> CompiledStep:
-    """The candidate's compiled step, from the cache when it is there.
+@dataclass(frozen=True)
+class BuildOptions:
+    """How every step of a study is built: for which TVM target, linked by which compiler, cached
+    where, tuned how much (and timed on which boards). One object, so no caller forgets a part.
 
     `toolchain` is the C++ (cross) compiler that links the library, e.g. `aarch64-linux-gnu-g++`
     for a Raspberry Pi; None links with the host's default compiler. `tune_trials` > 0 first
@@ -158,6 +150,22 @@ def compile_candidate(
     uses planner's default schedule only. `rpc` (a target's boards behind a tracker) times the
     tuning trials on a board rather than here.
     """
+
+    target: tvm.target.Target
+    cache_dir: Path | None = None
+    toolchain: str | None = None
+    tune_trials: int = 0
+    rpc: RpcRunner | None = None
+
+    @classmethod
+    def for_target(cls, target: HardwareTarget, *, cache_dir: Path | None = None, tune_trials: int = 0) -> BuildOptions:
+        """The build `target` (a hardware target file) asks for: its TVM target, toolchain and boards."""
+        return cls(target.tvm(), cache_dir, target.toolchain, tune_trials, target.boards)
+
+
+def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
+    """The candidate's compiled step, from the cache when it is there (see `BuildOptions`)."""
+    target, cache_dir, toolchain, tune_trials, rpc = build.target, build.cache_dir, build.toolchain, build.tune_trials, build.rpc
     cache_dir = cache_dir or default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
     if (step := _cached(entry)) is not None:
@@ -228,8 +236,14 @@ def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None)
 
 
 def _compile(
-    model: Model, candidate: Candidate, target: tvm.target.Target, cache_dir: Path, toolchain: str | None,
-    tune_trials: int, rpc: RpcRunner | None, entry: Path,
+    model: Model,
+    candidate: Candidate,
+    target: tvm.target.Target,
+    cache_dir: Path,
+    toolchain: str | None,
+    tune_trials: int,
+    rpc: RpcRunner | None,
+    entry: Path,
 ) -> CompiledStep:
     t0 = time.perf_counter()
     if candidate.updates not in ("in-place", "copy"):

@@ -16,7 +16,6 @@ differentiation: frozen and trainable BN layers both use running statistics (sca
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import tvm
 from tvm import relax
@@ -26,54 +25,14 @@ from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
+from planner.backend.weights import head, int8, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
-from planner.inputs.spaces import Candidate, split_mode
-from planner.backend.weights import head, int8, scale, scale_shape, tail
+from planner.types import Candidate, ModeKind, StepSignature
 
 STEP_FUNC = "train_step"
 PREDICT_FUNC = "backbone"
 LABEL_DTYPE = "int64"
-
-
-@dataclass(frozen=True)
-class StepSignature:
-    """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
-
-    input_name: str
-    input_shape: tuple[int, ...]  # with the batch dimension: the effective batch of one update
-    micro_batch: int  # samples per forward/backward (and per `backbone` call)
-    frozen: tuple[str, ...]
-    trainable: tuple[str, ...]
-    splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
-    quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
-    loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
-    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
-    n_classes: int
-
-    @property
-    def batch_size(self) -> int:
-        return self.input_shape[0]
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> StepSignature:
-        return cls(
-            input_name=d["input_name"],
-            input_shape=tuple(d["input_shape"]),
-            micro_batch=int(d.get("micro_batch", d["input_shape"][0])),
-            frozen=tuple(d["frozen"]),
-            trainable=tuple(d["trainable"]),
-            splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
-            quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
-            loss_scale=float(d.get("loss_scale", 1.0)),
-            optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
-            n_classes=int(d["n_classes"]),
-        )
 
 
 _IMPORTED: dict[tuple[str, int], relax.Function] = {}
@@ -299,12 +258,9 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     names = list(model.initializers)
     trainable = [head(n) if n in splits else n for n in names if n in trainable_set]
     quantized = _quantized_weights(model, candidate, [n for n in names if n not in trainable_set])
-    frozen = [
-        stored
-        for n in names
-        if n not in trainable_set
-        for stored in ((int8(n), scale(n)) if n in quantized else (n,))
-    ] + [tail(n) for n in names if n in splits]
+    frozen = [stored for n in names if n not in trainable_set for stored in ((int8(n), scale(n)) if n in quantized else (n,))] + [
+        tail(n) for n in names if n in splits
+    ]
     if not trainable:
         raise CandidateFailed("candidate freezes every layer: nothing to train")
 
@@ -330,9 +286,9 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     full = backbone[PREDICT_FUNC]
     prefix, differentiated = _frozen_prefix(full, len(trainable))
     try:
-        trainer = SetupTrainer(
-            _ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False
-        )(backbone if prefix is None else tvm.IRModule({PREDICT_FUNC: differentiated}, attrs=backbone.attrs))
+        trainer = SetupTrainer(_ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
+            backbone if prefix is None else tvm.IRModule({PREDICT_FUNC: differentiated}, attrs=backbone.attrs)
+        )
     except Exception as exc:  # TVM reports missing gradients etc. as generic errors
         raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
 
@@ -348,8 +304,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         quantized=quantized,
         loss_scale=loss_scale,
         optim_states=tuple(
-            (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init))
-            for t, init in zip(state_types, optimizer.state)
+            (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init)) for t, init in zip(state_types, optimizer.state)
         ),
         n_classes=model.n_classes,
     )
@@ -360,14 +315,13 @@ def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, 
     """weight -> (output-channel axis, channels updated) for every `ratio:r` layer."""
     splits = {}
     for name, mode in candidate.trainable:
-        kind, ratio = split_mode(mode)
-        if kind != "ratio":
+        if mode.kind is not ModeKind.RATIO:
             continue
         layer = model.layer(name)
         if layer.out_axis is None or layer.weight is None:
             raise CandidateFailed(f"ratio updates need a Conv, Gemm or MatMul weight; layer '{name}' is {layer.op}")
         channels = layer.param_shapes[layer.weight][layer.out_axis]
-        k = max(1, min(channels, round(ratio * channels)))
+        k = max(1, min(channels, round(mode.ratio * channels)))
         if k < channels:
             splits[layer.weight] = (layer.out_axis, k)
     return splits
@@ -380,11 +334,7 @@ def _quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) ->
     if candidate.frozen_weights != "int8":
         raise CandidateFailed(f"frozen_weights {candidate.frozen_weights!r} is not supported (fp32, int8)")
     frozen_set = set(frozen)
-    return {
-        layer.weight: layer.out_axis
-        for layer in model.layers
-        if layer.weight in frozen_set and layer.out_axis is not None
-    }
+    return {layer.weight: layer.out_axis for layer in model.layers if layer.weight in frozen_set and layer.out_axis is not None}
 
 
 @relax.expr_functor.mutator

@@ -21,7 +21,8 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
-from planner.backend.graph import STEP_FUNC, StepSignature
+from planner.backend.graph import STEP_FUNC
+from planner.types import StepSignature
 
 
 def _is_call_tir(value: relax.Expr) -> bool:
@@ -58,9 +59,7 @@ def _elementwise_over(func: tirx.PrimFunc, source: int, output: int) -> bool:
     # read by the writing block alone, at the element written: however the kernel is scheduled,
     # each element is read just before it is overwritten, and by nothing else
     readers = [i for i, b in enumerate(blocks) if touches(b.reads, src)]
-    return readers == writers and all(
-        tvm_ffi.structural_equal(read.region, write.region) for read in touches(w.reads, src)
-    )
+    return readers == writers and all(tvm_ffi.structural_equal(read.region, write.region) for read in touches(w.reads, src))
 
 
 def _in_place_kernel(func: tirx.PrimFunc, pairs: dict[int, int], n_inputs: int) -> tirx.PrimFunc:
@@ -114,9 +113,7 @@ def in_place_candidates(fused: tvm.IRModule, sig: StepSignature) -> set[tuple[st
     return found
 
 
-def update_in_place(
-    mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple[str, int, int]]
-) -> tuple[tvm.IRModule, int]:
+def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple[str, int, int]]) -> tuple[tvm.IRModule, int]:
     """The scheduled step `mod` with its updates moved up and done in place; also how many were.
 
     The step's parameters are `x, *frozen, *trainable, *states, labels` and it returns
@@ -147,9 +144,11 @@ def update_in_place(
     # update) stays where it is; the others move
     last = index.get(step.body.body)  # the result tuple's binding, kept last
     moves = {
-        at for at in plans
+        at
+        for at in plans
         if not {i for i, b in enumerate(bindings) if bindings[at].var in relax.analysis.free_vars(b.value)}
-        - set(getters.get(at, [])) - {last}
+        - set(getters.get(at, []))
+        - {last}
     }
     builder = relax.BlockBuilder(mod)  # gives the new kernels' GlobalVars their types
     moving = moves | {g for at in moves for g in getters.get(at, [])} | {last}
@@ -161,8 +160,7 @@ def update_in_place(
         needs = set(relax.analysis.free_vars(call)) & set(index)
         # earliest point where its inputs exist and no other binding will still read the old values
         after = max(
-            [i for i, b in enumerate(order) if b.var in needs
-             or overwritten & set(relax.analysis.free_vars(b.value))],
+            [i for i, b in enumerate(order) if b.var in needs or overwritten & set(relax.analysis.free_vars(b.value))],
             default=-1,
         )
         ks = plans[at]

@@ -116,9 +116,7 @@ def _object_code(lib: tvm.runtime.Module) -> bytes:
         return f.read()
 
 
-def build(
-    mod: tvm.IRModule, target: tvm.target.Target, cache_dir: Path
-) -> tuple[relax.VMExecutable, dict[str, list[int]]]:
+def build(mod: tvm.IRModule, target: tvm.target.Target, cache_dir: Path) -> tuple[relax.VMExecutable, dict[str, list[int]]]:
     """The executable of a memory-planned module, and the workspace sizes of each of its kernels
     (by their names in `mod`)."""
     with target:

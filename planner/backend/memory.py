@@ -21,30 +21,12 @@ own policy over the step's kernel calls (`scratch` in the breakdown).
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from planner.backend.graph import StepSignature
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes at the step's peak. `total` is their sum."""
-
-    total: int
-    activations: int  # everything else the step holds at its peak: batch, activations, new weights
-    trainable_params: int
-    gradients: int  # gradient buffers alive at the peak (fused updates never materialise theirs)
-    optimizer_state: int
-    frozen_params: int
-    scratch: int = 0  # kernels' own workspace (TVM's workspace pool), held from first use on
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
+from planner.types import MemoryBreakdown, StepSignature
 
 PAGE = 4096  # TVM's pooled allocator (and its workspace pool) rounds every allocation up to whole pages
 _WORKSPACE_CALL = re.compile(r"call ptr %[\w.]+\(i32 \d+, i32 %[\w.]+, i64 (\d+), i32 \d+, i32 \d+\)")
@@ -207,9 +189,7 @@ def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str,
                 allocate(var, _ty_bytes(var.ty))
             if live > peak:
                 peak = live
-                peak_grad = sum(
-                    size for s, size in storage_size.items() if any(h in grad_vars for h in holders[s])
-                )
+                peak_grad = sum(size for s, size in storage_size.items() if any(h in grad_vars for h in holders[s]))
     activations = max(held, peak) - peak_grad + batch_b
     scratch = workspace_held(calls, workspaces or {})
     return MemoryBreakdown(

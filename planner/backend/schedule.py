@@ -54,7 +54,7 @@ Block = s_tir.schedule.SBlockRV
 
 def _loops(sch: s_tir.Schedule, block: Block, kinds: str) -> tuple[list[Loop], list[Loop]]:
     """The block's (spatial, reduction) loops, given its iteration kinds ("S"/"R" per loop)."""
-    loops = sch.get_loops(block)[-len(kinds):]
+    loops = sch.get_loops(block)[-len(kinds) :]
     return [lp for lp, k in zip(loops, kinds) if k == "S"], [lp for lp, k in zip(loops, kinds) if k == "R"]
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from planner.backend.graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC, StepSignature
+from planner.backend.graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
 from planner.backend.weights import from_step, to_step
+from planner.types import StepSignature
 
 
 class TrainingSession:

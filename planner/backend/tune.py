@@ -110,8 +110,11 @@ def _stack(context: int = 1) -> list[inspect.FrameInfo]:
     while frame is not None:
         code = frame.f_code
         line = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals) if context else ""
-        frames.append(inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name,
-                                        [line] if line else None, 0 if line else None))
+        frames.append(
+            inspect.FrameInfo(
+                frame, code.co_filename, frame.f_lineno, code.co_name, [line] if line else None, 0 if line else None
+            )
+        )
         frame = frame.f_back
     return frames
 
@@ -146,8 +149,11 @@ def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, ob
         return ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S, initializer=import_intrinsics), "local"
     host, port = rpc.address
     config = ms.runner.RPCConfig(
-        tracker_host=host, tracker_port=port, tracker_key=rpc.key,
-        session_priority=rpc.priority, session_timeout_sec=rpc.session_timeout_s,
+        tracker_host=host,
+        tracker_port=port,
+        tracker_key=rpc.key,
+        session_priority=rpc.priority,
+        session_timeout_sec=rpc.session_timeout_s,
     )
     builder = ms.builder.LocalBuilder(
         f_export=functools.partial(_export, toolchain), timeout_sec=BUILD_TIMEOUT_S, initializer=import_intrinsics
@@ -156,8 +162,12 @@ def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, ob
 
 
 def tune(
-    fused: tvm.IRModule, target: tvm.target.Target, trials: int, directory: Path,
-    rpc: RpcRunner | None = None, toolchain: str | None = None,
+    fused: tvm.IRModule,
+    target: tvm.target.Target,
+    trials: int,
+    directory: Path,
+    rpc: RpcRunner | None = None,
+    toolchain: str | None = None,
 ) -> int:
     """Spend up to `trials` MetaSchedule trials on the step's kernels (`fused`, after
     FuseOps/FuseTIR) that the shared database has never seen, heaviest first; returns how many
@@ -180,7 +190,8 @@ def tune(
         logging.getLogger(MS_LOGGER).setLevel(logging.WARNING)
         database = _database(directory)
         new = [
-            task for task in ms.relax_integration.extract_tasks(step_only, target, module_equality=EQUALITY)
+            task
+            for task in ms.relax_integration.extract_tasks(step_only, target, module_equality=EQUALITY)
             if not database.has_workload(task.dispatched[0])
         ]
         new.sort(key=lambda task: -estimate_tir_flops(task.dispatched[0]) * task.weight)
@@ -191,10 +202,17 @@ def tune(
             contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
         builder, runner = _measurers(rpc, toolchain)
         ms.tune.tune_tasks(
-            tasks=contexts, task_weights=weights, work_dir=logs, max_trials_global=trials,
+            tasks=contexts,
+            task_weights=weights,
+            work_dir=logs,
+            max_trials_global=trials,
             max_trials_per_task=max(TRIALS_PER_KERNEL, trials // len(new)),
-            num_trials_per_iter=min(16, trials), database=database, cost_model=cost_model,
-            module_equality=EQUALITY, builder=builder, runner=runner,
+            num_trials_per_iter=min(16, trials),
+            database=database,
+            cost_model=cost_model,
+            module_equality=EQUALITY,
+            builder=builder,
+            runner=runner,
         )
         return len(new)
 

@@ -1,5 +1,26 @@
-"""The command line: a thin shell over the public API (`planner.api`)."""
+"""The command line: a thin shell over the public API (`planner.api`), one module per command group.
 
-from planner.cli.app import main
+`_app` holds the Typer application, `_output` where results and messages go, `_errors` how an
+error becomes one line and an exit code; `search`, `measure`, `run`, `report`, `targets` and
+`board` register their commands on import, in the order `planner --help` lists them.
+"""
 
-__all__ = ["main"]
+from __future__ import annotations
+
+import sys
+
+from planner.cli._app import app
+
+# isort: off
+# importing a command module registers its commands, in this order (`planner --help` lists them so)
+from planner.cli import search, measure, run, report, targets, board  # noqa: F401
+# isort: on
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:  # raised outside a command body (e.g. during imports)
+        sys.exit(130)

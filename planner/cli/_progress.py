@@ -17,9 +17,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
-from planner.search.evaluate import TrialRecord
+from planner.types import TrialRecord, TrialState
 
 
 class _ConsoleHandler(logging.Handler):
@@ -44,7 +52,7 @@ def configure_logging(console: Console, verbose: bool) -> None:
 
 
 def trial_line(rec: TrialRecord, done: int, total: int) -> str:
-    if rec.state == "PRUNED":
+    if rec.state is TrialState.PRUNED:
         return f"trial {rec.number:>3} ({done}/{total}) cut short: {rec.fail_reason or 'interrupted; queued again'}"
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
@@ -66,9 +74,16 @@ class TrialProgress:
         self.bar: Progress | None = None
         if console.is_terminal and not quiet:
             self.bar = Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("best feasible {task.fields[best]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                TimeRemainingColumn(), console=console, transient=True,
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("best feasible {task.fields[best]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
             )
         self._task = None
         self._best: TrialRecord | None = None
@@ -93,7 +108,11 @@ class TrialProgress:
             self.console.print(trial_line(rec, done, total), markup=False, highlight=False, soft_wrap=True)
         if self.bar is not None and self._task is not None:
             best = self._best
-            summary = f"acc {best.accuracy.after:.3f}, {best.latency.median:.2f} ms, {best.memory.total / 1024:,.0f} KiB" if best else "—"
+            summary = (
+                f"acc {best.accuracy.after:.3f}, {best.latency.median:.2f} ms, {best.memory.total / 1024:,.0f} KiB"
+                if best
+                else "—"
+            )
             self.bar.update(self._task, completed=min(done, total), best=summary)
 
 

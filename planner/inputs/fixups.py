@@ -26,7 +26,9 @@ from onnx.reference import ReferenceEvaluator
 # Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
 # big is better computed by the step than stored in it.
 _MAX_FOLDED_ELEMENTS = 1 << 20
-_NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+_NONDETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
@@ -183,7 +185,9 @@ def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], name=f"const:{name}", value=numpy_helper.from_array(np.asarray(value), name))
 
 
-def _fold(node: onnx.NodeProto, values: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]], opset: int) -> list[np.ndarray] | None:
+def _fold(
+    node: onnx.NodeProto, values: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]], opset: int
+) -> list[np.ndarray] | None:
     """The node's outputs when they are constants (None when the node must stay)."""
     if node.domain not in ("", "ai.onnx") or node.op_type in _NONDETERMINISTIC:
         return None

@@ -21,6 +21,7 @@ from planner.errors import BadInput, first_line
 from planner.inputs.fixups import constant_values, for_import, name_nodes, tensor_types, untie_identities
 from planner.inputs.names import layer_name, standalone_name
 from planner.inputs.trainability import blocking_nodes, layer_problem
+from planner.types import Mode, ModeKind
 
 # Which inputs of an op are its weight and its bias; other parameters it takes are frozen buffers.
 _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
@@ -59,15 +60,17 @@ class Layer:
     def trainable(self) -> bool:
         return self.problem is None
 
-    def params_for(self, mode: str) -> tuple[str, ...]:
-        """Parameters updated by a layer in `mode` (`full`: weight and bias, `bias`, `weight`)."""
-        if mode == "full" or mode.startswith("ratio"):  # ratio: a slice of the weight, all the bias
+    def params_for(self, mode: Mode | ModeKind | str) -> tuple[str, ...]:
+        """Parameters updated by a layer in `mode` (`full`: weight and bias, `bias`, `weight`;
+        `ratio`: a slice of the weight, all the bias; `frozen`: none)."""
+        kind = Mode.parse(mode).kind if not isinstance(mode, ModeKind) else mode
+        if kind in (ModeKind.FULL, ModeKind.RATIO):
             return tuple(p for p in (self.weight, self.bias) if p)
-        if mode == "bias":
+        if kind is ModeKind.BIAS:
             return (self.bias,) if self.bias else ()
-        if mode == "weight":
+        if kind is ModeKind.WEIGHT:
             return (self.weight,) if self.weight else ()
-        raise ValueError(f"unknown update mode {mode!r}")
+        return ()
 
 
 @dataclass
@@ -185,7 +188,9 @@ def _external_data(proto: onnx.ModelProto, path: Path) -> list[str]:
     for location in locations:
         file = path.parent / location
         if Path(location).is_absolute() or ".." in Path(location).parts:
-            raise BadInput(f"{path}: external data '{location}' lies outside the model's folder; planner reads only files beside the model")
+            raise BadInput(
+                f"{path}: external data '{location}' lies outside the model's folder; planner reads only files beside the model"
+            )
         if file.is_symlink():  # onnx refuses links too: one could point anywhere
             raise BadInput(f"{path}: external data '{location}' is a symbolic link; copy the file itself beside the model")
         if not file.is_file():
@@ -243,7 +248,14 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
     layers: list[Layer] = []
     shared: dict[int, list[onnx.NodeProto]] = {}  # layer -> further nodes using its parameters
 
-    def add(nodes: list[onnx.NodeProto], weight: str | None, bias: str | None, buffers: tuple[str, ...], name: str, out_axis: int | None) -> None:
+    def add(
+        nodes: list[onnx.NodeProto],
+        weight: str | None,
+        bias: str | None,
+        buffers: tuple[str, ...],
+        name: str,
+        out_axis: int | None,
+    ) -> None:
         owned = [p for p in (weight, bias, *buffers) if p]
         claimed.update(dict.fromkeys(owned, len(layers)))
         taken.add(name)
@@ -259,7 +271,9 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
                 param_shapes=param_shapes,
                 param_bytes=sum(math.prod(s) * 4 for s in param_shapes.values()),
                 output_shape=shapes.get(nodes[-1].output[0], ()),
-                problem=layer_problem(nodes, downstream, constants) if (weight or bias) else f"'{name}' ({nodes[0].op_type}) has no trainable parameters",
+                problem=layer_problem(nodes, downstream, constants)
+                if (weight or bias)
+                else f"'{name}' ({nodes[0].op_type}) has no trainable parameters",
                 out_axis=out_axis if weight else None,
             )
         )
@@ -295,7 +309,9 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str
         layer = layers[i]
         uses = [by_name[n] for n in layer.nodes] + others
         problem = layer_problem(uses, downstream, constants) if layer.weight or layer.bias else layer.problem
-        layers[i] = replace(layer, nodes=layer.nodes + tuple(n.name for n in others), shared_by=tuple(n.name for n in others), problem=problem)
+        layers[i] = replace(
+            layer, nodes=layer.nodes + tuple(n.name for n in others), shared_by=tuple(n.name for n in others), problem=problem
+        )
     return layers
 
 
@@ -347,7 +363,9 @@ def save_onnx(model: Model, weights: dict[str, np.ndarray], path: str | Path) ->
     if model.data_files:
         data = path.with_name(f"{path.name}.data")
         data.unlink(missing_ok=True)  # onnx appends to an existing data file
-        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=0)
+        onnx.save(
+            proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=0
+        )
         data.chmod(path.stat().st_mode & 0o777)  # onnx creates it private (0600); it is the model, as readable
     else:
         onnx.save(proto, str(path))

@@ -62,7 +62,7 @@ def _legacy_path(node: onnx.NodeProto) -> str | None:
     path, last = "", ""
     for scope in scopes:
         if path and scope.startswith(last + "."):
-            path += scope[len(last):]
+            path += scope[len(last) :]
         else:
             path = f"{path}.{scope}" if path else scope
         last = scope

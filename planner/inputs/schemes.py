@@ -1,29 +1,29 @@
 """Scheme files: one explicit training configuration, e.g. a paper's, to measure without a search.
 
-    trainable:
-      - layer: b2.dw          # ONNX node name
-        mode: ratio           # full | bias | weight | ratio
-        ratio: 0.25           # ratio: the first quarter of the output channels train
-      - params: [classifier.weight, classifier.bias]
-    precision: fp32                    # fp32 | fp16 | bf16
-    frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
-    updates: in-place                  # in-place (default) | copy (new weights in new buffers)
-    batch_size: 8
-    grad_accum: 1
-    optimizer: {name: sgd, lr: 0.05}   # sgd (plain) | momentum | adam
+trainable:
+  - layer: b2.dw          # ONNX node name
+    mode: ratio           # full | bias | weight | ratio
+    ratio: 0.25           # ratio: the first quarter of the output channels train
+  - params: [classifier.weight, classifier.bias]
+precision: fp32                    # fp32 | fp16 | bf16
+frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
+updates: in-place                  # in-place (default) | copy (new weights in new buffers)
+batch_size: 8
+grad_accum: 1
+optimizer: {name: sgd, lr: 0.05}   # sgd (plain) | momentum | adam
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import BadInput
 from planner.inputs.model import Model
-from planner.inputs.spaces import FIXED_BATCH_HINT, Candidate, Precision
+from planner.inputs.spaces import FIXED_BATCH_HINT
 from planner.inputs.specs import load_spec
+from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Updates
 
 
 class _Strict(BaseModel):
@@ -34,7 +34,7 @@ class Entry(_Strict):
     """A layer with a mode, or a list of parameters (ONNX initializer names)."""
 
     layer: str | None = None
-    mode: Literal["full", "bias", "weight", "ratio"] = "full"
+    mode: ModeKind = ModeKind.FULL
     ratio: float | None = Field(default=None, gt=0, le=1)
     params: list[str] | None = None
 
@@ -42,51 +42,61 @@ class Entry(_Strict):
     def _one_kind(self) -> Entry:
         if (self.layer is None) == (self.params is None):
             raise ValueError("each trainable entry names either a `layer` or `params`")
-        if (self.mode == "ratio") != (self.ratio is not None):
+        if self.mode is ModeKind.FROZEN:
+            raise ValueError("a frozen layer is left out of `trainable`")
+        if (self.mode is ModeKind.RATIO) != (self.ratio is not None):
             raise ValueError("`mode: ratio` goes with `ratio: R` (the share of output channels updated), and only with it")
         return self
 
 
-class Optimizer(_Strict):
-    name: Literal["sgd", "momentum", "adam"] = "sgd"
+class OptimizerEntry(_Strict):
+    name: Optimizer = Optimizer.SGD
     lr: float = Field(gt=0)
 
 
 class Scheme(_Strict):
     name: str
     trainable: list[Entry] = Field(min_length=1)
-    precision: Precision = "fp32"
-    frozen_weights: Literal["fp32", "int8"] = "fp32"
-    updates: Literal["in-place", "copy"] = "in-place"
+    precision: Precision = Precision.FP32
+    frozen_weights: FrozenWeights = FrozenWeights.FP32
+    updates: Updates = Updates.IN_PLACE
     batch_size: int = Field(gt=0)
     grad_accum: int = Field(default=1, ge=1)
-    optimizer: Optimizer
+    optimizer: OptimizerEntry
 
     def candidate(self, model: Model) -> Candidate:
         """The candidate, with every layer and parameter checked against the model."""
-        modes: dict[str, str] = {}
+        modes: dict[str, Mode] = {}
         owners = {p: layer.name for layer in model.layers for p in layer.param_shapes}
         for entry in self.trainable:
             if entry.layer is not None:
                 layer = model.layer(entry.layer)
                 if not layer.params_for(entry.mode):
                     raise BadInput(f"scheme {self.name}: layer '{layer.name}' has no parameters for mode {entry.mode}")
-                if entry.mode == "ratio" and layer.out_axis is None:
-                    raise BadInput(f"scheme {self.name}: ratio updates need a Conv, Gemm or MatMul layer; '{layer.name}' is {layer.op}")
-                modes[layer.name] = f"ratio:{entry.ratio:g}" if entry.mode == "ratio" else entry.mode
+                if entry.mode is ModeKind.RATIO and layer.out_axis is None:
+                    raise BadInput(
+                        f"scheme {self.name}: ratio updates need a Conv, Gemm or MatMul layer; '{layer.name}' is {layer.op}"
+                    )
+                modes[layer.name] = Mode(entry.mode, entry.ratio)
                 continue
             for p in entry.params:
                 if p not in owners:
                     raise BadInput(f"scheme {self.name}: the model has no parameter '{p}'")
             for layer in map(model.layer, dict.fromkeys(owners[p] for p in entry.params)):
                 wanted = {p for p in entry.params if owners[p] == layer.name}
-                mode = next((m for m in ("full", "bias", "weight") if set(layer.params_for(m)) == wanted), None)
-                if mode is None:
-                    raise BadInput(f"scheme {self.name}: {', '.join(sorted(wanted))} of layer '{layer.name}' is not an update planner supports (full, bias or weight)")
-                modes[layer.name] = mode
+                kind = next(
+                    (k for k in (ModeKind.FULL, ModeKind.BIAS, ModeKind.WEIGHT) if set(layer.params_for(k)) == wanted), None
+                )
+                if kind is None:
+                    raise BadInput(
+                        f"scheme {self.name}: {', '.join(sorted(wanted))} of layer '{layer.name}' is not an update planner supports (full, bias or weight)"
+                    )
+                modes[layer.name] = Mode(kind)
         if model.fixed_batch not in (None, self.batch_size):
-            raise BadInput(f"scheme {self.name}: {model.path.name} was exported for batch {model.fixed_batch} only, "
-                           f"the scheme asks for {self.batch_size}: {FIXED_BATCH_HINT}")
+            raise BadInput(
+                f"scheme {self.name}: {model.path.name} was exported for batch {model.fixed_batch} only, "
+                f"the scheme asks for {self.batch_size}: {FIXED_BATCH_HINT}"
+            )
         for name in modes:
             problem = model.layer(name).problem
             if problem:

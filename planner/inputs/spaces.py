@@ -8,16 +8,15 @@ module never imports Optuna.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.inputs.resources import shipped
 from planner.errors import BadInput, UnsupportedOp
 from planner.inputs.model import Model
+from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
+from planner.types import Candidate, FrozenWeights, ModeKind, Optimizer, Precision, Updates
 
 SPACES_DIR = shipped("search_spaces")
 FIXED_BATCH_HINT = (
@@ -25,50 +24,6 @@ FIXED_BATCH_HINT = (
     "or dynamic_axes={'x': {0: 'batch'}} with dynamo=False), or plan at that batch"
 )
 DEFAULT_SPACE = "per-layer"
-
-Mode = Literal["frozen", "bias", "full", "ratio"]
-Precision = Literal["fp32", "fp16", "bf16"]
-
-
-def split_mode(mode: str) -> tuple[str, float | None]:
-    """A candidate's layer mode: `full`, `bias`, `weight`, or `ratio:R` (the first R of the channels)."""
-    kind, _, ratio = mode.partition(":")
-    return kind, float(ratio) if ratio else None
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One training configuration; hashable and JSON-serialisable (it keys the compile cache)."""
-
-    trainable: tuple[tuple[str, str], ...]  # (layer name, mode) in model order; frozen omitted
-    batch_size: int
-    optimizer: str
-    lr: float
-    precision: str = "fp32"
-    grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
-    frozen_weights: str = "fp32"  # int8: frozen Conv/Gemm/MatMul weights stored quantized per channel
-    updates: str = "in-place"  # in-place: each update right after its gradient, over the old weight; copy: new buffers
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["trainable"] = [list(t) for t in self.trainable]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> Candidate:
-        return cls(
-            trainable=tuple((str(a), str(b)) for a, b in d["trainable"]),
-            batch_size=int(d["batch_size"]),
-            optimizer=str(d["optimizer"]),
-            lr=float(d["lr"]),
-            precision=str(d.get("precision", "fp32")),
-            grad_accum=int(d.get("grad_accum", 1)),
-            frozen_weights=str(d.get("frozen_weights", "fp32")),
-            updates=str(d.get("updates", "copy")),  # what candidates were before the option existed
-        )
-
-    def key(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True)
 
 
 class Suggester(Protocol):
@@ -105,15 +60,15 @@ class SearchSpace(_Strict):
     description: str = ""
     strategy: Literal["per-layer", "sparse", "last-k", "all"] = "per-layer"
     layers: list[str] | None = None
-    modes: list[Mode] = ["frozen", "bias", "full"]
+    modes: list[ModeKind] = [ModeKind.FROZEN, ModeKind.BIAS, ModeKind.FULL]
     ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
     batch_size: list[int] = [8, 16, 32]
     grad_accum: list[int] = [1]
-    optimizer: list[Literal["sgd", "momentum", "adam"]] = ["sgd"]
+    optimizer: list[Optimizer] = [Optimizer.SGD]
     lr: LrRange = LrRange(low=0.01, high=0.1)
-    precision: list[Precision] = ["fp32"]
-    frozen_weights: list[Literal["fp32", "int8"]] = ["fp32"]
-    updates: list[Literal["in-place", "copy"]] = ["in-place"]
+    precision: list[Precision] = [Precision.FP32]
+    frozen_weights: list[FrozenWeights] = [FrozenWeights.FP32]
+    updates: list[Updates] = [Updates.IN_PLACE]
 
     @field_validator("precision", "frozen_weights", "updates")
     @classmethod
@@ -164,9 +119,7 @@ class SearchSpace(_Strict):
         for name in names:
             problem = model.layer(name).problem
             if problem:
-                raise UnsupportedOp(
-                    f"cannot train layer '{name}': {problem} (leave it out of the space's `layers`)"
-                )
+                raise UnsupportedOp(f"cannot train layer '{name}': {problem} (leave it out of the space's `layers`)")
         if not names:
             raise BadInput(f"search space '{self.name}' leaves no layer to train")
         return names
@@ -174,7 +127,11 @@ class SearchSpace(_Strict):
     def excluded_layers(self, model: Model) -> dict[str, str]:
         """Layers with parameters the study leaves frozen because planner cannot train them, and why."""
         searched = set(self.layer_names(model))
-        return {layer.name: layer.problem for layer in model.layers if layer.problem and layer.name not in searched and (layer.weight or layer.bias)}
+        return {
+            layer.name: layer.problem
+            for layer in model.layers
+            if layer.problem and layer.name not in searched and (layer.weight or layer.bias)
+        }
 
     @field_validator("modes")
     @classmethod
@@ -194,7 +151,8 @@ class SearchSpace(_Strict):
         """The space's modes a layer can take (no bias-only for a bias-free layer, …)."""
         layer = model.layer(name)
         return [
-            m for m in self.modes
+            str(m)
+            for m in self.modes
             if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
         ]
 
@@ -262,7 +220,7 @@ class SearchSpace(_Strict):
                     modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"
         else:
             k = int(trial.suggest_int("last_k", 1, len(names))) if self.strategy == "last-k" else len(names)
-            mode = str(trial.suggest_categorical("mode", [m for m in self.modes if m not in ("frozen", "ratio")]))
+            mode = str(trial.suggest_categorical("mode", [str(m) for m in self.modes if m not in ("frozen", "ratio")]))
             modes = {n: mode for n in names[len(names) - k :]}
         # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
         trainable = tuple((n, m) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))
@@ -270,12 +228,12 @@ class SearchSpace(_Strict):
         return Candidate(
             trainable=trainable,
             batch_size=int(trial.suggest_categorical("batch_size", list(self.batch_size))),
-            optimizer=str(trial.suggest_categorical("optimizer", list(self.optimizer))),
+            optimizer=str(trial.suggest_categorical("optimizer", [str(v) for v in self.optimizer])),
             lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
-            precision=str(trial.suggest_categorical("precision", list(self.precision))),
+            precision=str(trial.suggest_categorical("precision", [str(v) for v in self.precision])),
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
-            frozen_weights=str(trial.suggest_categorical("frozen_weights", list(self.frozen_weights))),
-            updates=str(trial.suggest_categorical("updates", list(self.updates))),
+            frozen_weights=str(trial.suggest_categorical("frozen_weights", [str(v) for v in self.frozen_weights])),
+            updates=str(trial.suggest_categorical("updates", [str(v) for v in self.updates])),
         )
 
 

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from planner.inputs.resources import shipped
 from planner.errors import BadInput, last_line
+from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
 
 TARGETS_DIR = shipped("hw_targets")
@@ -35,7 +35,6 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"not HOST:PORT: {value!r}")
     return host, int(port)
-
 
 
 def parse_bytes(value: int | str) -> int:
@@ -89,7 +88,9 @@ class HardwareTarget(BaseModel):
     @classmethod
     def _target_mapping(cls, v: Any) -> Any:
         if isinstance(v, str):  # TVM's own string form: the usual slip
-            raise ValueError(f"write it as a mapping like {{kind: llvm, mtriple: aarch64-linux-gnu, mcpu: cortex-a72}}, not {v!r}")
+            raise ValueError(
+                f"write it as a mapping like {{kind: llvm, mtriple: aarch64-linux-gnu, mcpu: cortex-a72}}, not {v!r}"
+            )
         return v
 
     @field_validator("ram_budget_bytes", "flash_budget_bytes", mode="before")
@@ -118,7 +119,7 @@ class HardwareTarget(BaseModel):
         try:
             rpc = RpcRunner(tracker=tracker, key=key, **rest)
         except ValidationError as exc:
-            raise BadInput(f"--tracker/--key: {exc.errors()[0]['msg']}") from None
+            raise BadInput(f"`tracker`/`key`: {exc.errors()[0]['msg']}") from None
         return self.model_copy(update={"runner": "rpc", "rpc": rpc})
 
     def identity(self) -> dict:

@@ -89,6 +89,7 @@ def blocking_nodes(
     tensor (an index, a mask), so such edges block nothing, and neither does a consumer whose
     outputs are all such tensors (a comparison, an argmax).
     """
+
     def carries_gradient(name: str) -> bool:
         return types.get(name, onnx.TensorProto.FLOAT) in _FLOAT_TYPES
 
@@ -107,7 +108,9 @@ def blocking_nodes(
     return result
 
 
-def layer_problem(nodes: Sequence[onnx.NodeProto], downstream: Mapping[str, str], constants: Mapping[str, np.ndarray]) -> str | None:
+def layer_problem(
+    nodes: Sequence[onnx.NodeProto], downstream: Mapping[str, str], constants: Mapping[str, np.ndarray]
+) -> str | None:
     """Why the parameters a layer's `nodes` take cannot be trained, or None when they can."""
     for node in nodes:
         if node.op_type not in HAS_PARAM_GRADIENT:

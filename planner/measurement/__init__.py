@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from planner.backend.compile import CompiledStep
-from planner.measurement.latency import Latency
+from planner.types import Latency
 
 
 @dataclass(frozen=True)

@@ -10,53 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
 from planner import cachefile
 from planner.backend.compile import CompiledStep, code_id
+from planner.backend.session import TrainingSession
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
-from planner.backend.session import TrainingSession
-from planner.inputs.spaces import Candidate
-
-
-@dataclass(frozen=True)
-class AccuracyResult:
-    before: float
-    after: float
-    loss_before: float
-    loss_after: float | None  # None: the fine-tune diverged, its loss is not a number
-    steps: int
-    seconds: float
-    diverged_at: int | None = None  # the step whose loss was NaN or Inf; the run stopped there
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: dict) -> AccuracyResult | None:
-        """The result `to_json` wrote, or None when a field is missing, extra, of the wrong type or
-        out of range (accuracies in [0, 1], step counts whole and not negative)."""
-        if set(raw) != {f.name for f in fields(cls)}:
-            return None
-        r = cls(**raw)
-        valid = (
-            all(_number(v) and 0.0 <= v <= 1.0 for v in (r.before, r.after))
-            and _number(r.loss_before) and _number(r.seconds) and (r.loss_after is None or _number(r.loss_after))
-            and _count(r.steps) and (r.diverged_at is None or _count(r.diverged_at))
-        )
-        return r if valid else None
-
-
-def _number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+from planner.types import AccuracyResult, Candidate
 
 
 def batches(n: int, batch_size: int, steps: int, seed: int | None):

@@ -77,12 +77,14 @@ def check_bind_host(host: str, allow_remote: bool) -> str | None:
         return None
     if not allow_remote:
         raise BadInput(
-            f"--host {host!r} is not a loopback address, and TVM RPC executes any code it is sent: "
+            f"`host` {host!r} is not a loopback address, and TVM RPC executes any code it is sent: "
             "a server others can reach is remote code execution for them; bind 127.0.0.1 and tunnel "
-            "to it over SSH, or pass --allow-remote to accept that risk on a trusted private network"
+            "to it over SSH, or pass `allow_remote` to accept that risk on a trusted private network"
         )
-    return (f"--allow-remote: {host!r} is not loopback; anyone who can reach this port can run any "
-            "code on this machine through TVM RPC (keep it on a private network or behind an SSH tunnel)")
+    return (
+        f"`allow_remote`: {host!r} is not loopback; anyone who can reach this port can run any "
+        "code on this machine through TVM RPC (keep it on a private network or behind an SSH tunnel)"
+    )
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -169,7 +171,12 @@ def serve(tracker: tuple[str, int], key: str, host: str, port: int, port_end: in
     from tvm import rpc
 
     return rpc.Server(
-        host, port=port, port_end=port_end or port + 100, tracker_addr=tracker, key=key, silent=True,
+        host,
+        port=port,
+        port_end=port_end or port + 100,
+        tracker_addr=tracker,
+        key=key,
+        silent=True,
         server_init_callback=functools.partial(_init_server, os.getpid()),
     )
 

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from planner.backend.graph import STEP_FUNC
 from planner.backend.session import TrainingSession
-
-
-@dataclass(frozen=True)
-class Latency:
-    """Per-step latency over `repeats` timed repeats, each the mean of `number` back-to-back steps."""
-
-    median: float  # ms
-    p90: float  # ms
-    min: float  # ms
-    max: float  # ms
-    repeats: int
-    number: int
-    device: str
-
-    def to_json(self) -> dict:
-        return asdict(self)
+from planner.types import Latency
 
 
 def time_step(session: TrainingSession, repeats: int, device: str, repeat_ms: float = 20.0) -> Latency:

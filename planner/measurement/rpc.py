@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.measurement.board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
 from planner.backend.compile import CompiledStep
-from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, PlannerError, first_line, last_line
 from planner.backend.session import TrainingSession
+from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, PlannerError, first_line, last_line
 from planner.measurement import Measurement
+from planner.measurement.board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
 from planner.measurement.latency import time_step
 
 

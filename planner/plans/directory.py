@@ -31,8 +31,14 @@ from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+from pydantic import ValidationError
+
 from planner import faults
+from planner.digest import file_sha256
 from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
+from planner.inputs.model import Model
+from planner.plans.schema import SCHEMA_VERSION, Plan
 from planner.search.urls import redact
 
 MARKER = ".planner"
@@ -68,13 +74,13 @@ def prepare_out_dir(out: str | Path, create: bool = True, kind: Kind = "plan") -
     read-only directory or file system is one line, before any trial runs."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise OutputUnwritable(f"--out {out} is a file, not a directory; give a directory for the {kind}")
+        raise OutputUnwritable(f"`out` {out} is a file, not a directory; give a directory for the {kind}")
     if out.is_dir():
         foreign = _foreign(out, kind)
         if foreign:
             shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
             raise BadInput(
-                f"--out {out} holds files planner did not write for {_WHAT[kind]} ({shown}); "
+                f"`out` {out} holds files planner did not write for {_WHAT[kind]} ({shown}); "
                 "give a new or empty directory, so nothing of yours is overwritten"
             )
     try:
@@ -134,7 +140,7 @@ def locked(out: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise BadInput(f"another planner process is writing into {out}; wait for it, or give another --out") from None
+            raise BadInput(f"another planner process is writing into {out}; wait for it, or give another `out`") from None
         _HELD.add(key)
         try:
             yield
@@ -177,8 +183,11 @@ def safe_name(name: object) -> bool:
         return False
     path = Path(name)
     return (
-        not path.is_absolute() and ".." not in path.parts and "." not in path.parts
-        and not path.parts[0].startswith((MARKER, STAGED_PREFIX)) and name not in KEPT
+        not path.is_absolute()
+        and ".." not in path.parts
+        and "." not in path.parts
+        and not path.parts[0].startswith((MARKER, STAGED_PREFIX))
+        and name not in KEPT
     )
 
 
@@ -265,7 +274,9 @@ def _replace_files(out: Path, fill: Callable[[Path], None], last: str | None, re
         names = [n for n in names if n != last] + [n for n in names if n == last]
         _fsync_dir(staged)
         faults.point("write-staged")
-        _write_atomically(out / COMMIT, json.dumps({"staged": staged.name, "files": names, "remove": [r for r in remove if r not in names]}))
+        _write_atomically(
+            out / COMMIT, json.dumps({"staged": staged.name, "files": names, "remove": [r for r in remove if r not in names]})
+        )
         faults.point("write-committed")
     except OSError as exc:
         failed = _newest(staged) if staged is not None else None  # the file being written when it failed
@@ -283,7 +294,7 @@ def _newest(staged: Path) -> str | None:
 
 
 @contextmanager
-def study_storage_writes(storage_url: str, out: str | Path | None = None) -> Iterator[None]:
+def study_storage_writes(storage_url: str | None, out: str | Path | None = None) -> Iterator[None]:
     """Around opening and running a study whose storage may live in `out`: running out of disk
     (or a read-only file system) is one `OutputUnwritable` line naming the directory, not
     Optuna's traceback. A storage file this run created and that holds no finished trial is
@@ -299,7 +310,7 @@ def study_storage_writes(storage_url: str, out: str | Path | None = None) -> Ite
         if found is None:
             raise
         reason, filename = found
-        where = db if db is not None else (Path(storage_url) if "://" not in storage_url else None)
+        where = db if db is not None else (Path(storage_url) if storage_url and "://" not in storage_url else None)
         if filename is not None and (where is None or Path(filename).parent != where.parent):
             raise OutputUnwritable(f"cannot write {filename}: {reason}") from None  # not the storage
         tail = ""
@@ -315,10 +326,10 @@ def study_storage_writes(storage_url: str, out: str | Path | None = None) -> Ite
         raise OutputUnwritable(f"cannot write the study storage {place}{tail}") from None
 
 
-def _sqlite_file(storage_url: str) -> Path | None:
+def _sqlite_file(storage_url: str | None) -> Path | None:
     """The file behind a `sqlite:///PATH` storage URL (None for any other storage)."""
     prefix = "sqlite:///"
-    path = storage_url[len(prefix):].split("?", 1)[0] if storage_url.startswith(prefix) else ""
+    path = storage_url[len(prefix) :].split("?", 1)[0] if storage_url and storage_url.startswith(prefix) else ""
     return Path(path) if path and path != ":memory:" else None
 
 
@@ -332,3 +343,117 @@ def _finished_trials(db: Path) -> int | None:
             return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
     except sqlite3.Error:
         return None
+
+
+# --- the plan directory: its files, written atomically, read back verified ---
+
+PLAN_FILE = "plan.json"
+WEIGHTS_FILE = "weights.npz"
+STEP_LIBRARY = "train_step.so"
+MODEL_FILE = "model.onnx"
+# every name a plan directory holds (the reports and the study database too): a model's external
+# data file, copied in beside model.onnx, must not be one of them
+RESERVED_NAMES = frozenset(
+    {PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, "report.md", "report.html", "trials.json", "study.db"}
+)
+
+
+def model_files(model: Model) -> dict[str, Path]:
+    """The files of `model` as a plan directory holds them: model.onnx and, under the names the
+    model gives them, its external data files. BadInput when one would overwrite a plan file."""
+    clash = sorted(n for n in model.data_files if n in RESERVED_NAMES or n.startswith((MARKER, STAGED_PREFIX)))
+    if clash:
+        raise BadInput(
+            f"{model.path.name}: its external data file is named {clash[0]}, a name the plan directory uses; rename it (and re-save the model)"
+        )
+    return {MODEL_FILE: model.path, **model.data_paths}
+
+
+def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> Plan:
+    """Write plan.json, copies of `files`, weights.npz and `texts` into `out`, atomically (see
+    `outdir.replace_files`: the old plan stays whole, or the new one is complete, under kill -9 at
+    any instant). plan.json, written last, records the sha256 of every file a run loads, and
+    the plan with them is returned. Files already in `out` that are not part of a plan (the
+    study database) are kept; an old plan's external data file the new model lacks is removed.
+    """
+    created = not Path(out).exists()
+    out = prepare_out_dir(out)
+    old_files = _plan_files(out)
+    written = plan
+
+    def fill(staged: Path) -> None:
+        nonlocal written
+        for name, source in files.items():
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, staged / name)
+        np.savez(staged / WEIGHTS_FILE, **weights)
+        for name, text in texts.items():
+            (staged / name).write_text(text)
+        loaded = [*files, WEIGHTS_FILE]  # what `run` and `compile` load: verified before use
+        written = plan.model_copy(update={"files": {name: file_sha256(staged / name) for name in loaded}})
+        (staged / PLAN_FILE).write_text(json.dumps(written.model_dump(), indent=2) + "\n")
+
+    try:
+        with locked(out):
+            replace_files(out, fill, last=PLAN_FILE, remove=tuple(sorted(set(old_files) - set(files) - {WEIGHTS_FILE})))
+    except OutputUnwritable as exc:
+        release_if_empty(out, created)  # nothing of a plan: no marker claiming one (nor a directory made for it)
+        raise OutputUnwritable(str(exc).replace("cannot write into", "cannot write the plan into", 1)) from None
+    return written
+
+
+def _plan_files(out: Path) -> list[str]:
+    """The files the plan now in `out` names (none when there is no readable plan)."""
+    try:
+        old = json.loads((out / PLAN_FILE).read_text())
+        names = [*old.get("files", {}), *old.get("model", {}).get("data_files", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+    return [n for n in names if safe_name(n)]  # plan.json is read from disk: never `../x` or the study
+
+
+def read_plan(plan_dir: Path, verify: bool = True) -> Plan:
+    """The plan in `plan_dir`, validated; with `verify`, every file it names is checked against
+    its recorded sha256 *before* anything is loaded — a truncated library would crash the loader,
+    and a swapped one (another plan's, or code planted there) would run silently."""
+    plan_dir = Path(plan_dir)
+    if not plan_dir.is_dir():
+        raise BadInput(f"{plan_dir} holds no plan (no {PLAN_FILE}); make one with `planner plan`")
+    with reading(plan_dir):  # no writer replaces files while they are checked
+        return _read_plan(plan_dir, verify)
+
+
+def _read_plan(plan_dir: Path, verify: bool) -> Plan:
+    path = plan_dir / PLAN_FILE
+    if not path.is_file():
+        raise BadInput(f"{plan_dir} holds no plan (no {PLAN_FILE}); make one with `planner plan`")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{path} is not a valid plan: {exc}") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        raise BadInput(
+            f"{path} has schema version {version}; this planner reads {SCHEMA_VERSION} (re-create the plan with `planner plan`)"
+        )
+    try:
+        plan = Plan.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise BadInput(f"{path} is not a valid plan: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if verify:
+        for name, digest in plan.files.items():
+            file = plan_dir / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise BadInput(f"{path} names a file outside its directory: {name}")
+            if not file.is_file():
+                raise BadInput(f"{file} is missing; the plan needs it (copy the whole plan directory)")
+            if file_sha256(file) != digest:
+                raise BadInput(
+                    f"{file} is not the file this plan was written with (sha256 differs): it was changed, "
+                    "truncated or swapped; nothing was loaded — re-create or re-copy the plan"
+                )
+        missing = {STEP_LIBRARY, WEIGHTS_FILE, MODEL_FILE} - plan.files.keys()
+        if missing:
+            raise BadInput(f"{path} records no sha256 for {', '.join(sorted(missing))}; re-create the plan")
+    return plan

@@ -10,33 +10,31 @@ from __future__ import annotations
 
 import shutil
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from planner.measurement.accuracy import finetune
-from planner.backend.compile import compile_candidate, default_cache_dir
+from planner.backend.compile import BuildOptions, compile_candidate, default_cache_dir
+from planner.backend.session import TrainingSession
+from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from planner.inputs.data import Dataset, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
-from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from planner.inputs.model import load_model, save_onnx
-from planner.plans.directory import locked, prepare_out_dir, reading, release_if_empty, replace_files
-from planner.plans.plan import MODEL_FILE, STEP_LIBRARY, WEIGHTS_FILE, Plan, read_plan
-from planner.backend.session import TrainingSession
 from planner.inputs.targets import HardwareTarget
-
-
-@dataclass(frozen=True)
-class RunResult:
-    before: dict[str, float]  # {loss, accuracy} on the val split
-    after: dict[str, float]
-    steps: int
-    out: Path
-    device: str
-
-    def to_json(self) -> dict:
-        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
+from planner.measurement.accuracy import finetune
+from planner.plans.directory import (
+    MODEL_FILE,
+    STEP_LIBRARY,
+    WEIGHTS_FILE,
+    locked,
+    prepare_out_dir,
+    read_plan,
+    reading,
+    release_if_empty,
+    replace_files,
+)
+from planner.plans.schema import Plan
+from planner.types import RunResult
 
 
 def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None):
@@ -64,7 +62,7 @@ def run_plan(
     """
     plan_dir = Path(plan_dir)
     if steps < 1:
-        raise BadInput("--steps must be at least 1")
+        raise BadInput("`steps` must be at least 1")
     with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
         plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
         model = load_model(plan_dir / MODEL_FILE)
@@ -75,7 +73,7 @@ def run_plan(
 
         library, sig = plan_dir / STEP_LIBRARY, plan.signature
         if target is not None and not _built_for(plan, target):
-            compiled = compile_candidate(model, plan.candidate, target.tvm(), default_cache_dir(), target.toolchain)
+            compiled = compile_candidate(model, plan.candidate, BuildOptions.for_target(target, cache_dir=default_cache_dir()))
             library, sig = compiled.library, compiled.signature
         if target is not None and target.runner == "rpc":
             from planner.measurement.rpc import BoardPool
@@ -83,7 +81,8 @@ def run_plan(
             pool = BoardPool.for_target(target)
             pool.check()
             before, after, final = pool.run(
-                library, lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed)
+                library,
+                lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed),
             )
             device = target.device
         else:
@@ -92,7 +91,7 @@ def run_plan(
             except Exception as exc:
                 raise BadInput(
                     f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
-                    f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or pass --target"
+                    f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or give a `target`"
                 ) from None
             before, after, final = _train(session, dataset, steps, order_seed)
             device = "local"
@@ -108,7 +107,7 @@ def run_plan(
             replace_files(out, fill)  # the previous run's files stay whole until the new ones are complete
     except OutputUnwritable as exc:
         release_if_empty(out, created)
-        raise OutputUnwritable(f"{exc}; the training is lost, rerun with an --out that has room") from None
+        raise OutputUnwritable(f"{exc}; the training is lost, rerun with an `out` that has room") from None
     return RunResult(before, after, steps, out, device)
 
 
@@ -128,9 +127,7 @@ def _weights(path: Path, model) -> dict[str, np.ndarray]:
     for name, ref in expected.items():
         got = weights[name]
         if got.shape != ref.shape or got.dtype != ref.dtype:
-            raise BadInput(
-                f"{path}: weight {name} is {got.dtype}{list(got.shape)}, the model needs {ref.dtype}{list(ref.shape)}"
-            )
+            raise BadInput(f"{path}: weight {name} is {got.dtype}{list(got.shape)}, the model needs {ref.dtype}{list(ref.shape)}")
     return weights
 
 
@@ -139,7 +136,7 @@ def _out_dir(plan_dir: Path, out: Path, model) -> Path:
     what the plan's hashes vouch for), not a directory of someone else's files, writable, with
     room for the weights and the model."""
     if out.resolve() == plan_dir.resolve():
-        raise BadInput(f"--out {out} is the plan directory; the plan's own weights must stay — give another directory")
+        raise BadInput(f"`out` {out} is the plan directory; the plan's own weights must stay — give another directory")
     prepare_out_dir(out, create=False, kind="run")
     probe = next(p for p in (out, *out.absolute().parents) if p.exists())
     need = 2 * sum(w.nbytes for w in model.initializers.values()) + model.path.stat().st_size

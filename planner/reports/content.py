@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import BadInput, NoFeasiblePlan
-from planner.search.evaluate import TrialRecord
 from planner.inputs.model import Model, load_model
-from planner.plans.plan import MODEL_FILE, Choice, Plan, choice_json, metrics_json, read_plan, select
 from planner.inputs.targets import load_target
+from planner.plans.directory import MODEL_FILE, read_plan
+from planner.plans.schema import ParetoEntry, Plan
+from planner.plans.select import choice_json, metrics_json, select
 from planner.search.urls import redact
+from planner.types import TrialRecord, TrialState
 
 TRIALS_FILE = "trials.json"
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
@@ -44,9 +46,16 @@ class ReportContent:
 
     def to_json(self) -> dict:
         return {
-            "title": self.title, "target": self.target, "chosen": self.chosen, "choice": self.choice,
-            "metrics": self.metrics, "pareto": self.pareto, "counts": self.counts, "layers": self.layers,
-            "provenance": self.provenance, "trials": [t.to_json() for t in self.trials],
+            "title": self.title,
+            "target": self.target,
+            "chosen": self.chosen,
+            "choice": self.choice,
+            "metrics": self.metrics,
+            "pareto": self.pareto,
+            "counts": self.counts,
+            "layers": self.layers,
+            "provenance": self.provenance,
+            "trials": [t.to_json() for t in self.trials],
         }
 
 
@@ -67,12 +76,18 @@ def _layer_map(model: Model, choice: dict | None) -> list[dict]:
     rows = []
     for layer in model.layers:
         t = trains.get(layer.name)
-        rows.append({
-            "layer": layer.name, "op": layer.op, "param_bytes": layer.param_bytes,
-            "mode": t["mode"] if t else frozen, "ratio": t.get("ratio") if t else None,
-            "params": t["params"] if t else [], "precision": choice["precision"] if t else None,
-            "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can
-        })
+        rows.append(
+            {
+                "layer": layer.name,
+                "op": layer.op,
+                "param_bytes": layer.param_bytes,
+                "mode": t["mode"] if t else frozen,
+                "ratio": t.get("ratio") if t else None,
+                "params": t["params"] if t else [],
+                "precision": choice["precision"] if t else None,
+                "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can
+            }
+        )
     return rows
 
 
@@ -96,34 +111,49 @@ def from_plan_dir(plan_dir: str | Path) -> ReportContent:
 
 def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportContent:
     """The report of a plan (as it is being written, or read back) and the trials behind it."""
-    choice = plan.choice.model_dump()
-    lat = plan.metrics["step_latency_ms"]
+    choice = plan.choice.model_dump(mode="json")
+    lat = plan.metrics.step_latency_ms
+    measurement = plan.measurement.model_dump()
     provenance = {
-        **{k: v for k, v in plan.measurement.items() if v is not None and not k.endswith("_budget_bytes") and k != "latency_budget_ms"},
-        "device": lat.get("device"), "board": plan.metrics.get("board"),
-        "repeats": f"{lat['repeats']} × {lat['number']} steps; median {lat['median']:.3f} ms, p90 {lat['p90']:.3f} ms, "
-        f"spread {lat['min']:.3f}–{lat['max']:.3f} ms",
-        "study": f"{plan.study.get('name')} in {plan.study.get('storage')}" if plan.study.get("storage") else "none (one measured scheme)",
+        **{
+            k: v for k, v in measurement.items() if v is not None and not k.endswith("_budget_bytes") and k != "latency_budget_ms"
+        },
+        "device": lat.device,
+        "board": plan.metrics.board,
+        "repeats": f"{lat.repeats} × {lat.number} steps; median {lat.median:.3f} ms, p90 {lat.p90:.3f} ms, "
+        f"spread {lat.min:.3f}–{lat.max:.3f} ms",
+        "study": f"{plan.study.name} in {plan.study.storage}" if plan.study.storage else "none (one measured scheme)",
         "trials per process": _workers(trials),
         "versions": ", ".join(f"{k} {v}" for k, v in plan.versions.items()),
     }
     return ReportContent(
         title=f"Training plan: {Path(plan.model.path).name} on {plan.target.name}",
-        target={"name": plan.target.name, "device": plan.target.device,
-                "ram_budget_bytes": plan.measurement.get("ram_budget_bytes"),
-                "latency_budget_ms": plan.measurement.get("latency_budget_ms")},
-        trials=trials, pareto=[p["trial"] for p in plan.pareto], chosen=plan.selection["trial"],
-        choice=choice, metrics=plan.metrics, layers=_layer_map(model, choice), provenance=provenance, plan=plan,
+        target={
+            "name": plan.target.name,
+            "device": plan.target.device,
+            "ram_budget_bytes": plan.measurement.ram_budget_bytes,
+            "latency_budget_ms": plan.measurement.latency_budget_ms,
+        },
+        trials=trials,
+        pareto=[p.trial for p in plan.pareto],
+        chosen=plan.selection.trial,
+        choice=choice,
+        metrics=plan.metrics.model_dump(exclude_none=True),
+        layers=_layer_map(model, choice),
+        provenance=provenance,
+        plan=plan,
     )
 
 
-def _pareto_record(entry: dict) -> TrialRecord:
-    m = entry["metrics"]
-    cand = Choice.model_validate(entry["choice"]).candidate().to_json()
+def _pareto_record(entry: ParetoEntry) -> TrialRecord:
+    m = entry.metrics.model_dump()
+    cand = entry.choice.candidate().to_json()
     acc = {**m["accuracy"], "loss_before": float("nan"), "loss_after": float("nan"), "seconds": 0.0}
     return TrialRecord.from_attrs(
-        entry["trial"], "COMPLETE",
-        {"candidate": cand, "accuracy": acc, "latency": m["step_latency_ms"], "memory": m["peak_memory_bytes"]}, {},
+        entry.trial,
+        TrialState.COMPLETE,
+        {"candidate": cand, "accuracy": acc, "latency": m["step_latency_ms"], "memory": m["peak_memory_bytes"]},
+        {},
     )
 
 
@@ -144,9 +174,16 @@ def from_study(storage: str, study: str) -> ReportContent:
     choice = choice_json(model, chosen.candidate) if chosen is not None and model is not None else None
     return ReportContent(
         title=f"Study {study}: {Path(inputs['model']).name} on {target.name}",
-        target={"name": target.name, "device": target.device, "ram_budget_bytes": target.ram_budget_bytes,
-                "latency_budget_ms": target.latency_budget_ms},
-        trials=records, pareto=pareto, chosen=chosen.number if chosen else None, choice=choice,
+        target={
+            "name": target.name,
+            "device": target.device,
+            "ram_budget_bytes": target.ram_budget_bytes,
+            "latency_budget_ms": target.latency_budget_ms,
+        },
+        trials=records,
+        pareto=pareto,
+        chosen=chosen.number if chosen else None,
+        choice=choice,
         metrics=metrics_json(chosen) if chosen else None,
         layers=_layer_map(model, choice) if model is not None else [],
         provenance={

@@ -13,8 +13,8 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
-from planner.search.evaluate import TrialRecord
 from planner.reports.content import MEMORY_PARTS, ReportContent, updated
+from planner.types import TrialRecord, TrialState
 
 KIB = 1024
 COLORS = {"pareto": "#1f77b4", "feasible": "#9ecae1", "infeasible": "#ff7f0e", "fail": "#7f7f7f", "chosen": "#d62728"}
@@ -30,7 +30,9 @@ def _hover(t: TrialRecord) -> str:
     lines = [f"trial {t.number}", _trainable(t)]
     if t.candidate:
         c = t.candidate
-        lines.append(f"batch {c.batch_size}×{c.grad_accum}, {c.optimizer} lr {c.lr:.3g}, {c.precision}, frozen {c.frozen_weights}")
+        lines.append(
+            f"batch {c.batch_size}×{c.grad_accum}, {c.optimizer} lr {c.lr:.3g}, {c.precision}, frozen {c.frozen_weights}"
+        )
     if t.accuracy:
         lines.append(f"val acc {t.accuracy.before:.3f} → {t.accuracy.after:.3f}")
     if t.latency:
@@ -39,7 +41,7 @@ def _hover(t: TrialRecord) -> str:
         lines.append(f"peak {t.memory.total / KIB:,.1f} KiB")
     if t.over_budget:
         lines.append("infeasible: " + ", ".join(t.over_budget))
-    if t.state == "PRUNED":
+    if t.state is TrialState.PRUNED:
         lines.append("cut short by Ctrl-C; queued for the next run")
     elif t.fail_reason:
         lines.append("failed: " + t.fail_reason[:160])
@@ -54,15 +56,25 @@ def _category(t: TrialRecord, content: ReportContent) -> str:
     return "infeasible" if t.complete else "fail"
 
 
-LABELS = {"chosen": "chosen plan", "pareto": "Pareto front (feasible)", "feasible": "feasible",
-          "infeasible": "infeasible (over a budget, or diverged)", "fail": "failed (no accuracy)"}
+LABELS = {
+    "chosen": "chosen plan",
+    "pareto": "Pareto front (feasible)",
+    "feasible": "feasible",
+    "infeasible": "infeasible (over a budget, or diverged)",
+    "fail": "failed (no accuracy)",
+}
 SYMBOLS = {"chosen": "star", "pareto": "circle", "feasible": "circle-open", "infeasible": "x", "fail": "x-thin-open"}
 
 
 def pareto_figure(content: ReportContent) -> go.Figure:
     """Accuracy against latency and against memory; failed trials sit on a strip under the axis."""
-    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
-                        subplot_titles=("val accuracy vs step latency", "val accuracy vs peak memory"))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        shared_yaxes=True,
+        horizontal_spacing=0.06,
+        subplot_titles=("val accuracy vs step latency", "val accuracy vs peak memory"),
+    )
     accs = [t.accuracy.after for t in content.trials if t.complete]
     lo = min(accs, default=0.0)
     hi = max(accs, default=1.0)
@@ -74,18 +86,42 @@ def pareto_figure(content: ReportContent) -> go.Figure:
             pts = [t for t in group if getattr(t, metric) is not None]
             xs = [t.latency.median if metric == "latency" else t.memory.total / KIB for t in pts]
             ys = [t.accuracy.after if t.complete else floor for t in pts]
-            fig.add_trace(go.Scatter(
-                x=xs, y=ys, mode="markers", name=f"{LABELS[cat]} ({len(group)})", legendgroup=cat, showlegend=col == 1,
-                marker={"color": COLORS[cat], "symbol": SYMBOLS[cat], "size": 16 if cat == "chosen" else 9,
-                        "line": {"width": 1.5, "color": COLORS[cat]}},
-                hovertext=[_hover(t) for t in pts], hoverinfo="text",
-            ), row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="markers",
+                    name=f"{LABELS[cat]} ({len(group)})",
+                    legendgroup=cat,
+                    showlegend=col == 1,
+                    marker={
+                        "color": COLORS[cat],
+                        "symbol": SYMBOLS[cat],
+                        "size": 16 if cat == "chosen" else 9,
+                        "line": {"width": 1.5, "color": COLORS[cat]},
+                    },
+                    hovertext=[_hover(t) for t in pts],
+                    hoverinfo="text",
+                ),
+                row=1,
+                col=col,
+            )
     front = [t for t in content.trials if t.number in content.pareto and t.complete]
     for col, key in ((1, lambda t: t.latency.median), (2, lambda t: t.memory.total / KIB)):
         pts = sorted(front, key=key)
-        fig.add_trace(go.Scatter(x=[key(t) for t in pts], y=[t.accuracy.after for t in pts], mode="lines",
-                                 line={"color": COLORS["pareto"], "width": 1, "dash": "dot"}, hoverinfo="skip",
-                                 showlegend=False, legendgroup="pareto"), row=1, col=col)
+        fig.add_trace(
+            go.Scatter(
+                x=[key(t) for t in pts],
+                y=[t.accuracy.after for t in pts],
+                mode="lines",
+                line={"color": COLORS["pareto"], "width": 1, "dash": "dot"},
+                hoverinfo="skip",
+                showlegend=False,
+                legendgroup="pareto",
+            ),
+            row=1,
+            col=col,
+        )
     budget = content.target.get("latency_budget_ms")
     if budget:
         fig.add_vline(x=budget, line_dash="dash", line_color="#d62728", annotation_text="latency budget", row=1, col=1)
@@ -107,12 +143,22 @@ def memory_figure(content: ReportContent) -> go.Figure:
     labels = [("★ " if t.number == content.chosen else "") + f"trial {t.number}" for t in rows]
     fig = go.Figure()
     for part in MEMORY_PARTS:
-        fig.add_trace(go.Bar(
-            y=labels, x=[getattr(t.memory, part) / KIB for t in rows], name=part.replace("_", " "), orientation="h",
-            hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + part + "</extra>",
-        ))
-    fig.update_layout(barmode="stack", height=120 + 28 * len(rows), xaxis_title="KiB at the step's peak",
-                      margin={"t": 20, "b": 40, "l": 90, "r": 20}, legend={"orientation": "h", "y": -0.25})
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=[getattr(t.memory, part) / KIB for t in rows],
+                name=part.replace("_", " "),
+                orientation="h",
+                hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + part + "</extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="stack",
+        height=120 + 28 * len(rows),
+        xaxis_title="KiB at the step's peak",
+        margin={"t": 20, "b": 40, "l": 90, "r": 20},
+        legend={"orientation": "h", "y": -0.25},
+    )
     return fig
 
 
@@ -124,11 +170,17 @@ def history_figure(content: ReportContent) -> go.Figure:
     floor = min(accs, default=0.0) - 0.03
     for cat in ("fail", "infeasible", "feasible", "pareto", "chosen"):
         pts = [t for t in trials if _category(t, content) == cat]
-        fig.add_trace(go.Scatter(
-            x=[t.number for t in pts], y=[t.accuracy.after if t.complete else floor for t in pts], mode="markers",
-            name=LABELS[cat], marker={"color": COLORS[cat], "symbol": SYMBOLS[cat], "size": 14 if cat == "chosen" else 8},
-            hovertext=[_hover(t) for t in pts], hoverinfo="text",
-        ))
+        fig.add_trace(
+            go.Scatter(
+                x=[t.number for t in pts],
+                y=[t.accuracy.after if t.complete else floor for t in pts],
+                mode="markers",
+                name=LABELS[cat],
+                marker={"color": COLORS[cat], "symbol": SYMBOLS[cat], "size": 14 if cat == "chosen" else 8},
+                hovertext=[_hover(t) for t in pts],
+                hoverinfo="text",
+            )
+        )
     best, xs, ys = None, [], []
     for t in trials:
         if t.feasible and (best is None or t.accuracy.after > best):
@@ -137,8 +189,13 @@ def history_figure(content: ReportContent) -> go.Figure:
             xs.append(t.number)
             ys.append(best)
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"shape": "hv", "color": "#2ca02c"}, name="best feasible so far"))
-    fig.update_layout(height=360, xaxis_title="trial", yaxis_title="val accuracy",
-                      margin={"t": 20, "b": 40, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.25})
+    fig.update_layout(
+        height=360,
+        xaxis_title="trial",
+        yaxis_title="val accuracy",
+        margin={"t": 20, "b": 40, "l": 60, "r": 20},
+        legend={"orientation": "h", "y": -0.25},
+    )
     return fig
 
 
@@ -149,38 +206,51 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def _summary(content: ReportContent) -> str:
     c, m = content.choice, content.metrics
     counts = content.counts
-    head = (f"{len(content.trials)} trials: {counts['feasible']} feasible, {counts['infeasible']} infeasible, "
-            f"{counts['fail']} failed" + (f", {counts['running']} running" if counts["running"] else ""))
+    head = (
+        f"{len(content.trials)} trials: {counts['feasible']} feasible, {counts['infeasible']} infeasible, "
+        f"{counts['fail']} failed" + (f", {counts['running']} running" if counts["running"] else "")
+    )
     if c is None or m is None:
         return f"<p>{escape(head)}. No feasible trial yet.</p>"
     plan = content.plan
-    if plan is not None and plan.selection.get("policy") == "scheme":
-        origin = f"Measured scheme {escape(plan.selection['scheme'])} (no search)."
+    if plan is not None and plan.selection.policy == "scheme":
+        origin = f"Measured scheme {escape(plan.selection.scheme)} (no search)."
     elif plan is not None:
-        origin = (f"Chosen by <b>{escape(plan.selection['policy'])}</b> (accuracy tolerance "
-                  f"{plan.selection['accuracy_tolerance']}) from trial {content.chosen}.")
+        origin = (
+            f"Chosen by <b>{escape(plan.selection.policy)}</b> (accuracy tolerance "
+            f"{plan.selection.accuracy_tolerance}) from trial {content.chosen}."
+        )
     else:
         origin = f"Trial {content.chosen} is what <code>planner plan</code> would choose; no plan is written yet."
     lat, mem, acc = m["step_latency_ms"], m["peak_memory_bytes"], m["accuracy"]
     ram = content.target.get("ram_budget_bytes")
     trains = ", ".join(f"{t['layer']}:{t['mode']}" + (f" {t['ratio']:g}" if t.get("ratio") else "") for t in c["trainable"])
-    return f"<p>{escape(head)}. {origin}</p>" + _table([
-        ("trains", escape(trains) or "—"),
-        ("batch", f"{c['batch_size']}" + (f" × {c['grad_accum']} accumulated" if c.get("grad_accum", 1) > 1 else "")),
-        ("optimizer", escape(f"{c['optimizer']['name']} (lr {c['optimizer']['lr']:.4g})")),
-        ("precision", escape(f"{c['precision']}; frozen weights stored {c.get('frozen_weights', 'fp32')}; updates {c.get('updates', 'copy')}")),
-        ("val accuracy", f"{acc['before']:.3f} → <b>{acc['after']:.3f}</b> after {acc['steps']} steps"),
-        ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms"),
-        ("peak memory", f"<b>{mem['total'] / KIB:,.1f} KiB</b>" + (f" of a {ram / KIB:,.0f} KiB budget" if ram else "")),
-    ])
+    return f"<p>{escape(head)}. {origin}</p>" + _table(
+        [
+            ("trains", escape(trains) or "—"),
+            ("batch", f"{c['batch_size']}" + (f" × {c['grad_accum']} accumulated" if c.get("grad_accum", 1) > 1 else "")),
+            ("optimizer", escape(f"{c['optimizer']['name']} (lr {c['optimizer']['lr']:.4g})")),
+            (
+                "precision",
+                escape(
+                    f"{c['precision']}; frozen weights stored {c.get('frozen_weights', 'fp32')}; updates {c.get('updates', 'copy')}"
+                ),
+            ),
+            ("val accuracy", f"{acc['before']:.3f} → <b>{acc['after']:.3f}</b> after {acc['steps']} steps"),
+            ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms"),
+            ("peak memory", f"<b>{mem['total'] / KIB:,.1f} KiB</b>" + (f" of a {ram / KIB:,.0f} KiB budget" if ram else "")),
+        ]
+    )
 
 
 def _layers(content: ReportContent) -> str:
     if not content.layers:
         return "<p>The model was not found, so no per-layer map.</p>"
     biggest = max(r["param_bytes"] for r in content.layers) or 1
-    out = ["<table class='layers'><tr><th>layer</th><th>op</th><th>what trains</th><th>parameters updated</th>"
-           "<th>precision</th><th>parameter bytes</th></tr>"]
+    out = [
+        "<table class='layers'><tr><th>layer</th><th>op</th><th>what trains</th><th>parameters updated</th>"
+        "<th>precision</th><th>parameter bytes</th></tr>"
+    ]
     for r in content.layers:
         mode = r["mode"]
         color = MODE_COLORS.get(mode, "#e5e5e5")
@@ -217,25 +287,26 @@ def render(content: ReportContent) -> str:
         "memory": memory_figure(content),
         "history": history_figure(content),
     }
-    divs = {k: f.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{k}", config=PLOT_CONFIG)
-            for k, f in figures.items()}
+    divs = {
+        k: f.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{k}", config=PLOT_CONFIG) for k, f in figures.items()
+    }
     target = content.target
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(content.title)}</title>
 <style>{STYLE}</style><script type="text/javascript">{get_plotlyjs()}</script></head>
 <body>
 <h1>{escape(content.title)}</h1>
-<p>Target <b>{escape(target['name'])}</b> ({escape(str(target.get('device') or ''))}).</p>
+<p>Target <b>{escape(target["name"])}</b> ({escape(str(target.get("device") or ""))}).</p>
 {_summary(content)}
 <h2>Pareto front</h2>
 <p>Every trial: accuracy after fine-tuning against the step's latency and peak memory on the target. Hover a point for its scheme.</p>
-{divs['pareto']}
+{divs["pareto"]}
 <h2>Memory at the step's peak</h2>
-{divs['memory']}
+{divs["memory"]}
 <h2>What trains, per layer</h2>
 {_layers(content)}
 <h2>Trial history</h2>
-{divs['history']}
+{divs["history"]}
 <h2>How it was measured</h2>
 {_provenance(content)}
 </body></html>

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from planner.reports.content import MEMORY_PARTS, ReportContent, updated
+from planner.types import TrialState
 
 
 def _kib(n: float) -> str:
@@ -22,10 +23,10 @@ def _origin(content: ReportContent) -> str:
     if plan is None:
         return f"Study report: {tally}. Trial {content.chosen} is what `planner plan` would choose; no plan is written yet."
     sel = plan.selection
-    if sel["policy"] == "scheme":
-        fits = "fits the target's budgets" if sel["feasible"] else f"is infeasible ({', '.join(sel['over_budget'])})"
-        return f"Measured scheme `{sel['scheme']}` (no search); it {fits}."
-    return f"Chosen by `{sel['policy']}` (accuracy tolerance {sel['accuracy_tolerance']}) from trial {content.chosen} of {tally}."
+    if sel.policy == "scheme":
+        fits = "fits the target's budgets" if sel.feasible else f"is infeasible ({', '.join(sel.over_budget)})"
+        return f"Measured scheme `{sel.scheme}` (no search); it {fits}."
+    return f"Chosen by `{sel.policy}` (accuracy tolerance {sel.accuracy_tolerance}) from trial {content.chosen} of {tally}."
 
 
 def render(content: ReportContent) -> str:
@@ -52,7 +53,13 @@ def render(content: ReportContent) -> str:
             f"| peak memory | {_kib(mem['total'])}" + (f" (budget {_kib(budget)})" if budget else "") + " |",
         ]
     if content.layers:
-        lines += ["", "## Per-layer map", "", "| layer | op | mode | parameters updated | parameter bytes |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Per-layer map",
+            "",
+            "| layer | op | mode | parameters updated | parameter bytes |",
+            "|---|---|---|---|---|",
+        ]
         for r in content.layers:
             lines.append(f"| {r['layer']} | {r['op']} | {_mode(r)} | {updated(r)} | {r['param_bytes']:,} |")
     if m is not None:
@@ -76,7 +83,7 @@ def render(content: ReportContent) -> str:
             f"| {t.number}{mark} | {', '.join(f'{n}:{md}' for n, md in cand.trainable) or '—'} | {cand.batch_size} | "
             f"{cand.lr:.3g} | {t.accuracy.after:.3f} | {t.latency.median:.2f} / {t.latency.p90:.2f} | {_kib(t.memory.total)} |"
         )
-    reasons = Counter((t.fail_reason or "unknown").split(":")[0] for t in content.trials if t.state == "FAIL")
+    reasons = Counter((t.fail_reason or "unknown").split(":")[0] for t in content.trials if t.state is TrialState.FAIL)
     if reasons:
         lines += ["", "## Failed trials", "", "| reason | trials |", "|---|---|"]
         lines += [f"| {r} | {n} |" for r, n in reasons.most_common()]

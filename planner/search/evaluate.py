@@ -11,23 +11,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
 
 from planner import faults
-from planner.measurement.accuracy import AccuracyResult, measure_accuracy
-from planner.backend.compile import compile_candidate
+from planner.backend.compile import BuildOptions, compile_candidate
+from planner.errors import CandidateFailed, EnvironmentFailure, disk_problem, last_line
 from planner.inputs.data import Dataset
-from planner.errors import CandidateFailed, EnvironmentFailure, last_line
-from planner.measurement import measure_step
-from planner.measurement.latency import Latency
-from planner.backend.memory import MemoryBreakdown
 from planner.inputs.model import Model
-from planner.errors import disk_problem
-from planner.inputs.spaces import Candidate
 from planner.inputs.targets import HardwareTarget
+from planner.measurement import measure_step
+from planner.measurement.accuracy import measure_accuracy
+from planner.types import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -41,77 +38,6 @@ class EvalSettings:
     latency_repeats: int
     cache_dir: Path
     tune_trials: int = 0  # MetaSchedule trials per candidate build for the target (0: default schedules)
-
-
-@dataclass
-class TrialRecord:
-    """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
-
-    number: int
-    state: str  # COMPLETE | FAIL | RUNNING | PRUNED
-    candidate: Candidate | None
-    accuracy: AccuracyResult | None = None
-    latency: Latency | None = None
-    memory: MemoryBreakdown | None = None
-    feasible: bool = False
-    fail_reason: str | None = None
-    board: str | None = None
-    board_memory: dict | None = None
-    library_bytes: int | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
-    worker: str | None = None  # host:pid of the process that ran it
-    seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
-
-    @property
-    def complete(self) -> bool:
-        return self.state == "COMPLETE" and self.accuracy is not None
-
-    @classmethod
-    def from_attrs(cls, number: int, state: str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:
-        """Rebuild a record from what `Evaluator.evaluate` recorded."""
-        cand = attrs.get("candidate")
-        rec = cls(
-            number=number,
-            state=state,
-            candidate=Candidate.from_json(cand) if cand else None,
-            accuracy=AccuracyResult(**attrs["accuracy"]) if "accuracy" in attrs else None,
-            latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
-            memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
-            fail_reason=attrs.get("fail_reason"),
-            board=attrs.get("board"),
-            board_memory=attrs.get("board_memory"),
-            library_bytes=attrs.get("library_bytes"),
-            seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
-            over_budget={k: v for k, v in constraints.items() if v > 0},
-            worker=attrs.get("worker"),
-            seed=attrs.get("seed"),
-        )
-        rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
-        return rec
-
-    def to_json(self) -> dict:
-        """Everything measured about the trial, as `trials.json` in a plan directory keeps it."""
-        parts = {
-            "candidate": self.candidate.to_json() if self.candidate else None,
-            "accuracy": self.accuracy.to_json() if self.accuracy else None,
-            "latency": self.latency.to_json() if self.latency else None,
-            "memory": self.memory.to_json() if self.memory else None,
-        }
-        return {
-            "number": self.number, "state": self.state, "feasible": self.feasible, **parts,
-            "over_budget": self.over_budget, "fail_reason": self.fail_reason, "board": self.board,
-            "board_memory": self.board_memory, "library_bytes": self.library_bytes, "seconds": self.seconds,
-            "worker": self.worker, "seed": self.seed,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> TrialRecord:
-        attrs = {k: v for k, v in d.items() if v is not None and k not in ("number", "state", "feasible", "over_budget", "seconds")}
-        attrs.update(d.get("seconds", {}))
-        rec = cls.from_attrs(d["number"], d["state"], attrs, d.get("over_budget", {}))
-        rec.feasible = bool(d["feasible"])
-        return rec
 
 
 def _label(c: Candidate) -> str:
@@ -131,7 +57,9 @@ class Evaluator:
     def _build(self, candidate: Candidate, tvm_target, toolchain: str | None, tune_trials: int = 0):
         with self._compile_lock:  # tuning (if any) times its trials on the target's boards
             return compile_candidate(
-                self.model, candidate, tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards
+                self.model,
+                candidate,
+                BuildOptions(tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards),
             )
 
     def evaluate(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float]:
@@ -151,9 +79,12 @@ class Evaluator:
             record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
             record("tune_s", 0.0 if compiled.cached else compiled.tune_seconds)
             log.debug(
-                "%s: %s, %d kernels (%d tuned), peak %d bytes", _label(candidate),
+                "%s: %s, %d kernels (%d tuned), peak %d bytes",
+                _label(candidate),
                 "from the cache" if compiled.cached else f"compiled in {compiled.compile_seconds:.1f} s",
-                compiled.kernels, len(compiled.tuned_kernels), compiled.memory.total,
+                compiled.kernels,
+                len(compiled.tuned_kernels),
+                compiled.memory.total,
             )
             faults.point("trial-measure")
             t0 = time.perf_counter()
@@ -173,7 +104,11 @@ class Evaluator:
             record("accuracy", acc.to_json())
             record("accuracy_s", time.perf_counter() - t0)
             log.debug(
-                "%s: fine-tuned %d steps, val acc %.3f -> %.3f%s", _label(candidate), acc.steps, acc.before, acc.after,
+                "%s: fine-tuned %d steps, val acc %.3f -> %.3f%s",
+                _label(candidate),
+                acc.steps,
+                acc.before,
+                acc.after,
                 f" (diverged at step {acc.diverged_at})" if acc.diverged_at else "",
             )
         except EnvironmentFailure as exc:  # the board, cache or disk: not the candidate's failure

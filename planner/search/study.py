@@ -23,14 +23,15 @@ from pathlib import Path
 
 import optuna
 
-from planner.inputs.data import Dataset
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure, first_line
-from planner.search.evaluate import EvalSettings, Evaluator, TrialRecord
-from planner.measurement import capacity
+from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.spaces import SearchSpace
 from planner.inputs.targets import HardwareTarget
+from planner.measurement import capacity
+from planner.search.evaluate import EvalSettings, Evaluator
 from planner.search.urls import redact, scrubbed
+from planner.types import TrialRecord, TrialState
 
 # heartbeats and metric names are "experimental" in Optuna; planner relies on them knowingly
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -63,9 +64,10 @@ def _env_seconds(name: str, default: int) -> int:
     return int(raw)
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def open_storage(url: str | None) -> optuna.storages.BaseStorage:
     """An Optuna storage from planner's URL: an RDB URL (sqlite/postgresql/mysql), else a journal
-    file path (Optuna's `JournalFileBackend`, safe for many processes on one disk).
+    file path (Optuna's `JournalFileBackend`, safe for many processes on one disk); None keeps the
+    study in this process's memory (a script's one-off search: nothing to resume).
 
     An RDB storage keeps heartbeats: a running trial records one every PLANNER_HEARTBEAT_S seconds
     (default 10). When a trial has been silent for PLANNER_HEARTBEAT_GRACE_S seconds (default 30),
@@ -77,12 +79,16 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     A journal file has no heartbeats in Optuna 5: a killed process's trial stays RUNNING there
     and is not retried (the study goes on without it).
     """
+    if url is None:
+        return optuna.storages.InMemoryStorage()
     if url.startswith(("sqlite:", "postgresql", "mysql")):
         interval, grace = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_S), _env_seconds(GRACE_ENV, GRACE_S)
         if grace <= interval:
             raise BadInput(f"{GRACE_ENV} ({grace} s) must be longer than {HEARTBEAT_ENV} ({interval} s)")
         return optuna.storages.RDBStorage(
-            url, heartbeat_interval=interval, grace_period=grace,
+            url,
+            heartbeat_interval=interval,
+            grace_period=grace,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES),
         )
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
@@ -142,7 +148,12 @@ def make_sampler(name: str, seed: int, anchors: list[dict] | None = None) -> opt
 
 
 def open_study(
-    storage_url: str, name: str, seed: int | None, config: dict, sampler: str = "tpe", anchors: list[dict] | None = None,
+    storage_url: str | None,
+    name: str,
+    seed: int | None,
+    config: dict,
+    sampler: str = "tpe",
+    anchors: list[dict] | None = None,
     inputs: dict | None = None,
 ) -> optuna.Study:
     """Create the study, or load it when it exists — for the same model, data, target and space.
@@ -154,8 +165,11 @@ def open_study(
     sampler = make_sampler(sampler, seed, anchors)
     try:
         study = optuna.create_study(
-            storage=open_storage(storage_url), study_name=name, directions=list(DIRECTIONS),
-            sampler=sampler, load_if_exists=True,
+            storage=open_storage(storage_url),
+            study_name=name,
+            directions=list(DIRECTIONS),
+            sampler=sampler,
+            load_if_exists=True,
         )
     except Exception as exc:  # bad URL, unreachable database, unwritable file
         raise BadInput(f"cannot open study storage {redact(storage_url)}: {scrubbed(exc, storage_url)}") from None
@@ -170,7 +184,7 @@ def open_study(
         changed = sorted(k for k in config if stored.get(k) != config[k])
         raise BadInput(
             f"study '{name}' in {redact(storage_url)} was created with a different {', '.join(changed)}; "
-            "use another --study name or --out directory"
+            "use another `study` name or `out` directory"
         )
     return study
 
@@ -241,7 +255,10 @@ def _alive(process: dict) -> bool:
 
 
 def _requeue(
-    trial: optuna.Trial | optuna.trial.FrozenTrial, study: optuna.Study, reason: str, crashed: bool = False,
+    trial: optuna.Trial | optuna.trial.FrozenTrial,
+    study: optuna.Study,
+    reason: str,
+    crashed: bool = False,
     env_failures: int | None = None,
 ) -> None:
     """Queue `trial`'s candidate again: the copy runs before anything new is sampled.
@@ -296,7 +313,9 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
             halt.error = halt.error or exc
             failures = int(trial.user_attrs.get("env_failures", 0)) + 1
             if failures >= ENV_RETRIES:  # ... unless it failed the environment every time it ran
-                trial.set_user_attr("fail_reason", f"the environment failed each of the {failures} times this candidate ran: {first_line(exc)}")
+                trial.set_user_attr(
+                    "fail_reason", f"the environment failed each of the {failures} times this candidate ran: {first_line(exc)}"
+                )
                 raise CandidateFailed(first_line(exc)) from None
             _requeue(trial, trial.study, f"environment: {first_line(exc)}", env_failures=failures)
             raise optuna.TrialPruned(f"environment: {first_line(exc)}; queued again") from None
@@ -326,9 +345,17 @@ def _stamp_trials(study: optuna.Study) -> None:
     def create_new_trial(study_id, template_trial=None):
         if template_trial is None:
             template_trial = optuna.trial.FrozenTrial(
-                number=-1, state=optuna.trial.TrialState.RUNNING, value=None, datetime_start=datetime.now(),
-                datetime_complete=None, params={}, distributions={}, user_attrs={"process": PROCESS, "worker": WORKER},
-                system_attrs={}, intermediate_values={}, trial_id=-1,
+                number=-1,
+                state=optuna.trial.TrialState.RUNNING,
+                value=None,
+                datetime_start=datetime.now(),
+                datetime_complete=None,
+                params={},
+                distributions={},
+                user_attrs={"process": PROCESS, "worker": WORKER},
+                system_attrs={},
+                intermediate_values={},
+                trial_id=-1,
             )
         return create(study_id, template_trial)
 
@@ -349,14 +376,18 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
 
     Returns the numbers of the trials ended."""
     ended = []
-    queued = {t.user_attrs.get("requeued_from") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+    queued = {
+        t.user_attrs.get("requeued_from") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    }
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         process = t.user_attrs.get("process")
         if isinstance(process, dict):
             if _alive(process):
                 continue
             reason = f"its process ({process.get('host')}:{process.get('pid')}) died mid-trial"
-        elif t.datetime_start is not None and (datetime.now() - t.datetime_start).total_seconds() > _env_seconds(GRACE_ENV, GRACE_S):
+        elif t.datetime_start is not None and (datetime.now() - t.datetime_start).total_seconds() > _env_seconds(
+            GRACE_ENV, GRACE_S
+        ):
             reason = "its process died mid-trial (a trial with no process record, started long ago)"
         else:
             continue  # another process's trial, a moment old
@@ -455,8 +486,8 @@ def records(study: optuna.Study) -> list[TrialRecord]:
     out = []
     for t in trials:
         rec = to_record(t)
-        if rec.state == "FAIL" and t.number in retried:
-            rec.state = "PRUNED"
+        if rec.state is TrialState.FAIL and t.number in retried:
+            rec.state = TrialState.PRUNED
             rec.fail_reason = rec.fail_reason or "its process stopped sending heartbeats (killed or lost); queued again"
         out.append(rec)
     return out

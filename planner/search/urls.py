@@ -9,10 +9,12 @@ from __future__ import annotations
 import re
 
 
-def redact(url: str) -> str:
+def redact(url: str | None) -> str:
     """A storage URL fit to print or write: its password replaced by `***` (SQLAlchemy's own
     rendering). Pass the password by environment instead (`PGPASSWORD`, a `~/.pgpass`, MySQL's
     option files): a URL without one leaves nothing to hide."""
+    if url is None:
+        return "memory"
     if "://" not in url:
         return url  # a journal file path
     from sqlalchemy.engine import make_url
@@ -27,11 +29,11 @@ def redact(url: str) -> str:
 _QUERY_SECRET = re.compile(r"([?&](?:password|passwd|pwd)=)[^&]*", re.IGNORECASE)
 
 
-def _passwords(url: str) -> list[str]:
+def _passwords(url: str | None) -> list[str]:
     from sqlalchemy.engine import make_url
 
     try:
-        parsed = make_url(url) if "://" in url else None
+        parsed = make_url(url) if url and "://" in url else None
     except Exception:
         return []
     if parsed is None:
@@ -43,7 +45,7 @@ def _passwords(url: str) -> list[str]:
     return [str(v) for v in found if v]
 
 
-def scrubbed(exc: BaseException, url: str) -> str:
+def scrubbed(exc: BaseException, url: str | None) -> str:
     """A storage error's first line, with the URL's password scrubbed from it should a driver echo it."""
     text = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
     for secret in _passwords(url):

@@ -1,0 +1,37 @@
+"""The Typer application every command module registers with, and the options they share."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+# TVM's FFI imports PyTorch eagerly whenever it is installed (a work-around for Windows in
+# tvm_ffi/__init__.py): 2-3 s on every command, for a library planner never calls. The command
+# keeps it out; a script that imports planner as a library is not affected.
+sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+app = typer.Typer(
+    help="Plan on-device training: which layers to update, in what precision, with what batch size — "
+    "measured with TVM on the target, searched with Optuna.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+TrackerOpt = Annotated[
+    str | None, typer.Option(help="HOST:PORT of a TVM RPC tracker: measure on its boards instead of the target's runner")
+]
+KeyOpt = Annotated[str | None, typer.Option(help="board key at the tracker (with --tracker)")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="one line per trial and planner's debug log on stderr")]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="no progress on stderr (it is off anyway when stderr is not a terminal)")
+]
+TuneOpt = Annotated[
+    int,
+    typer.Option(
+        help="MetaSchedule trials spent on each compiled step, into one tuning database shared by every candidate and plan (0: planner's default schedules only; about 3-20 s per trial on 2 cores)"
+    ),
+]

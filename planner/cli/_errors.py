@@ -1,0 +1,67 @@
+"""The one place planner's errors become what a command prints: one line on stderr, an exit code.
+
+Library errors name parameters as the Python API does, in backticks (`` `out` ``, `` `trials` ``);
+here they become the flags a command user typed (`--out`, `--trials`). Exit codes: 1 no feasible
+plan or a failed measurement, 2 bad input or an environment failure, 3 boards unreachable or
+lost, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TypeVar
+
+import typer
+
+from planner.cli._output import stderr
+
+T = TypeVar("T")
+
+# API parameter -> the flag that sets it
+FLAGS = {
+    "trials": "--trials",
+    "timeout_s": "--timeout",
+    "seed": "--seed",
+    "accuracy_tolerance": "--accuracy-tolerance",
+    "accuracy_steps": "--accuracy-steps",
+    "tune_trials": "--tune-trials",
+    "tracker": "--tracker",
+    "key": "--key",
+    "storage": "--storage",
+    "study": "--study",
+    "out": "--out",
+    "steps": "--steps",
+    "target": "--target",
+    "policy": "--select",
+    "host": "--host",
+    "allow_remote": "--allow-remote",
+}
+_PARAM = re.compile(r"`([a-z_]+)`")
+INTERRUPTED = 130
+
+
+def as_flags(message: str) -> str:
+    """`message` with the API's parameter names replaced by the command's flags."""
+    return _PARAM.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), message)
+
+
+def fail(exc: Exception | str, code: int) -> typer.Exit:
+    stderr.print(f"error: {as_flags(str(exc))}", markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def guard(fn: Callable[[], T]) -> T:
+    """Run a command body, turning planner's errors into one line + exit code."""
+    from planner.errors import PlannerError
+
+    try:
+        return fn()
+    except PlannerError as exc:
+        raise fail(exc, exc.exit_code) from None
+    except MemoryError:
+        # the data or a step needs more memory than this process may have (RAM or `ulimit -v`)
+        raise fail("out of memory: the dataset or the training step does not fit in the memory this process may use", 2) from None
+    except KeyboardInterrupt:
+        stderr.print("interrupted: finished trials are kept; rerun the same command to resume")
+        raise typer.Exit(INTERRUPTED) from None

@@ -1,0 +1,37 @@
+"""Where commands print: results to stdout (a table, or JSON with --json), progress and errors
+to stderr, both without rich's markup (names and paths are printed as they are)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+stderr = Console(stderr=True)
+stdout = Console()
+
+
+def say(text: str) -> None:
+    """One result line on stdout."""
+    stdout.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def note(text: str) -> None:
+    """One line on stderr (a warning, where a file went)."""
+    stderr.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def plan_summary(result) -> None:
+    """The line `plan` and `measure` end with: what the plan trains and what it measured."""
+    p = result.plan
+    m = p.metrics
+    say(
+        f"plan written to {result.out}/: trial {p.selection.trial}, trains "
+        f"{', '.join(f'{t.layer}:{t.update_mode}' for t in p.choice.trainable)}; batch {p.choice.batch_size}; "
+        f"val acc {m.accuracy.before:.3f} → {m.accuracy.after:.3f}; "
+        f"step {m.step_latency_ms.median:.2f} ms; peak {kib(m.peak_memory_bytes.total)}"
+    )
+    if p.selection.feasible is False:
+        note(f"warning: the scheme is infeasible here (over budget or diverged): {', '.join(p.selection.over_budget)}")

@@ -1,0 +1,93 @@
+"""`planner board`: the board side, a TVM RPC tracker and servers (loopback unless told otherwise)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from planner.cli._app import app
+from planner.cli._errors import fail
+from planner.cli._output import stderr
+
+board_app = typer.Typer(
+    help="Run the board side: a TVM RPC tracker, and RPC servers that register boards with it. "
+    "TVM RPC executes any code it is sent: both bind to 127.0.0.1, and a --host other than "
+    "loopback needs --allow-remote. Their TVM worker processes die with them, even on kill -9.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(board_app, name="board")
+
+
+@board_app.command("tracker")
+def board_tracker(
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9190,
+    port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
+    allow_remote: Annotated[
+        bool,
+        typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here"),
+    ] = False,
+) -> None:
+    """Start a TVM RPC tracker and keep it running until Ctrl-C."""
+    from planner.errors import BadInput
+    from planner.measurement.board import check_bind_host, start_tracker
+
+    try:
+        warning = check_bind_host(host, allow_remote)
+    except BadInput as exc:
+        raise fail(exc, 2) from None
+    if warning:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    tracker = start_tracker(host, port, port_end)
+    stderr.print(f"tracker listening on {host}:{tracker.port} (Ctrl-C stops it)", markup=False, highlight=False)
+    _wait(tracker.terminate)
+
+
+@board_app.command("serve")
+def board_serve(
+    tracker: Annotated[str, typer.Option(help="HOST:PORT of the tracker to register with")],
+    key: Annotated[str, typer.Option(help="board key, e.g. raspberry-pi-4 (boards of one kind share it)")],
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9090,
+    port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
+    allow_remote: Annotated[
+        bool,
+        typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here"),
+    ] = False,
+) -> None:
+    """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
+    from planner.errors import BadInput
+    from planner.inputs.targets import parse_host_port
+    from planner.measurement.board import check_bind_host, serve
+
+    try:
+        addr = parse_host_port(tracker)
+        warning = check_bind_host(host, allow_remote)
+    except (ValueError, BadInput) as exc:
+        raise fail(exc, 2) from None
+    if warning:
+        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    server = serve(addr, key, host, port, port_end)
+    stderr.print(
+        f"board '{key}' serving on {host}:{server.port}, registered with {tracker} (Ctrl-C stops it)",
+        markup=False,
+        highlight=False,
+    )
+    _wait(server.terminate)
+
+
+def _wait(stop) -> None:
+    """Block until Ctrl-C or SIGTERM, then stop the service."""
+    import signal
+    import threading
+
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()

@@ -1,0 +1,116 @@
+"""`planner measure` (one explicit scheme) and `planner inspect` (the model's layers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from planner.cli._app import KeyOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._errors import guard
+from planner.cli._output import plan_summary, stderr, stdout
+from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET
+
+
+@app.command()
+def measure(
+    model: Annotated[Path, typer.Argument(help="ONNX classifier")],
+    scheme: Annotated[
+        Path, typer.Option(help="scheme YAML: trainable layers/params, batch_size, optimizer {name, lr}, precision")
+    ],
+    data: Annotated[Path, typer.Option(help=".npz dataset (x_train/y_train/x_val/y_val, or x/y)")],
+    target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = DEFAULT_TARGET,
+    out: Annotated[Path, typer.Option(help="plan directory to write")] = Path("plan"),
+    seed: Annotated[int, typer.Option(help="fine-tuning seed")] = 0,
+    accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps for the accuracy")] = DEFAULT_ACCURACY_STEPS,
+    tune_trials: TuneOpt = 0,
+    tracker: TrackerOpt = None,
+    key: KeyOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Measure one explicit scheme (e.g. a paper's) with no search; writes a plan directory.
+
+    The directory has the format `planner plan` writes, so `planner run DIR` executes it and its
+    numbers compare directly with a searched plan's.
+    """
+    from planner import api
+    from planner.cli._progress import configure_logging
+
+    configure_logging(stderr, verbose)
+    result = guard(
+        lambda: api.measure(
+            model,
+            scheme=scheme,
+            data=data,
+            target=target,
+            out=out,
+            seed=seed,
+            accuracy_steps=accuracy_steps,
+            tracker=tracker,
+            key=key,
+            tune_trials=tune_trials,
+        )
+    )
+    if json_out:
+        print(json.dumps(result.plan.model_dump(mode="json"), indent=2))
+        return
+    plan_summary(result)
+
+
+@app.command()
+def inspect(
+    model: Annotated[Path, typer.Argument(help="ONNX model")],
+    json_out: Annotated[bool, typer.Option("--json", help="print the layer table as JSON")] = False,
+) -> None:
+    """Show the model's layers: parameters, bytes, output shape and whether planner can train them."""
+    from planner import api
+
+    m = guard(lambda: api.inspect(model))
+    rows = [
+        {
+            "layer": layer.name,
+            "op": layer.op,
+            "params": {n: list(s) for n, s in layer.param_shapes.items()},
+            "param_bytes": layer.param_bytes,
+            "output_shape": list(layer.output_shape),
+            "trainable": layer.trainable,
+            "reason": layer.problem,
+            "shared_by": list(layer.shared_by),
+        }
+        for layer in m.layers
+    ]
+    if json_out:
+        print(json.dumps({"model": str(m.path), "sha256": m.sha256, "input": m.input_name, "layers": rows}, indent=2))
+        return
+    # escaped: rich reads `[batch, 3, 32, 32]` (or a bracket in a name) as markup and drops it
+    table = Table(
+        title=escape(f"{m.path.name}: input {m.input_name} [batch, {', '.join(map(str, m.input_shape))}], {m.n_classes} classes")
+    )
+    # a layer's name is what schemes and spaces refer to: shown whole, never cut
+    table.add_column("layer", no_wrap=True, min_width=max((len(r["layer"]) for r in rows), default=5))
+    for col in ("op", "parameters", "bytes", "output", "trainable"):
+        table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
+    for layer, r in zip(m.layers, rows):
+        op = f"{r['op']} ×{1 + len(layer.shared_by)} (shared)" if layer.shared_by else r["op"]
+        cells = (
+            r["layer"],
+            op,
+            _param_roles(layer),
+            f"{r['param_bytes']:,}",
+            str(tuple(r["output_shape"])),
+            "yes" if r["trainable"] else f"no: {r['reason']}",
+        )
+        table.add_row(*map(escape, cells))
+    stdout.print(table)
+
+
+def _param_roles(layer) -> str:
+    """`weight (64, 3, 7, 7)` and `bias (64,)` lines: the layer's name already says whose (the
+    ONNX names are in `--json`)."""
+    roles = {layer.weight: "weight", layer.bias: "bias"}
+    return "\n".join(f"{roles.get(n, 'buffer')} {tuple(s)}" for n, s in layer.param_shapes.items())

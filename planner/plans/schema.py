@@ -1,0 +1,263 @@
+"""plan.json as typed models: what a plan records, validated whenever one is read.
+
+Every number in a plan says how it was measured (`Measurement`), and every file a run loads is
+named with its sha256 (`Plan.files`). `docs/plan.schema.json` is this module's JSON Schema
+(`python -m planner.plans.schema` writes it; a test keeps the two in step). No TVM here: reading
+a plan, reporting it or scripting over it loads no compiler.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.inputs.targets import HardwareTarget
+from planner.types import (
+    LEGACY_UPDATES,
+    Candidate,
+    FrozenWeights,
+    Mode,
+    ModeKind,
+    Optimizer,
+    Precision,
+    StepSignature,
+    Updates,
+)
+
+SCHEMA_VERSION = 2  # 2: `files`, the sha256 of every file a run loads
+Policy = Literal["memory", "latency", "accuracy"]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelInput(_Part):
+    name: str
+    shape: list[int | str]  # "batch" for the batch dimension
+    dtype: str
+
+
+class ModelInfo(_Part):
+    path: str
+    sha256: str = Field(description="of the model file and its external data files")
+    inputs: list[ModelInput]
+    data_files: list[str] = Field(default=[], description="external data files, beside model.onnx in the plan directory")
+
+
+class DatasetInfo(_Part):
+    source: str
+    sha256: str
+    n_train: int
+    n_val: int
+    n_classes: int
+
+
+class TargetInfo(_Part):
+    name: str
+    tvm_target: dict
+    device: str
+    toolchain: str | None = None
+
+
+class LayerUpdate(_Part):
+    """One trained layer: its parameters and how they train."""
+
+    layer: str
+    params: list[str]
+    mode: ModeKind
+    ratio: float | None = Field(default=None, gt=0, le=1, description="mode ratio: share of output channels trained")
+
+    @property
+    def update_mode(self) -> Mode:
+        return Mode(self.mode, self.ratio)
+
+
+class OptimizerChoice(_Part):
+    name: Optimizer
+    lr: float = Field(gt=0)
+
+
+class Choice(_Part):
+    """The chosen training configuration, as people read it (and `candidate()` as planner does)."""
+
+    trainable: list[LayerUpdate]
+    precision: Precision
+    batch_size: int = Field(ge=1, description="micro-batch: samples per forward/backward")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per update")
+    frozen_weights: FrozenWeights = FrozenWeights.FP32
+    updates: Updates = LEGACY_UPDATES
+    optimizer: OptimizerChoice
+
+    @classmethod
+    def of(cls, candidate: Candidate, params: dict[str, tuple[str, ...]]) -> Choice:
+        """`candidate` with each trained layer's parameters (`params`: layer -> names)."""
+        return cls(
+            trainable=[
+                LayerUpdate(layer=name, params=list(params[name]), mode=mode.kind, ratio=mode.ratio)
+                for name, mode in candidate.trainable
+            ],
+            precision=candidate.precision,
+            batch_size=candidate.batch_size,
+            grad_accum=candidate.grad_accum,
+            frozen_weights=candidate.frozen_weights,
+            updates=candidate.updates,
+            optimizer=OptimizerChoice(name=candidate.optimizer, lr=candidate.lr),
+        )
+
+    def candidate(self) -> Candidate:
+        """The search's view of this choice (what compiles it and keys its caches)."""
+        return Candidate(
+            trainable=tuple((t.layer, t.update_mode) for t in self.trainable),
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            optimizer=self.optimizer.name,
+            lr=self.optimizer.lr,
+            precision=self.precision,
+            frozen_weights=self.frozen_weights,
+            updates=self.updates,
+        )
+
+
+class LatencyMetric(_Part):
+    """Milliseconds per whole step: median and p90 over `repeats`, each the mean of `number` steps."""
+
+    median: float
+    p90: float
+    min: float
+    max: float
+    repeats: int
+    number: int
+    device: str
+
+
+class MemoryMetric(_Part):
+    """Bytes at the step's peak, by what holds them; `total` is their sum."""
+
+    total: int
+    activations: int
+    trainable_params: int
+    gradients: int
+    optimizer_state: int
+    frozen_params: int
+    scratch: int = 0
+
+
+class AccuracyMetric(_Part):
+    before: float = Field(ge=0, le=1)
+    after: float = Field(ge=0, le=1)
+    steps: int = Field(ge=0)
+
+
+class Metrics(_Part):
+    step_latency_ms: LatencyMetric
+    peak_memory_bytes: MemoryMetric
+    accuracy: AccuracyMetric
+    library_bytes: int | None = None
+    board: str | None = None
+    board_memory: dict[str, int] | None = Field(default=None, description="the step's memory as the board's RSS counted it")
+
+
+class Measurement(_Part):
+    """How each metric was measured, in words, and the budgets it was held to."""
+
+    latency: str
+    memory: str
+    schedules: str
+    accuracy: str
+    ram_budget_bytes: int | None = None
+    latency_budget_ms: float | None = None
+    flash_budget_bytes: int | None = None
+    retargeted_from: str | None = Field(
+        default=None, description="set by `planner compile`: where latency and accuracy were measured"
+    )
+
+
+class ParetoEntry(_Part):
+    trial: int
+    choice: Choice
+    metrics: Metrics
+
+
+class ExcludedLayer(_Part):
+    layer: str
+    reason: str
+
+
+class Selection(_Part):
+    """Why this trial: the policy (or `scheme`, for `planner measure`) and what it chose from."""
+
+    policy: Literal["memory", "latency", "accuracy", "scheme"]
+    trial: int
+    n_feasible: int
+    accuracy_tolerance: float | None = None
+    layers_searched: list[str] = []
+    layers_excluded: list[ExcludedLayer] = []
+    scheme: str | None = Field(default=None, description="policy scheme: the scheme file measured")
+    feasible: bool | None = Field(default=None, description="policy scheme: whether it fits the budgets")
+    over_budget: dict[str, float] = Field(default={}, description="policy scheme: budget -> how far over")
+
+
+class Step(_Part):
+    """The compiled training step: its library and how to call it."""
+
+    library: str
+    signature: dict
+    kernels: int
+    tuned_kernels: list[str] = []
+    tune_trials: int = 0
+    in_place_updates: int = 0
+
+
+class StudyInfo(_Part):
+    storage: str | None = Field(description="the study's storage URL, password redacted")
+    name: str | None
+    n_trials: int = 0
+    n_failed: int = 0
+
+
+class Plan(_Part):
+    """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
+
+    schema_version: Literal[2]
+    model: ModelInfo
+    dataset: DatasetInfo
+    target: TargetInfo
+    choice: Choice
+    metrics: Metrics
+    measurement: Measurement
+    pareto: list[ParetoEntry]
+    selection: Selection
+    step: Step
+    versions: dict[str, str]
+    study: StudyInfo
+    files: dict[str, str] = Field(default={}, description="name -> sha256 of each file `run` and `compile` load")
+
+    @property
+    def signature(self) -> StepSignature:
+        return StepSignature.from_json(self.step.signature)
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.choice.candidate()
+
+    def as_target(self) -> HardwareTarget:
+        """The target this plan was built for, as far as the plan records it."""
+        t = self.target
+        return HardwareTarget(
+            name=t.name,
+            tvm_target=t.tvm_target,
+            toolchain=t.toolchain,
+            ram_budget_bytes=self.measurement.ram_budget_bytes,
+        )
+
+
+def json_schema() -> str:
+    """plan.json's JSON Schema, as `docs/plan.schema.json` holds it."""
+    return json.dumps(Plan.model_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(json_schema(), end="")

@@ -1,0 +1,151 @@
+"""Which trial becomes the plan, and the plan that records it.
+
+Selection: among *feasible* completed trials, find the best val accuracy; every trial within
+`accuracy_tolerance` of it is "as good"; of those take the least peak memory (`memory`, default)
+or the least median step latency (`latency`). `accuracy` takes the most accurate trial outright
+(ties: least memory).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from planner import __version__
+from planner.errors import NoFeasiblePlan
+from planner.inputs.data import Dataset
+from planner.inputs.model import Model
+from planner.inputs.targets import HardwareTarget
+from planner.plans.directory import STEP_LIBRARY
+from planner.plans.schema import SCHEMA_VERSION, Choice, Plan, Policy
+from planner.types import Candidate, TrialRecord, TrialState
+
+if TYPE_CHECKING:
+    from planner.backend.compile import CompiledStep
+
+
+def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolerance: float = 0.01) -> TrialRecord:
+    """The trial to deploy (see the module docstring)."""
+    feasible = [t for t in trials if t.feasible]
+    if not feasible:
+        finished = [t for t in trials if t.state.finished]
+        n_complete = sum(t.complete for t in finished)
+        failed = [t.fail_reason or "no reason recorded" for t in finished if not t.complete]
+        parts = [f"{n_complete} of {len(finished)} trials completed"]
+        if n_complete:
+            n_diverged = sum(t.complete and "diverged" in t.over_budget for t in finished)
+            why = f" ({n_diverged} of them diverged while fine-tuning: lower the space's lr)" if n_diverged else ""
+            parts.append(f"none within the target's budgets{why}")
+        if failed:
+            reason, count = Counter(failed).most_common(1)[0]
+            parts.append(f"{len(failed)} failed, {count} of them with: {reason}")
+        raise NoFeasiblePlan(f"no feasible plan: {'; '.join(parts)}")
+    best = max(t.accuracy.after for t in feasible)
+    if policy == "accuracy":
+        return min(feasible, key=lambda t: (-t.accuracy.after, t.memory.total, t.number))
+    good = [t for t in feasible if t.accuracy.after >= best - accuracy_tolerance]
+    if policy == "latency":
+        return min(good, key=lambda t: (t.latency.median, t.memory.total, t.number))
+    return min(good, key=lambda t: (t.memory.total, t.latency.median, t.number))
+
+
+def choice_json(model: Model, cand: Candidate) -> dict:
+    params = {name: model.layer(name).params_for(mode) for name, mode in cand.trainable}
+    return Choice.of(cand, params).model_dump(mode="json")
+
+
+def metrics_json(t: TrialRecord) -> dict:
+    metrics = {
+        "step_latency_ms": t.latency.to_json(),
+        "peak_memory_bytes": t.memory.to_json(),
+        "accuracy": {"before": t.accuracy.before, "after": t.accuracy.after, "steps": t.accuracy.steps},
+        "library_bytes": t.library_bytes,
+        "board": t.board,
+    }
+    if t.board_memory:
+        metrics["board_memory"] = t.board_memory
+    return metrics
+
+
+def assemble(
+    model: Model,
+    dataset: Dataset,
+    target: HardwareTarget,
+    trials: list[TrialRecord],
+    chosen: TrialRecord,
+    pareto: set[int],
+    compiled: CompiledStep,
+    selection: dict,
+    study: dict,
+    accuracy_seed: int,
+    tune_trials: int = 0,
+) -> Plan:
+    """The plan for `chosen`, with the Pareto front and how every number was measured."""
+    lat = chosen.latency
+    where = "in-process on this machine" if target.runner == "local" else f"on a '{target.rpc.key}' board over TVM RPC"
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        model={
+            "path": str(model.path),
+            "sha256": model.sha256,
+            "inputs": [{"name": model.input_name, "shape": ["batch", *model.input_shape], "dtype": "float32"}],
+            "data_files": list(model.data_files),
+        },
+        dataset={**dataset.to_json(), "sha256": dataset.sha256},
+        target={"name": target.name, "tvm_target": target.tvm_target, "device": target.device, "toolchain": target.toolchain},
+        choice=choice_json(model, chosen.candidate),
+        metrics=metrics_json(chosen),
+        measurement={
+            "latency": f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
+            f"p90 over {lat.repeats} repeats, each the mean of {lat.number} back-to-back steps; spread "
+            f"{lat.min:.3f}-{lat.max:.3f} ms",
+            "memory": "liveness over the compiled step after TVM static memory planning, replaying TVM's "
+            "pooled allocator (page-rounded blocks reused by size, never returned), plus resident weights, "
+            "optimizer state, the batch and the kernels' own workspace scratch (sizes read from the "
+            "compiled code, replayed through TVM's workspace pool)",
+            "schedules": f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
+            f"MetaSchedule database (tuning trials for this step: {tune_trials}), the rest by planner's default "
+            "CPU schedule",
+            "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed "
+            f"{accuracy_seed if chosen.seed is None else chosen.seed}) "
+            "with a host build of the candidate's step; accuracy does not depend on the board",
+            "ram_budget_bytes": target.ram_budget_bytes,
+            "latency_budget_ms": target.latency_budget_ms,
+            "flash_budget_bytes": target.flash_budget_bytes,
+        },
+        pareto=[
+            {"trial": t.number, "choice": choice_json(model, t.candidate), "metrics": metrics_json(t)}
+            for t in trials
+            if t.number in pareto
+        ],
+        selection={**selection, "trial": chosen.number, "n_feasible": sum(t.feasible for t in trials)},
+        step={
+            "library": STEP_LIBRARY,
+            "signature": compiled.signature.to_json(),
+            "kernels": compiled.kernels,
+            "tuned_kernels": list(compiled.tuned_kernels),
+            "tune_trials": tune_trials,
+            "in_place_updates": compiled.in_place_updates,
+        },
+        versions=versions(),
+        study={
+            **study,
+            "n_trials": sum(t.state.finished for t in trials),
+            "n_failed": sum(t.state is TrialState.FAIL for t in trials),
+        },
+    )
+
+
+def versions() -> dict:
+    import onnx
+    import optuna
+    import tvm
+
+    return {
+        "planner": __version__,
+        "tvm": tvm.__version__,
+        "onnx": onnx.__version__,
+        "optuna": optuna.__version__,
+        "python": sys.version.split()[0],
+    }

@@ -1,0 +1,365 @@
+"""The types planner's stages pass along: what a candidate is and what was measured about it.
+
+Plain data, no TVM and no Optuna: a report, the progress bar or a script reads trials without
+loading a compiler. Enumerations are `StrEnum`s, so each compares equal to the string that plans,
+spaces and Optuna storages hold, and serialises as that string.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+from pathlib import Path
+
+
+class TrialState(StrEnum):
+    """A trial's state, as Optuna names it (`optuna.trial.TrialState.name`)."""
+
+    COMPLETE = "COMPLETE"
+    FAIL = "FAIL"
+    PRUNED = "PRUNED"  # not counted: queued again after an environment failure, or a dead worker's
+    RUNNING = "RUNNING"
+    WAITING = "WAITING"
+
+    @property
+    def finished(self) -> bool:
+        """Counted towards a study's trials: measured, or failed as a candidate."""
+        return self in (TrialState.COMPLETE, TrialState.FAIL)
+
+
+class ModeKind(StrEnum):
+    """How a layer trains: not at all, its bias, its weight, both, or a share of its output channels."""
+
+    FROZEN = "frozen"
+    BIAS = "bias"
+    WEIGHT = "weight"
+    FULL = "full"
+    RATIO = "ratio"
+
+
+@dataclass(frozen=True, eq=False)
+class Mode:
+    """A layer's update mode; `ratio` carries the share of output channels (the first ones) updated.
+
+    Written as `full`, `bias`, `weight` or `ratio:R` in plans, trial records and cache keys, and,
+    like the enumerations here, equal to that string (`Mode.parse("ratio:0.25") == "ratio:0.25"`)."""
+
+    kind: ModeKind
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ModeKind(self.kind))
+        if (self.kind is ModeKind.RATIO) != (self.ratio is not None):
+            raise ValueError("a ratio goes with mode `ratio`, and only with it")
+        if self.ratio is not None and not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must lie in (0, 1] (not {self.ratio:g})")
+
+    @classmethod
+    def parse(cls, text: str | Mode) -> Mode:
+        """`full`, `bias`, `weight`, `frozen` or `ratio:R`."""
+        if isinstance(text, Mode):
+            return text
+        kind, _, ratio = str(text).partition(":")
+        return cls(ModeKind(kind), float(ratio) if ratio else None)
+
+    def __str__(self) -> str:
+        return f"ratio:{self.ratio:g}" if self.kind is ModeKind.RATIO else self.kind.value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Mode, str)):
+            return str(self) == str(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class Optimizer(StrEnum):
+    SGD = "sgd"
+    MOMENTUM = "momentum"
+    ADAM = "adam"
+
+
+class FrozenWeights(StrEnum):
+    """How frozen Conv/Gemm/MatMul weights are stored: as they are, or int8 per output channel."""
+
+    FP32 = "fp32"
+    INT8 = "int8"
+
+
+class Updates(StrEnum):
+    """Where an update goes: over the old weight right after its gradient, or into new buffers."""
+
+    IN_PLACE = "in-place"
+    COPY = "copy"
+
+
+# What candidates were before `updates` existed: a stored candidate without it updated by copy.
+LEGACY_UPDATES = Updates.COPY
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training configuration; hashable and JSON-serialisable (it keys the compile cache).
+
+    Strings are accepted where the types are enumerations (`("conv1", "full")`, `precision="fp32"`)
+    and converted, so a script can write a candidate the way a scheme file does:
+
+        Candidate(trainable=(("fc", "full"), ("conv3", "ratio:0.25")), batch_size=16, optimizer="sgd", lr=0.05)
+    """
+
+    trainable: tuple[tuple[str, Mode], ...]  # (layer name, mode) in model order; frozen omitted
+    batch_size: int
+    optimizer: Optimizer
+    lr: float
+    precision: Precision = Precision.FP32
+    grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
+    frozen_weights: FrozenWeights = FrozenWeights.FP32  # int8: frozen Conv/Gemm/MatMul weights quantized per channel
+    updates: Updates = Updates.IN_PLACE  # in-place: each update right after its gradient, over the old weight
+
+    def __post_init__(self) -> None:
+        convert = object.__setattr__
+        convert(self, "trainable", tuple((str(name), Mode.parse(mode)) for name, mode in self.trainable))
+        if any(mode.kind is ModeKind.FROZEN for _, mode in self.trainable):
+            raise ValueError("a frozen layer is left out of `trainable`, not listed as frozen")
+        convert(self, "optimizer", Optimizer(self.optimizer))
+        convert(self, "precision", Precision(self.precision))
+        convert(self, "frozen_weights", FrozenWeights(self.frozen_weights))
+        convert(self, "updates", Updates(self.updates))
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["trainable"] = [[name, str(mode)] for name, mode in self.trainable]
+        return {k: v.value if isinstance(v, StrEnum) else v for k, v in d.items()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Candidate:
+        return cls(
+            trainable=tuple((str(a), Mode.parse(str(b))) for a, b in d["trainable"]),
+            batch_size=int(d["batch_size"]),
+            optimizer=Optimizer(d["optimizer"]),
+            lr=float(d["lr"]),
+            precision=Precision(d.get("precision", Precision.FP32)),
+            grad_accum=int(d.get("grad_accum", 1)),
+            frozen_weights=FrozenWeights(d.get("frozen_weights", FrozenWeights.FP32)),
+            updates=Updates(d.get("updates", LEGACY_UPDATES)),
+        )
+
+    def key(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Per-step latency over `repeats` timed repeats, each the mean of `number` back-to-back steps."""
+
+    median: float  # ms
+    p90: float  # ms
+    min: float  # ms
+    max: float  # ms
+    repeats: int
+    number: int
+    device: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes at the step's peak. `total` is their sum."""
+
+    total: int
+    activations: int  # everything else the step holds at its peak: batch, activations, new weights
+    trainable_params: int
+    gradients: int  # gradient buffers alive at the peak (fused updates never materialise theirs)
+    optimizer_state: int
+    frozen_params: int
+    scratch: int = 0  # kernels' own workspace (TVM's workspace pool), held from first use on
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    before: float
+    after: float
+    loss_before: float
+    loss_after: float | None  # None: the fine-tune diverged, its loss is not a number
+    steps: int
+    seconds: float
+    diverged_at: int | None = None  # the step whose loss was NaN or Inf; the run stopped there
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> AccuracyResult | None:
+        """The result `to_json` wrote, or None when a field is missing, extra, of the wrong type or
+        out of range (accuracies in [0, 1], step counts whole and not negative)."""
+        if set(raw) != {f.name for f in fields(cls)}:
+            return None
+        r = cls(**raw)
+        valid = (
+            all(_number(v) and 0.0 <= v <= 1.0 for v in (r.before, r.after))
+            and _number(r.loss_before)
+            and _number(r.seconds)
+            and (r.loss_after is None or _number(r.loss_after))
+            and _count(r.steps)
+            and (r.diverged_at is None or _count(r.diverged_at))
+        )
+        return r if valid else None
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass
+class TrialRecord:
+    """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
+
+    number: int
+    state: TrialState
+    candidate: Candidate | None
+    accuracy: AccuracyResult | None = None
+    latency: Latency | None = None
+    memory: MemoryBreakdown | None = None
+    feasible: bool = False
+    fail_reason: str | None = None
+    board: str | None = None
+    board_memory: dict | None = None
+    library_bytes: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
+    worker: str | None = None  # host:pid of the process that ran it
+    seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
+
+    def __post_init__(self) -> None:
+        self.state = TrialState(self.state)
+
+    @property
+    def complete(self) -> bool:
+        return self.state is TrialState.COMPLETE and self.accuracy is not None
+
+    @classmethod
+    def from_attrs(cls, number: int, state: TrialState | str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:
+        """Rebuild a record from what `Evaluator.evaluate` recorded."""
+        cand = attrs.get("candidate")
+        rec = cls(
+            number=number,
+            state=TrialState(state),  # a name Optuna or trials.json wrote
+            candidate=Candidate.from_json(cand) if cand else None,
+            accuracy=AccuracyResult(**attrs["accuracy"]) if "accuracy" in attrs else None,
+            latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
+            memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
+            fail_reason=attrs.get("fail_reason"),
+            board=attrs.get("board"),
+            board_memory=attrs.get("board_memory"),
+            library_bytes=attrs.get("library_bytes"),
+            seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
+            over_budget={k: v for k, v in constraints.items() if v > 0},
+            worker=attrs.get("worker"),
+            seed=attrs.get("seed"),
+        )
+        rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
+        return rec
+
+    def to_json(self) -> dict:
+        """Everything measured about the trial, as `trials.json` in a plan directory keeps it."""
+        parts = {
+            "candidate": self.candidate.to_json() if self.candidate else None,
+            "accuracy": self.accuracy.to_json() if self.accuracy else None,
+            "latency": self.latency.to_json() if self.latency else None,
+            "memory": self.memory.to_json() if self.memory else None,
+        }
+        return {
+            "number": self.number,
+            "state": self.state.value,
+            "feasible": self.feasible,
+            **parts,
+            "over_budget": self.over_budget,
+            "fail_reason": self.fail_reason,
+            "board": self.board,
+            "board_memory": self.board_memory,
+            "library_bytes": self.library_bytes,
+            "seconds": self.seconds,
+            "worker": self.worker,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrialRecord:
+        attrs = {
+            k: v for k, v in d.items() if v is not None and k not in ("number", "state", "feasible", "over_budget", "seconds")
+        }
+        attrs.update(d.get("seconds", {}))
+        rec = cls.from_attrs(d["number"], d["state"], attrs, d.get("over_budget", {}))
+        rec.feasible = bool(d["feasible"])
+        return rec
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
+
+    input_name: str
+    input_shape: tuple[int, ...]  # with the batch dimension: the effective batch of one update
+    micro_batch: int  # samples per forward/backward (and per `backbone` call)
+    frozen: tuple[str, ...]
+    trainable: tuple[str, ...]
+    splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
+    quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
+    loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
+    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
+    n_classes: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shape[0]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepSignature:
+        return cls(
+            input_name=d["input_name"],
+            input_shape=tuple(d["input_shape"]),
+            micro_batch=int(d.get("micro_batch", d["input_shape"][0])),
+            frozen=tuple(d["frozen"]),
+            trainable=tuple(d["trainable"]),
+            splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
+            quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
+            loss_scale=float(d.get("loss_scale", 1.0)),
+            optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
+            n_classes=int(d["n_classes"]),
+        )
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `planner.run` did: val loss and accuracy before and after, where the weights went."""
+
+    before: dict[str, float]  # {loss, accuracy} on the val split
+    after: dict[str, float]
+    steps: int
+    out: Path
+    device: str
+
+    def to_json(self) -> dict:
+        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
