@@ -37,7 +37,11 @@ from planner.inputs.spaces import load_space
 from planner.inputs.targets import HardwareTarget, load_target
 from planner.plans.directory import (
     MODEL_FILE,
+    REPORT_HTML,
+    REPORT_MD,
     STEP_LIBRARY,
+    STUDY_FILE,
+    TRIALS_FILE,
     locked,
     model_files,
     prepare_out_dir,
@@ -82,7 +86,7 @@ class PlanResult:
 
 def default_storage(out: str | Path) -> str:
     """The study storage the CLI keeps inside a plan directory: `sqlite:///OUT/study.db`."""
-    return f"sqlite:///{(Path(out) / 'study.db').resolve()}"
+    return f"sqlite:///{(Path(out) / STUDY_FILE).resolve()}"
 
 
 def inspect(model: str | Path) -> Model:
@@ -106,7 +110,7 @@ def resolve_target(name: str, *, tracker: str | None = None, key: str | None = N
     target = load_target(name)
     if (tracker is None) != (key is None):
         raise BadInput("`tracker` and `key` go together")
-    if tracker is not None:
+    if tracker is not None and key is not None:
         target = target.over_tracker(tracker, key)
     target.toolchain_path()  # a missing cross compiler is bad input, not N failed trials
     return target
@@ -264,7 +268,7 @@ def plan(
                 return PlanResult(None, out, records, interrupted=True)
             raise
         compiled = compile_candidate(
-            m, chosen.candidate, BuildOptions.for_target(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
+            m, chosen.measured().candidate, BuildOptions.for_target(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
         )
         result = assemble(
             m,
@@ -476,10 +480,11 @@ def check_target(name: str, *, tracker: str | None = None, key: str | None = Non
 
     hw = resolve_target(name, tracker=tracker, key=key)
     report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default", "device": hw.device}
-    if hw.runner == "rpc":
+    boards = hw.boards
+    if boards is not None:
         status = BoardPool.for_target(hw).check()
         report["boards"] = (
-            f"{status.total} under key '{hw.rpc.key}' at {hw.rpc.tracker}, {status.free} free, {status.pending} pending requests"
+            f"{status.total} under key '{boards.key}' at {boards.tracker}, {status.free} free, {status.pending} pending requests"
         )
     return report
 
@@ -511,7 +516,7 @@ def run(
     if target is not None:
         hw = resolve_target(target, tracker=tracker, key=key)
     elif tracker is not None or key is not None:
-        if (tracker is None) != (key is None):
+        if tracker is None or key is None:
             raise BadInput("`tracker` and `key` go together")
         hw = read_plan(Path(plan_dir)).as_target().over_tracker(tracker, key)
     return run_plan(Path(plan_dir), Path(data) if data else None, steps, Path(out) if out else None, shuffle, seed, hw)
@@ -530,7 +535,7 @@ def report(plan_dir: str | Path | None = None, *, storage: str | None = None, st
         raise BadInput("`storage` and `study` go together")
     if fmt not in REPORT_FORMATS:
         raise BadInput(f"unknown report format {fmt!r} (one of {', '.join(REPORT_FORMATS)})")
-    if storage is not None:
+    if storage is not None and study is not None:  # both, or neither (above)
         content = report_content.from_study(storage, study)
     elif plan_dir is None:
         raise BadInput("give a plan directory, or `storage` and `study`")
@@ -552,8 +557,8 @@ def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: 
         files={STEP_LIBRARY: compiled.library, **model_files(model)},
         weights=model.initializers,
         texts={
-            "report.md": markdown.render(content),
-            "report.html": report_html.render(content),
-            report_content.TRIALS_FILE: report_content.write_trials(trials),
+            REPORT_MD: markdown.render(content),
+            REPORT_HTML: report_html.render(content),
+            TRIALS_FILE: report_content.write_trials(trials),
         },
     )

@@ -62,9 +62,11 @@ def matches(path: Path, expected: object) -> bool:
     """Whether the file at `path` is the one whose `digest` is `expected` (False when it is
     missing or unreadable, or `expected` is no digest). The size is compared first: a truncated
     file is told without reading it."""
+    if not isinstance(expected, dict):  # no digest
+        return False
     try:
         return path.stat().st_size == expected["size"] and digest(path) == expected
-    except (OSError, TypeError, KeyError):  # TypeError, KeyError: `expected` is no digest
+    except (OSError, KeyError):  # KeyError: `expected` is no digest
         return False
 
 

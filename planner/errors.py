@@ -89,7 +89,8 @@ DISK_REASONS = {
 
 
 def reason(exc: OSError) -> str:
-    return DISK_REASONS.get(exc.errno) or (exc.strerror or str(exc)).lower()
+    known = DISK_REASONS.get(exc.errno) if exc.errno is not None else None
+    return known or (exc.strerror or str(exc)).lower()
 
 
 def disk_problem(exc: BaseException | None) -> tuple[str, str | None] | None:

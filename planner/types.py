@@ -227,6 +227,16 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A complete trial's candidate and its measurements, none of them missing (`TrialRecord.measured`)."""
+
+    candidate: Candidate
+    accuracy: AccuracyResult
+    latency: Latency
+    memory: MemoryBreakdown
+
+
 @dataclass
 class TrialRecord:
     """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
@@ -253,6 +263,15 @@ class TrialRecord:
     @property
     def complete(self) -> bool:
         return self.state is TrialState.COMPLETE and self.accuracy is not None
+
+    def measured(self) -> Measured:
+        """The candidate and its accuracy, latency and memory, for a complete trial: it has all four
+        (the objective returns, and the trial completes, only once they are recorded)."""
+        cand, acc, lat, mem = self.candidate, self.accuracy, self.latency, self.memory
+        assert cand is not None and acc is not None and lat is not None and mem is not None, (
+            f"trial {self.number} lacks a measurement: it is not complete"
+        )
+        return Measured(cand, acc, lat, mem)
 
     @classmethod
     def from_attrs(cls, number: int, state: TrialState | str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:

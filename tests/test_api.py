@@ -32,6 +32,19 @@ def test_import_planner_and_every_export_load_no_compiler_and_no_optuna():
     assert res.stdout.strip() == "[] []"
 
 
+def test_the_board_side_needs_no_onnx_yaml_pydantic_or_optuna():
+    """`planner board serve` runs on a board with TVM's runtime, typer and rich beside planner."""
+    code = (
+        "import sys\n"
+        "sys.modules.update(dict.fromkeys(['onnx', 'yaml', 'pydantic', 'optuna'], None))\n"
+        "import planner.cli, planner.measurement.board\n"
+        "from planner.inputs.addresses import parse_host_port\n"
+        "print(parse_host_port('127.0.0.1:9190'))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout.strip() == "('127.0.0.1', 9190)", res.stderr
+
+
 def test_the_pipeline_is_keyword_only_and_documented_with_an_example():
     for name in PIPELINE:
         fn = getattr(planner, name)

@@ -13,6 +13,8 @@ from planner.backend.session import TrainingSession
 from planner.inputs.model import load_model
 from planner.types import Candidate
 
+pytestmark = pytest.mark.slow  # edge families compiled in fp32 and bf16, gradients by finite differences: minutes
+
 FAMILIES = {
     "mobilenet_v2": (
         lambda: zoo.mobilenet_v2(width=0.35, resolution=32),

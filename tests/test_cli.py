@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from planner.plans.directory import read_plan
 from processes import planner
 
@@ -68,6 +70,7 @@ def test_verbose_prints_each_trial_and_the_debug_log(tiny_model, tiny_data, tmp_
     assert any("DEBUG planner.search.evaluate" in line and "fine-tuned 20 steps" in line for line in lines)
 
 
+@pytest.mark.slow  # signals to a real study: the fault tier
 def test_ctrl_c_finishes_the_trial_in_flight_and_writes_the_plan(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
     cmd = [
@@ -109,6 +112,7 @@ def test_ctrl_c_finishes_the_trial_in_flight_and_writes_the_plan(tiny_model, tin
     assert sum(s.startswith("trial ") for s in rerun.stderr.splitlines()) == 8 - finished
 
 
+@pytest.mark.slow  # signals to a real study: the fault tier
 def test_a_trial_whose_linker_the_ctrl_c_killed_is_measured_again_on_resume(tiny_model, tiny_data, tmp_path):
     """A terminal's Ctrl-C reaches every process of the group: here the linker of the first
     trial dies of it (a wrapper around g++ that interrupts planner, as the terminal would, then

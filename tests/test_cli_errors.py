@@ -576,6 +576,7 @@ def _no_files(out: Path) -> None:
     assert not left, left
 
 
+@pytest.mark.slow  # a process per row, ~2 s each; the fast tier keeps test_api's flag-mapping case
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_and_its_exit_code(name, tmp_path, tiny_model, tiny_data, request):
     c = CASES[name](Ctx(tmp_path, tiny_model, tiny_data, request))

@@ -25,10 +25,13 @@ EMU = Path(os.environ.get("PLANNER_EMU_DIR", Path.home() / ".cache" / "planner" 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "pi-emulated"
 
-pytestmark = pytest.mark.skipif(
-    not (EMU / "ready").is_file() or not Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists(),
-    reason=f"no emulated AArch64 board in {EMU} (build it with tests/emulated_board/build.sh, as root)",
-)
+pytestmark = [
+    pytest.mark.slow,  # TVM imported and a step trained under qemu: minutes
+    pytest.mark.skipif(
+        not (EMU / "ready").is_file() or not Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists(),
+        reason=f"no emulated AArch64 board in {EMU} (build it with tests/emulated_board/build.sh, as root)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ from planner.plans.directory import COMMIT, MARKER, STAGED_PREFIX, read_plan, re
 from planner.search.urls import redact, scrubbed
 from processes import planner
 
+pytestmark = pytest.mark.slow  # every kill point and fault through the real CLI: minutes
+
 TRIALS = 3
 
 

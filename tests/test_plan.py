@@ -144,6 +144,7 @@ def test_over_budget_candidates_are_infeasible_and_never_chosen(tiny_model, tiny
     assert all(p.metrics.peak_memory_bytes.total <= budget for p in result.plan.pareto)
 
 
+@pytest.mark.slow  # signals to a real study: the fault tier
 def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
     cmd = [

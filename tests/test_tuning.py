@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import numpy as np
+import pytest
 import tvm
 
 from planner import api
@@ -13,6 +14,8 @@ from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.inputs.model import load_model
 from planner.types import Candidate
+
+pytestmark = pytest.mark.slow  # MetaSchedule tuning runs, locally and over RPC: minutes
 
 SCHEME = "trainable: [{layer: c2}, {layer: fc}]\nbatch_size: 4\noptimizer: {name: sgd, lr: 0.1}\n"
 

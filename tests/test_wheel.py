@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the wheel and installs it into a fresh venv
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

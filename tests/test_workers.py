@@ -19,6 +19,8 @@ from planner import api
 from planner.errors import BadInput
 from planner.search.study import GRACE_ENV, HEARTBEAT_ENV, WORKER, open_storage
 
+pytestmark = pytest.mark.slow  # plans and workers on journal files, SQLite and PostgreSQL: minutes
+
 State = optuna.trial.TrialState
 
 

@@ -224,7 +224,7 @@ class _Adam(Adam):
 
     def _set_params_and_dtype(self, params: list[relax.Var]) -> None:
         super()._set_params_and_dtype(params)
-        self.dtype = str(self.dtype)
+        self.dtype: str = str(self.dtype)
 
 
 def make_optimizer(candidate: Candidate, loss_scale: float = 1.0) -> Optimizer:
@@ -321,6 +321,7 @@ def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, 
         if layer.out_axis is None or layer.weight is None:
             raise CandidateFailed(f"ratio updates need a Conv, Gemm or MatMul weight; layer '{name}' is {layer.op}")
         channels = layer.param_shapes[layer.weight][layer.out_axis]
+        assert mode.ratio is not None, "a `ratio` mode carries its ratio (`Mode`)"
         k = max(1, min(channels, round(mode.ratio * channels)))
         if k < channels:
             splits[layer.weight] = (layer.out_axis, k)
@@ -342,7 +343,7 @@ class _RebuildAtUse(relax.PyExprMutator):
     """Each use of a weight becomes a rebuild from its stored parts, emitted right before the use,
     so a dequantized or concatenated weight lives only as long as the op that needs it."""
 
-    def __init__(self, rebuild: dict[relax.Var, Callable[[], relax.Expr]]):
+    def __init__(self, rebuild: dict[relax.Var, Callable[..., relax.Expr]]):
         super().__init__()
         self.rebuild = rebuild
 
@@ -363,7 +364,7 @@ def _with_stored_weights(
     """
     x, *pvars = func.params
     new_params: list[relax.Var] = [x]
-    rebuild: dict[relax.Var, Callable[[], relax.Expr]] = {}
+    rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
     for name, var in zip(names, pvars):
         shape = [int(d) for d in var.ty.shape]
         if name in splits:
@@ -502,6 +503,7 @@ def _fused_step(
                 gi = [bb.emit(relax.TupleGetItem(bb.emit(relax.TupleGetItem(res, 1)), j)) for j in range(n_trainable)]
                 loss = li if loss is None else bb.emit(loss + li)
                 grads = gi if grads is None else [bb.emit(a + b) for a, b in zip(grads, gi)]
+            assert grads is not None, "a step runs one micro-batch at least (accum >= 1)"
             if accum > 1:  # the mean over the effective batch, as one big batch would give
                 loss = bb.emit(loss / relax.const(float(accum), "float32"))
                 grads = [bb.emit(g / relax.const(float(accum), g.ty.dtype)) for g in grads]

@@ -125,7 +125,7 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, cache_dir: Path) -> tupl
     directory = objects_dir(cache_dir, target)
     libs, workspaces = [], {}
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        done = pool.map(lambda item: _object(*item, target, directory), kernels.items())
+        done = pool.map(lambda sym: _object(sym, kernels[sym], target, directory), kernels)
         for sym, (obj, workspaces[sym]) in zip(kernels, done):
             libs.append(tvm.runtime.load_static_library(str(obj), [sym]))
     # relax.build's own two halves, with the kernels supplied as objects instead of compiled anew

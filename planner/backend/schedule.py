@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
+from typing import TypeAlias
 
 import tvm
 import tvm_ffi
@@ -48,8 +50,8 @@ def _lanes(extent: int | None, cap: int) -> int:
     return lanes if extent else 1
 
 
-Loop = s_tir.schedule.LoopRV
-Block = s_tir.schedule.SBlockRV
+Loop: TypeAlias = s_tir.schedule.LoopRV
+Block: TypeAlias = s_tir.schedule.SBlockRV
 
 
 def _loops(sch: s_tir.Schedule, block: Block, kinds: str) -> tuple[list[Loop], list[Loop]]:
@@ -312,7 +314,9 @@ class DefaultCPU(dlight.ScheduleRule):
             if len(sch.get_loops(block)) != len(k):
                 continue
             if "R" not in k:
-                plans = [lambda t, n=n: _spatial(t, block, k, n) for n in (cap, 1)]
+                plans: list[Callable[[s_tir.Schedule], object]] = [
+                    partial(_spatial, block=block, kinds=k, cap=n) for n in (cap, 1)
+                ]
                 consumers = sch.get_consumers(block)
                 into = _init_into_consumer(sch, block, consumers, kinds)
                 if into is not None:
@@ -335,7 +339,10 @@ class DefaultCPU(dlight.ScheduleRule):
                 if set(ek) == {"S"} and len(sch.get_loops(epi)) == len(ek):
                     plans.append(lambda t: tiled(t, block, k, epi, cap))
                     if not taps:  # ... scalar when its vector would hold a let (`_vectorizes_a_let`)
-                        plans += [lambda t, n=n: _reduction_into_epilogue(t, block, k, epi, ek, n) for n in (cap, 1)]
+                        plans += [
+                            partial(_reduction_into_epilogue, block=block, kinds=k, epilogue=epi, epilogue_kinds=ek, cap=n)
+                            for n in (cap, 1)
+                        ]
             plans.append(lambda t: tiled(t, block, k, None, cap))
             if not taps:
                 plans += [lambda t, n=n: _reduction(t, block, k, n) for n in (cap, 1)] + [lambda t: _rows(t, block, k)]

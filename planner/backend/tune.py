@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 import tvm
 from tvm import relax
@@ -106,7 +107,7 @@ def _stack(context: int = 1) -> list[inspect.FrameInfo]:
     if context > 1:
         return _INSPECT_STACK(context)[1:]
     frames = []
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         line = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals) if context else ""

@@ -10,6 +10,8 @@ inputs and back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 QMAX = 127  # symmetric int8: -127..127, so that negating a weight cannot overflow
@@ -35,7 +37,7 @@ def scale(name: str) -> str:
     return f"{name}@scale"
 
 
-def scale_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+def scale_shape(shape: Sequence[int], axis: int) -> tuple[int, ...]:
     """One scale per output channel, shaped to broadcast against the weight."""
     return tuple(d if i == axis else 1 for i, d in enumerate(shape))
 

@@ -22,12 +22,13 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
 
-from planner.types import TrialRecord, TrialState
+from planner.types import Measured, TrialRecord, TrialState
 
 
 class _ConsoleHandler(logging.Handler):
@@ -57,11 +58,12 @@ def trial_line(rec: TrialRecord, done: int, total: int) -> str:
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
     flag = "ok  " if rec.feasible else "over"
-    cand = rec.candidate
+    measured = rec.measured()
+    cand = measured.candidate
     trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
     return (
-        f"trial {rec.number:>3} ({done}/{total}) {flag} acc {rec.accuracy.after:.3f}  "
-        f"{rec.latency.median:7.2f} ms  {rec.memory.total / 1024:>10,.1f} KiB  batch {cand.batch_size:<3} {trainable}"
+        f"trial {rec.number:>3} ({done}/{total}) {flag} acc {measured.accuracy.after:.3f}  "
+        f"{measured.latency.median:7.2f} ms  {measured.memory.total / 1024:>10,.1f} KiB  batch {cand.batch_size:<3} {trainable}"
     )
 
 
@@ -85,8 +87,8 @@ class TrialProgress:
                 console=console,
                 transient=True,
             )
-        self._task = None
-        self._best: TrialRecord | None = None
+        self._task: TaskID | None = None
+        self._best: Measured | None = None
 
     def __enter__(self) -> TrialProgress:
         if self.bar is not None:
@@ -102,8 +104,10 @@ class TrialProgress:
             self._task = self.bar.add_task("trials", total=total, completed=min(done, total), best="—")
 
     def trial(self, rec: TrialRecord, done: int, total: int) -> None:
-        if rec.feasible and (self._best is None or rec.accuracy.after > self._best.accuracy.after):
-            self._best = rec
+        if rec.feasible:  # a feasible trial is complete
+            measured = rec.measured()
+            if self._best is None or measured.accuracy.after > self._best.accuracy.after:
+                self._best = measured
         if self.lines:
             self.console.print(trial_line(rec, done, total), markup=False, highlight=False, soft_wrap=True)
         if self.bar is not None and self._task is not None:

@@ -59,7 +59,7 @@ def board_serve(
 ) -> None:
     """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
     from planner.errors import BadInput
-    from planner.inputs.targets import parse_host_port
+    from planner.inputs.addresses import parse_host_port
     from planner.measurement.board import check_bind_host, serve
 
     try:

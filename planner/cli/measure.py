@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -57,6 +57,7 @@ def measure(
         )
     )
     if json_out:
+        assert result.plan is not None, "`measure` always writes a plan"
         print(json.dumps(result.plan.model_dump(mode="json"), indent=2))
         return
     plan_summary(result)
@@ -71,7 +72,7 @@ def inspect(
     from planner import api
 
     m = guard(lambda: api.inspect(model))
-    rows = [
+    rows: list[dict[str, Any]] = [  # as --json prints them
         {
             "layer": layer.name,
             "op": layer.op,

@@ -105,6 +105,7 @@ def plan(
             )
         raise typer.Exit(INTERRUPTED)
     if json_out:
+        assert result.plan is not None, "only an interrupted search ends without a plan"
         print(json.dumps(result.plan.model_dump(mode="json"), indent=2))
         return
     plan_summary(result)

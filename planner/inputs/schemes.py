@@ -79,11 +79,13 @@ class Scheme(_Strict):
                     )
                 modes[layer.name] = Mode(entry.mode, entry.ratio)
                 continue
-            for p in entry.params:
+            params = entry.params
+            assert params is not None, "an entry names a layer or params (`Entry._one_kind`)"
+            for p in params:
                 if p not in owners:
                     raise BadInput(f"scheme {self.name}: the model has no parameter '{p}'")
-            for layer in map(model.layer, dict.fromkeys(owners[p] for p in entry.params)):
-                wanted = {p for p in entry.params if owners[p] == layer.name}
+            for layer in map(model.layer, dict.fromkeys(owners[p] for p in params)):
+                wanted = {p for p in params if owners[p] == layer.name}
                 kind = next(
                     (k for k in (ModeKind.FULL, ModeKind.BIAS, ModeKind.WEIGHT) if set(layer.params_for(k)) == wanted), None
                 )

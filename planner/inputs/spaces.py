@@ -8,7 +8,8 @@ module never imports Optuna.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,7 +17,7 @@ from planner.errors import BadInput, UnsupportedOp
 from planner.inputs.model import Model
 from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
-from planner.types import Candidate, FrozenWeights, ModeKind, Optimizer, Precision, Updates
+from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Updates
 
 SPACES_DIR = shipped("search_spaces")
 FIXED_BATCH_HINT = (
@@ -29,7 +30,7 @@ DEFAULT_SPACE = "per-layer"
 class Suggester(Protocol):
     """The part of `optuna.Trial` a search space needs."""
 
-    def suggest_categorical(self, name: str, choices: list) -> object: ...
+    def suggest_categorical(self, name: str, choices: list) -> Any: ...  # one of `choices`
     def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float: ...
     def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
 
@@ -77,7 +78,7 @@ class SearchSpace(_Strict):
             raise ValueError("must list at least one value")
         return v
 
-    def for_target(self, precisions: list[str]) -> SearchSpace:
+    def for_target(self, precisions: Sequence[str]) -> SearchSpace:
         """This space restricted to the precisions a target lists: others are never proposed."""
         allowed = [p for p in self.precision if p in precisions]
         if not allowed:
@@ -223,17 +224,17 @@ class SearchSpace(_Strict):
             mode = str(trial.suggest_categorical("mode", [str(m) for m in self.modes if m not in ("frozen", "ratio")]))
             modes = {n: mode for n in names[len(names) - k :]}
         # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
-        trainable = tuple((n, m) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))
+        trainable = tuple((n, Mode.parse(m)) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))
         lr = self.lr
         return Candidate(
             trainable=trainable,
             batch_size=int(trial.suggest_categorical("batch_size", list(self.batch_size))),
-            optimizer=str(trial.suggest_categorical("optimizer", [str(v) for v in self.optimizer])),
+            optimizer=Optimizer(trial.suggest_categorical("optimizer", [str(v) for v in self.optimizer])),
             lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
-            precision=str(trial.suggest_categorical("precision", [str(v) for v in self.precision])),
+            precision=Precision(trial.suggest_categorical("precision", [str(v) for v in self.precision])),
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
-            frozen_weights=str(trial.suggest_categorical("frozen_weights", [str(v) for v in self.frozen_weights])),
-            updates=str(trial.suggest_categorical("updates", [str(v) for v in self.updates])),
+            frozen_weights=FrozenWeights(trial.suggest_categorical("frozen_weights", [str(v) for v in self.frozen_weights])),
+            updates=Updates(trial.suggest_categorical("updates", [str(v) for v in self.updates])),
         )
 
 

@@ -22,19 +22,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner.errors import BadInput, last_line
+from planner.inputs.addresses import parse_host_port
 from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
 
 TARGETS_DIR = shipped("hw_targets")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """`HOST:PORT` -> (host, port)."""
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"not HOST:PORT: {value!r}")
-    return host, int(port)
 
 
 def parse_bytes(value: int | str) -> int:
@@ -111,7 +104,8 @@ class HardwareTarget(BaseModel):
 
     @property
     def device(self) -> str:
-        return f"rpc:{self.rpc.key}" if self.runner == "rpc" else "local"
+        boards = self.boards
+        return "local" if boards is None else f"rpc:{boards.key}"
 
     def over_tracker(self, tracker: str, key: str) -> HardwareTarget:
         """This target measured on boards behind `tracker` under `key` (the CLI's --tracker/--key)."""

@@ -6,11 +6,14 @@ Only this package knows local from RPC; callers get a `Measurement` either way.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from planner.backend.compile import CompiledStep
 from planner.types import Latency
+
+if TYPE_CHECKING:  # not imported at run time: the board side (`board.py`) imports this package on
+    from planner.backend.compile import CompiledStep  # a board that has only TVM's runtime
 
 
 @dataclass(frozen=True)

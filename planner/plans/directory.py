@@ -41,11 +41,24 @@ from planner.inputs.model import Model
 from planner.plans.schema import SCHEMA_VERSION, Plan
 from planner.search.urls import redact
 
+# The plan directory's files: every module names them through these
+PLAN_FILE = "plan.json"
+WEIGHTS_FILE = "weights.npz"
+STEP_LIBRARY = "train_step.so"
+MODEL_FILE = "model.onnx"
+REPORT_MD = "report.md"
+REPORT_HTML = "report.html"
+TRIALS_FILE = "trials.json"
+STUDY_FILE = "study.db"  # the CLI's study storage, when `--storage` is not given
+# every name a plan directory holds: a model's external data file, copied in beside model.onnx,
+# must not be one of them
+RESERVED_NAMES = frozenset({PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, REPORT_MD, REPORT_HTML, TRIALS_FILE, STUDY_FILE})
+
 MARKER = ".planner"
 COMMIT = ".planner-commit"
 STAGED_PREFIX = ".staged-"
 Kind = Literal["plan", "run"]
-_WHAT = {"plan": "a plan directory", "run": "fine-tuned weights"}
+_WHAT: dict[object, str] = {"plan": "a plan directory", "run": "fine-tuned weights"}  # keyed by a marker's "kind"
 
 
 def _foreign(out: Path, kind: Kind) -> list[str]:
@@ -61,7 +74,7 @@ def _foreign(out: Path, kind: Kind) -> list[str]:
         except (OSError, ValueError, AttributeError):
             owner = None
         return [] if owner == kind else [f"{MARKER} (it holds {_WHAT.get(owner, 'something else')})"]
-    if kind == "plan" and (out / "plan.json").is_file() and (out / "study.db").is_file():
+    if kind == "plan" and (out / PLAN_FILE).is_file() and (out / STUDY_FILE).is_file():
         return []  # a plan directory from before markers existed
     return entries
 
@@ -171,7 +184,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 _STAGED = re.compile(r"\.staged-[A-Za-z0-9_]+")
-KEPT = frozenset({"study.db", "study.db-journal", "study.db-wal", "study.db-shm"})  # never replaced or removed
+KEPT = frozenset({STUDY_FILE, *(f"{STUDY_FILE}-{s}" for s in ("journal", "wal", "shm"))})  # never replaced or removed
 
 
 def safe_name(name: object) -> bool:
@@ -347,16 +360,6 @@ def _finished_trials(db: Path) -> int | None:
 
 # --- the plan directory: its files, written atomically, read back verified ---
 
-PLAN_FILE = "plan.json"
-WEIGHTS_FILE = "weights.npz"
-STEP_LIBRARY = "train_step.so"
-MODEL_FILE = "model.onnx"
-# every name a plan directory holds (the reports and the study database too): a model's external
-# data file, copied in beside model.onnx, must not be one of them
-RESERVED_NAMES = frozenset(
-    {PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, "report.md", "report.html", "trials.json", "study.db"}
-)
-
 
 def model_files(model: Model) -> dict[str, Path]:
     """The files of `model` as a plan directory holds them: model.onnx and, under the names the
@@ -386,7 +389,7 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
         for name, source in files.items():
             (staged / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, staged / name)
-        np.savez(staged / WEIGHTS_FILE, **weights)
+        np.savez(staged / WEIGHTS_FILE, **weights)  # type: ignore[arg-type]  # numpy's stub: **weights might bind allow_pickle
         for name, text in texts.items():
             (staged / name).write_text(text)
         loaded = [*files, WEIGHTS_FILE]  # what `run` and `compile` load: verified before use

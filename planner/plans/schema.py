@@ -9,10 +9,11 @@ a plan, reporting it or scripting over it loads no compiler.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.errors import BadInput
 from planner.inputs.targets import HardwareTarget
 from planner.types import (
     LEGACY_UPDATES,
@@ -26,7 +27,7 @@ from planner.types import (
     Updates,
 )
 
-SCHEMA_VERSION = 2  # 2: `files`, the sha256 of every file a run loads
+SCHEMA_VERSION: Final = 2  # 2: `files`, the sha256 of every file a run loads
 Policy = Literal["memory", "latency", "accuracy"]
 
 
@@ -151,13 +152,20 @@ class AccuracyMetric(_Part):
     steps: int = Field(ge=0)
 
 
+class BoardMemory(_Part):
+    """The step's memory as the board's kernel counted it (`planner board serve` reports it)."""
+
+    peak_rss_growth_bytes: int
+    method: str
+
+
 class Metrics(_Part):
     step_latency_ms: LatencyMetric
     peak_memory_bytes: MemoryMetric
     accuracy: AccuracyMetric
     library_bytes: int | None = None
     board: str | None = None
-    board_memory: dict[str, int] | None = Field(default=None, description="the step's memory as the board's RSS counted it")
+    board_memory: BoardMemory | None = None
 
 
 class Measurement(_Part):
@@ -246,12 +254,10 @@ class Plan(_Part):
     def as_target(self) -> HardwareTarget:
         """The target this plan was built for, as far as the plan records it."""
         t = self.target
-        return HardwareTarget(
-            name=t.name,
-            tvm_target=t.tvm_target,
-            toolchain=t.toolchain,
-            ram_budget_bytes=self.measurement.ram_budget_bytes,
-        )
+        ram = self.measurement.ram_budget_bytes
+        if ram is None:  # `planner plan` always records it; a plan edited by hand may not
+            raise BadInput("the plan records no RAM budget (measurement.ram_budget_bytes): name a target instead")
+        return HardwareTarget(name=t.name, tvm_target=t.tvm_target, toolchain=t.toolchain, ram_budget_bytes=ram)
 
 
 def json_schema() -> str:

@@ -18,7 +18,22 @@ from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
 from planner.plans.directory import STEP_LIBRARY
-from planner.plans.schema import SCHEMA_VERSION, Choice, Plan, Policy
+from planner.plans.schema import (
+    SCHEMA_VERSION,
+    Choice,
+    DatasetInfo,
+    Measurement,
+    Metrics,
+    ModelInfo,
+    ModelInput,
+    ParetoEntry,
+    Plan,
+    Policy,
+    Selection,
+    Step,
+    StudyInfo,
+    TargetInfo,
+)
 from planner.types import Candidate, TrialRecord, TrialState
 
 if TYPE_CHECKING:
@@ -41,13 +56,14 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
             reason, count = Counter(failed).most_common(1)[0]
             parts.append(f"{len(failed)} failed, {count} of them with: {reason}")
         raise NoFeasiblePlan(f"no feasible plan: {'; '.join(parts)}")
-    best = max(t.accuracy.after for t in feasible)
+    # a feasible trial is complete: `measured()` has its numbers
+    best = max(t.measured().accuracy.after for t in feasible)
     if policy == "accuracy":
-        return min(feasible, key=lambda t: (-t.accuracy.after, t.memory.total, t.number))
-    good = [t for t in feasible if t.accuracy.after >= best - accuracy_tolerance]
+        return min(feasible, key=lambda t: (-t.measured().accuracy.after, t.measured().memory.total, t.number))
+    good = [t for t in feasible if t.measured().accuracy.after >= best - accuracy_tolerance]
     if policy == "latency":
-        return min(good, key=lambda t: (t.latency.median, t.memory.total, t.number))
-    return min(good, key=lambda t: (t.memory.total, t.latency.median, t.number))
+        return min(good, key=lambda t: (t.measured().latency.median, t.measured().memory.total, t.number))
+    return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
 
 
 def choice_json(model: Model, cand: Candidate) -> dict:
@@ -56,10 +72,12 @@ def choice_json(model: Model, cand: Candidate) -> dict:
 
 
 def metrics_json(t: TrialRecord) -> dict:
+    measured = t.measured()
+    acc = measured.accuracy
     metrics = {
-        "step_latency_ms": t.latency.to_json(),
-        "peak_memory_bytes": t.memory.to_json(),
-        "accuracy": {"before": t.accuracy.before, "after": t.accuracy.after, "steps": t.accuracy.steps},
+        "step_latency_ms": measured.latency.to_json(),
+        "peak_memory_bytes": measured.memory.to_json(),
+        "accuracy": {"before": acc.before, "after": acc.after, "steps": acc.steps},
         "library_bytes": t.library_bytes,
         "board": t.board,
     }
@@ -82,58 +100,66 @@ def assemble(
     tune_trials: int = 0,
 ) -> Plan:
     """The plan for `chosen`, with the Pareto front and how every number was measured."""
-    lat = chosen.latency
-    where = "in-process on this machine" if target.runner == "local" else f"on a '{target.rpc.key}' board over TVM RPC"
+    measured = chosen.measured()  # the chosen trial is feasible, so complete
+    lat = measured.latency
+    boards = target.boards
+    where = "in-process on this machine" if boards is None else f"on a '{boards.key}' board over TVM RPC"
     return Plan(
         schema_version=SCHEMA_VERSION,
-        model={
-            "path": str(model.path),
-            "sha256": model.sha256,
-            "inputs": [{"name": model.input_name, "shape": ["batch", *model.input_shape], "dtype": "float32"}],
-            "data_files": list(model.data_files),
-        },
-        dataset={**dataset.to_json(), "sha256": dataset.sha256},
-        target={"name": target.name, "tvm_target": target.tvm_target, "device": target.device, "toolchain": target.toolchain},
-        choice=choice_json(model, chosen.candidate),
-        metrics=metrics_json(chosen),
-        measurement={
-            "latency": f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
+        model=ModelInfo(
+            path=str(model.path),
+            sha256=model.sha256,
+            inputs=[ModelInput(name=model.input_name, shape=["batch", *model.input_shape], dtype="float32")],
+            data_files=list(model.data_files),
+        ),
+        dataset=DatasetInfo.model_validate({**dataset.to_json(), "sha256": dataset.sha256}),
+        target=TargetInfo(name=target.name, tvm_target=target.tvm_target, device=target.device, toolchain=target.toolchain),
+        choice=Choice.model_validate(choice_json(model, measured.candidate)),
+        metrics=Metrics.model_validate(metrics_json(chosen)),
+        measurement=Measurement(
+            latency=f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
             f"p90 over {lat.repeats} repeats, each the mean of {lat.number} back-to-back steps; spread "
             f"{lat.min:.3f}-{lat.max:.3f} ms",
-            "memory": "liveness over the compiled step after TVM static memory planning, replaying TVM's "
+            memory="liveness over the compiled step after TVM static memory planning, replaying TVM's "
             "pooled allocator (page-rounded blocks reused by size, never returned), plus resident weights, "
             "optimizer state, the batch and the kernels' own workspace scratch (sizes read from the "
             "compiled code, replayed through TVM's workspace pool)",
-            "schedules": f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
+            schedules=f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
             f"MetaSchedule database (tuning trials for this step: {tune_trials}), the rest by planner's default "
             "CPU schedule",
-            "accuracy": f"fine-tuned on the planning host for {chosen.accuracy.steps} steps (seed "
+            accuracy=f"fine-tuned on the planning host for {measured.accuracy.steps} steps (seed "
             f"{accuracy_seed if chosen.seed is None else chosen.seed}) "
             "with a host build of the candidate's step; accuracy does not depend on the board",
-            "ram_budget_bytes": target.ram_budget_bytes,
-            "latency_budget_ms": target.latency_budget_ms,
-            "flash_budget_bytes": target.flash_budget_bytes,
-        },
+            ram_budget_bytes=target.ram_budget_bytes,
+            latency_budget_ms=target.latency_budget_ms,
+            flash_budget_bytes=target.flash_budget_bytes,
+        ),
         pareto=[
-            {"trial": t.number, "choice": choice_json(model, t.candidate), "metrics": metrics_json(t)}
+            ParetoEntry(
+                trial=t.number,
+                choice=Choice.model_validate(choice_json(model, t.measured().candidate)),  # on the front: complete
+                metrics=Metrics.model_validate(metrics_json(t)),
+            )
             for t in trials
             if t.number in pareto
         ],
-        selection={**selection, "trial": chosen.number, "n_feasible": sum(t.feasible for t in trials)},
-        step={
-            "library": STEP_LIBRARY,
-            "signature": compiled.signature.to_json(),
-            "kernels": compiled.kernels,
-            "tuned_kernels": list(compiled.tuned_kernels),
-            "tune_trials": tune_trials,
-            "in_place_updates": compiled.in_place_updates,
-        },
+        selection=Selection.model_validate({**selection, "trial": chosen.number, "n_feasible": sum(t.feasible for t in trials)}),
+        step=Step(
+            library=STEP_LIBRARY,
+            signature=compiled.signature.to_json(),
+            kernels=compiled.kernels,
+            tuned_kernels=list(compiled.tuned_kernels),
+            tune_trials=tune_trials,
+            in_place_updates=compiled.in_place_updates,
+        ),
         versions=versions(),
-        study={
-            **study,
-            "n_trials": sum(t.state.finished for t in trials),
-            "n_failed": sum(t.state is TrialState.FAIL for t in trials),
-        },
+        study=StudyInfo.model_validate(
+            {
+                **study,
+                "n_trials": sum(t.state.finished for t in trials),
+                "n_failed": sum(t.state is TrialState.FAIL for t in trials),
+            }
+        ),
     )
 
 

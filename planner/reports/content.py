@@ -16,13 +16,12 @@ from pathlib import Path
 from planner.errors import BadInput, NoFeasiblePlan
 from planner.inputs.model import Model, load_model
 from planner.inputs.targets import load_target
-from planner.plans.directory import MODEL_FILE, read_plan
+from planner.plans.directory import MODEL_FILE, TRIALS_FILE, read_plan
 from planner.plans.schema import ParetoEntry, Plan
 from planner.plans.select import choice_json, metrics_json, select
 from planner.search.urls import redact
 from planner.types import TrialRecord, TrialState
 
-TRIALS_FILE = "trials.json"
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
 
 
@@ -73,6 +72,7 @@ def _workers(trials: list[TrialRecord]) -> str | None:
 def _layer_map(model: Model, choice: dict | None) -> list[dict]:
     trains = {t["layer"]: t for t in (choice or {}).get("trainable", [])}
     frozen = "frozen" if not choice or choice.get("frozen_weights", "fp32") == "fp32" else f"frozen ({choice['frozen_weights']})"
+    precision = choice["precision"] if choice else None  # every trained layer's
     rows = []
     for layer in model.layers:
         t = trains.get(layer.name)
@@ -84,7 +84,7 @@ def _layer_map(model: Model, choice: dict | None) -> list[dict]:
                 "mode": t["mode"] if t else frozen,
                 "ratio": t.get("ratio") if t else None,
                 "params": t["params"] if t else [],
-                "precision": choice["precision"] if t else None,
+                "precision": precision if t else None,
                 "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can
             }
         )
@@ -171,7 +171,7 @@ def from_study(storage: str, study: str) -> ReportContent:
         chosen = select(records)
     except NoFeasiblePlan:
         chosen = None
-    choice = choice_json(model, chosen.candidate) if chosen is not None and model is not None else None
+    choice = choice_json(model, chosen.measured().candidate) if chosen is not None and model is not None else None
     return ReportContent(
         title=f"Study {study}: {Path(inputs['model']).name} on {target.name}",
         target={

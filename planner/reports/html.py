@@ -48,6 +48,14 @@ def _hover(t: TrialRecord) -> str:
     return "<br>".join(escape(x) for x in lines)
 
 
+def _x(t: TrialRecord, metric: str) -> float | None:
+    """A trial's place on the Pareto figure's `metric` axis: its median step latency (ms) or its
+    peak memory (KiB); None when it has no such measurement."""
+    if metric == "latency":
+        return t.latency.median if t.latency is not None else None
+    return t.memory.total / KIB if t.memory is not None else None
+
+
 def _category(t: TrialRecord, content: ReportContent) -> str:
     if t.number == content.chosen:
         return "chosen"
@@ -75,7 +83,7 @@ def pareto_figure(content: ReportContent) -> go.Figure:
         horizontal_spacing=0.06,
         subplot_titles=("val accuracy vs step latency", "val accuracy vs peak memory"),
     )
-    accs = [t.accuracy.after for t in content.trials if t.complete]
+    accs = [t.measured().accuracy.after for t in content.trials if t.complete]
     lo = min(accs, default=0.0)
     hi = max(accs, default=1.0)
     pad = max(0.02, (hi - lo) * 0.08)
@@ -83,9 +91,9 @@ def pareto_figure(content: ReportContent) -> go.Figure:
     for cat in ("fail", "infeasible", "feasible", "pareto", "chosen"):
         group = [t for t in content.trials if _category(t, content) == cat]
         for col, metric in ((1, "latency"), (2, "memory")):
-            pts = [t for t in group if getattr(t, metric) is not None]
-            xs = [t.latency.median if metric == "latency" else t.memory.total / KIB for t in pts]
-            ys = [t.accuracy.after if t.complete else floor for t in pts]
+            pts = [t for t in group if _x(t, metric) is not None]
+            xs = [_x(t, metric) for t in pts]
+            ys = [t.measured().accuracy.after if t.complete else floor for t in pts]
             fig.add_trace(
                 go.Scatter(
                     x=xs,
@@ -106,13 +114,13 @@ def pareto_figure(content: ReportContent) -> go.Figure:
                 row=1,
                 col=col,
             )
-    front = [t for t in content.trials if t.number in content.pareto and t.complete]
-    for col, key in ((1, lambda t: t.latency.median), (2, lambda t: t.memory.total / KIB)):
-        pts = sorted(front, key=key)
+    front = [t.measured() for t in content.trials if t.number in content.pareto and t.complete]
+    for col, key in ((1, lambda m: m.latency.median), (2, lambda m: m.memory.total / KIB)):
+        line = sorted(front, key=key)
         fig.add_trace(
             go.Scatter(
-                x=[key(t) for t in pts],
-                y=[t.accuracy.after for t in pts],
+                x=[key(m) for m in line],
+                y=[m.accuracy.after for m in line],
                 mode="lines",
                 line={"color": COLORS["pareto"], "width": 1, "dash": "dot"},
                 hoverinfo="skip",
@@ -138,15 +146,15 @@ def pareto_figure(content: ReportContent) -> go.Figure:
 
 def memory_figure(content: ReportContent) -> go.Figure:
     """Where the peak goes, for every trial on the front (the chosen one starred)."""
-    rows = [t for t in content.trials if (t.number in content.pareto or t.number == content.chosen) and t.memory]
-    rows.sort(key=lambda t: t.memory.total)
-    labels = [("★ " if t.number == content.chosen else "") + f"trial {t.number}" for t in rows]
+    rows = [(t, mem) for t in content.trials if (t.number in content.pareto or t.number == content.chosen) and (mem := t.memory)]
+    rows.sort(key=lambda row: row[1].total)
+    labels = [("★ " if t.number == content.chosen else "") + f"trial {t.number}" for t, _ in rows]
     fig = go.Figure()
     for part in MEMORY_PARTS:
         fig.add_trace(
             go.Bar(
                 y=labels,
-                x=[getattr(t.memory, part) / KIB for t in rows],
+                x=[getattr(mem, part) / KIB for _, mem in rows],
                 name=part.replace("_", " "),
                 orientation="h",
                 hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + part + "</extra>",
@@ -166,14 +174,14 @@ def history_figure(content: ReportContent) -> go.Figure:
     """Each trial's accuracy in the order it finished, and the best feasible one so far."""
     trials = sorted(content.trials, key=lambda t: t.number)
     fig = go.Figure()
-    accs = [t.accuracy.after for t in trials if t.complete]
+    accs = [t.measured().accuracy.after for t in trials if t.complete]
     floor = min(accs, default=0.0) - 0.03
     for cat in ("fail", "infeasible", "feasible", "pareto", "chosen"):
         pts = [t for t in trials if _category(t, content) == cat]
         fig.add_trace(
             go.Scatter(
                 x=[t.number for t in pts],
-                y=[t.accuracy.after if t.complete else floor for t in pts],
+                y=[t.measured().accuracy.after if t.complete else floor for t in pts],
                 mode="markers",
                 name=LABELS[cat],
                 marker={"color": COLORS[cat], "symbol": SYMBOLS[cat], "size": 14 if cat == "chosen" else 8},
@@ -183,8 +191,10 @@ def history_figure(content: ReportContent) -> go.Figure:
         )
     best, xs, ys = None, [], []
     for t in trials:
-        if t.feasible and (best is None or t.accuracy.after > best):
-            best = t.accuracy.after
+        if t.feasible:  # a feasible trial is complete
+            after = t.measured().accuracy.after
+            if best is None or after > best:
+                best = after
         if best is not None:
             xs.append(t.number)
             ys.append(best)
@@ -214,7 +224,9 @@ def _summary(content: ReportContent) -> str:
         return f"<p>{escape(head)}. No feasible trial yet.</p>"
     plan = content.plan
     if plan is not None and plan.selection.policy == "scheme":
-        origin = f"Measured scheme {escape(plan.selection.scheme)} (no search)."
+        scheme = plan.selection.scheme
+        assert scheme is not None, "`planner measure` records the scheme it measured"
+        origin = f"Measured scheme {escape(scheme)} (no search)."
     elif plan is not None:
         origin = (
             f"Chosen by <b>{escape(plan.selection.policy)}</b> (accuracy tolerance "

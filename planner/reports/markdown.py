@@ -75,13 +75,13 @@ def render(content: ReportContent) -> str:
         "| trial | trainable | batch | lr | val acc | latency ms (median / p90) | peak memory |",
         "|---|---|---|---|---|---|---|",
     ]
-    front = [t for t in content.trials if t.number in content.pareto and t.complete]
-    for t in sorted(front, key=lambda t: t.memory.total):
+    front = [(t, t.measured()) for t in content.trials if t.number in content.pareto and t.complete]
+    for t, measured in sorted(front, key=lambda tm: tm[1].memory.total):
         mark = " ★" if t.number == content.chosen else ""
-        cand = t.candidate
+        cand, lat = measured.candidate, measured.latency
         lines.append(
             f"| {t.number}{mark} | {', '.join(f'{n}:{md}' for n, md in cand.trainable) or '—'} | {cand.batch_size} | "
-            f"{cand.lr:.3g} | {t.accuracy.after:.3f} | {t.latency.median:.2f} / {t.latency.p90:.2f} | {_kib(t.memory.total)} |"
+            f"{cand.lr:.3g} | {measured.accuracy.after:.3f} | {lat.median:.2f} / {lat.p90:.2f} | {_kib(measured.memory.total)} |"
         )
     reasons = Counter((t.fail_reason or "unknown").split(":")[0] for t in content.trials if t.state is TrialState.FAIL)
     if reasons:

@@ -20,8 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import optuna
+import optuna.storages.journal
 
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure, first_line
 from planner.inputs.data import Dataset
@@ -39,7 +41,7 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("accuracy", "step_latency_ms", "peak_memory_bytes")
-DIRECTIONS = ("maximize", "minimize", "minimize")
+DIRECTIONS: tuple[Literal["maximize", "minimize"], ...] = ("maximize", "minimize", "minimize")
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class AnchoredSampler(optuna.samplers.BaseSampler):
         self._base.after_trial(study, trial, state, values)
 
 
-def make_sampler(name: str, seed: int, anchors: list[dict] | None = None) -> optuna.samplers.BaseSampler:
+def make_sampler(name: str, seed: int | None, anchors: list[dict] | None = None) -> optuna.samplers.BaseSampler:
     """`tpe`: multivariate TPE after 8 startup trials, which learns the budgets from the trials'
     constraints (the default); `random`: independent uniform draws, the baseline
     `benchmarks/search_quality.py` compares with. `anchors` (the space's hand-made schemes) fix
@@ -162,13 +164,13 @@ def open_study(
     creation, so `planner worker` can join the study knowing only its storage and name.
     """
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are reported via on_trial
-    sampler = make_sampler(sampler, seed, anchors)
+    optuna_sampler = make_sampler(sampler, seed, anchors)
     try:
         study = optuna.create_study(
             storage=open_storage(storage_url),
             study_name=name,
             directions=list(DIRECTIONS),
-            sampler=sampler,
+            sampler=optuna_sampler,
             load_if_exists=True,
         )
     except Exception as exc:  # bad URL, unreachable database, unwritable file
@@ -365,7 +367,7 @@ def _stamp_trials(study: optuna.Study) -> None:
             storage.set_trial_user_attr(trial_id, "process", PROCESS)
         return popped
 
-    storage.create_new_trial, storage.set_trial_state_values = create_new_trial, set_trial_state_values
+    storage.create_new_trial, storage.set_trial_state_values = create_new_trial, set_trial_state_values  # type: ignore[method-assign]
 
 
 def recover_dead_trials(study: optuna.Study) -> list[int]:
