@@ -290,12 +290,7 @@ def test_a_changed_plan_file_is_refused_before_anything_loads(swap, command, a_p
 
 
 @pytest.mark.parametrize(
-    "edit, words",
-    [
-        ("float64", "is float64"),
-        ("wrong shape", "the model needs"),
-        ("missing weight", "lacks"),
-    ],
+    "edit, words", [("float64", "is float64"), ("wrong shape", "the model needs"), ("missing weight", "lacks")]
 )
 def test_weights_that_do_not_fit_the_model_are_one_line_even_with_a_matching_hash(edit, words, a_plan, tmp_path):
     plan = _copy(a_plan, tmp_path)

@@ -49,10 +49,7 @@ print(in_use() - before)
 """
 
 
-@pytest.mark.parametrize(
-    "trainable",
-    ["full", "last-3"],
-)
+@pytest.mark.parametrize("trainable", ["full", "last-3"])
 def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, tmp_path):
     path = zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx")
     model = load_model(path)

@@ -104,13 +104,7 @@ def _torchvision(name: str) -> Callable[[], nn.Module]:
 
 def _vit() -> nn.Module:
     return _torchvision_models().VisionTransformer(
-        image_size=32,
-        patch_size=8,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=64,
-        mlp_dim=128,
-        num_classes=NUM_CLASSES,
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128, num_classes=NUM_CLASSES
     )
 
 
@@ -533,10 +527,7 @@ def parameter_map(family: str, onnx_path: Path, names: Iterable[str] | None = No
 
 
 def _parameter_map(
-    family: str,
-    onnx_path: Path,
-    inits: dict[str, np.ndarray],
-    names: Iterable[str] | None,
+    family: str, onnx_path: Path, inits: dict[str, np.ndarray], names: Iterable[str] | None
 ) -> tuple[dict[str, TorchTensor], dict[str, list[TorchTensor]]]:
     folded, _ = _folded_module(family)
     candidates, problems = _match_all(inits, folded)
@@ -577,10 +568,7 @@ def _parameter_map(
 
 
 def _with_onnx_weights(
-    family: str,
-    onnx_path: Path,
-    names: Iterable[str] | None,
-    dtype: torch.dtype,
+    family: str, onnx_path: Path, names: Iterable[str] | None, dtype: torch.dtype
 ) -> tuple[nn.Module, dict[str, TorchTensor], dict[str, np.ndarray]]:
     """A fresh BatchNorm-folded model of `family` in `dtype` holding exactly the weights of
     `onnx_path`, the map of `names` (see `parameter_map`), and the file's float initializers."""

@@ -160,8 +160,7 @@ def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple
         needs = set(relax.analysis.free_vars(call)) & set(index)
         # earliest point where its inputs exist and no other binding will still read the old values
         after = max(
-            [i for i, b in enumerate(order) if b.var in needs or overwritten & set(relax.analysis.free_vars(b.value))],
-            default=-1,
+            [i for i, b in enumerate(order) if b.var in needs or overwritten & set(relax.analysis.free_vars(b.value))], default=-1
         )
         ks = plans[at]
         outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]

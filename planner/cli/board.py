@@ -8,7 +8,7 @@ import typer
 
 from planner.cli._app import app
 from planner.cli._errors import fail
-from planner.cli._output import stderr
+from planner.cli._output import note
 
 board_app = typer.Typer(
     help="Run the board side: a TVM RPC tracker, and RPC servers that register boards with it. "
@@ -20,28 +20,40 @@ board_app = typer.Typer(
 app.add_typer(board_app, name="board")
 
 
-@board_app.command("tracker")
-def board_tracker(
-    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9190,
-    port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
-    allow_remote: Annotated[
-        bool,
-        typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here"),
-    ] = False,
-) -> None:
-    """Start a TVM RPC tracker and keep it running until Ctrl-C."""
+HostOpt = Annotated[str, typer.Option(help="address to bind")]
+PortEndOpt = Annotated[int | None, typer.Option(help="last port to try [default: port+100]")]
+AllowRemoteOpt = Annotated[
+    bool,
+    typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here"),
+]
+
+
+def _checked_bind(host: str, allow_remote: bool) -> None:
+    """Refuse (exit 2) or warn about a non-loopback `host`: TVM RPC runs any code it is sent."""
     from planner.errors import BadInput
-    from planner.measurement.board import check_bind_host, start_tracker
+    from planner.measurement.board import check_bind_host
 
     try:
         warning = check_bind_host(host, allow_remote)
     except BadInput as exc:
         raise fail(exc, 2) from None
     if warning:
-        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        note(f"warning: {warning}")
+
+
+@board_app.command("tracker")
+def board_tracker(
+    host: HostOpt = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9190,
+    port_end: PortEndOpt = None,
+    allow_remote: AllowRemoteOpt = False,
+) -> None:
+    """Start a TVM RPC tracker and keep it running until Ctrl-C."""
+    from planner.measurement.board import start_tracker
+
+    _checked_bind(host, allow_remote)
     tracker = start_tracker(host, port, port_end)
-    stderr.print(f"tracker listening on {host}:{tracker.port} (Ctrl-C stops it)", markup=False, highlight=False)
+    note(f"tracker listening on {host}:{tracker.port} (Ctrl-C stops it)")
     _wait(tracker.terminate)
 
 
@@ -49,32 +61,22 @@ def board_tracker(
 def board_serve(
     tracker: Annotated[str, typer.Option(help="HOST:PORT of the tracker to register with")],
     key: Annotated[str, typer.Option(help="board key, e.g. raspberry-pi-4 (boards of one kind share it)")],
-    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    host: HostOpt = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port (the next free one up to --port-end is taken)")] = 9090,
-    port_end: Annotated[int | None, typer.Option(help="last port to try [default: port+100]")] = None,
-    allow_remote: Annotated[
-        bool,
-        typer.Option("--allow-remote", help="bind a --host other than loopback: anyone who can reach the port can run code here"),
-    ] = False,
+    port_end: PortEndOpt = None,
+    allow_remote: AllowRemoteOpt = False,
 ) -> None:
     """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
-    from planner.errors import BadInput
     from planner.inputs.addresses import parse_host_port
-    from planner.measurement.board import check_bind_host, serve
+    from planner.measurement.board import serve
 
     try:
         addr = parse_host_port(tracker)
-        warning = check_bind_host(host, allow_remote)
-    except (ValueError, BadInput) as exc:
+    except ValueError as exc:
         raise fail(exc, 2) from None
-    if warning:
-        stderr.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    _checked_bind(host, allow_remote)
     server = serve(addr, key, host, port, port_end)
-    stderr.print(
-        f"board '{key}' serving on {host}:{server.port}, registered with {tracker} (Ctrl-C stops it)",
-        markup=False,
-        highlight=False,
-    )
+    note(f"board '{key}' serving on {host}:{server.port}, registered with {tracker} (Ctrl-C stops it)")
     _wait(server.terminate)
 
 

@@ -15,17 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import BadInput
 from planner.inputs.targets import HardwareTarget
-from planner.types import (
-    LEGACY_UPDATES,
-    Candidate,
-    FrozenWeights,
-    Mode,
-    ModeKind,
-    Optimizer,
-    Precision,
-    StepSignature,
-    Updates,
-)
+from planner.types import LEGACY_UPDATES, Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, StepSignature, Updates
 
 SCHEMA_VERSION: Final = 2  # 2: `files`, the sha256 of every file a run loads
 Policy = Literal["memory", "latency", "accuracy"]

@@ -294,11 +294,7 @@ table.layers td:last-child{position:relative;min-width:160px}
 
 def render(content: ReportContent) -> str:
     """The page; plotly.js is inlined once, so the file opens anywhere with no network."""
-    figures = {
-        "pareto": pareto_figure(content),
-        "memory": memory_figure(content),
-        "history": history_figure(content),
-    }
+    figures = {"pareto": pareto_figure(content), "memory": memory_figure(content), "history": history_figure(content)}
     divs = {
         k: f.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{k}", config=PLOT_CONFIG) for k, f in figures.items()
     }
