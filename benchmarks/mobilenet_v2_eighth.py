@@ -20,7 +20,8 @@ import numpy as np
 import optuna
 import yaml
 
-from planner import api, zoo
+import planner
+from planner import zoo
 from planner.errors import NoFeasiblePlan
 from planner.search.study import to_record
 
@@ -65,11 +66,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     random_init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=128), out / "mobilenet_v2_035_128_init.onnx")
     upstream, downstream = _tasks(out, 128)
-    layers = [layer.name for layer in api.inspect(random_init).layers]
+    layers = [layer.name for layer in planner.inspect(random_init).layers]
 
     pre_scheme = _scheme(out / "pretrain.yaml", layers, 16, {"name": "adam", "lr": 0.001})
-    api.measure(random_init, scheme=pre_scheme, data=upstream, out=out / "pretrain-plan", accuracy_steps=1, latency_repeats=3)
-    pre = api.run(out / "pretrain-plan", data=upstream, steps=args.pretrain_steps, out=out / "pretrained")
+    planner.measure(random_init, scheme=pre_scheme, data=upstream, out=out / "pretrain-plan", accuracy_steps=1, latency_repeats=3)
+    pre = planner.run(out / "pretrain-plan", data=upstream, steps=args.pretrain_steps, out=out / "pretrained")
     model = out / "pretrained" / "model.onnx"
     print(
         f"source digits (pretraining, full update, Adam, batch 16, {pre.steps} steps): "
@@ -77,7 +78,7 @@ def main() -> None:
     )
 
     full = _scheme(out / "full.yaml", layers, 1, {"name": "sgd", "lr": 0.01})
-    base = api.measure(
+    base = planner.measure(
         model, scheme=full, data=downstream, out=out / "full", accuracy_steps=args.accuracy_steps, latency_repeats=5
     )
     full_peak = base.plan.metrics.peak_memory_bytes.total
@@ -97,13 +98,13 @@ def main() -> None:
     space["batch_size"] = [1]
     (out / "space.yaml").write_text(yaml.safe_dump(space))
     try:
-        best = api.plan(
+        best = planner.plan(
             model=model,
             data=downstream,
             target=str(target),
             space=str(out / "space.yaml"),
             out=out / "plan",
-            storage=api.default_storage(out / "plan"),
+            storage=planner.default_storage(out / "plan"),
             trials=args.trials,
             accuracy_steps=args.accuracy_steps,
             latency_repeats=5,

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from planner import api, zoo
+import planner
+from planner import zoo
 
 PARTS = ("compile_s", "tune_s", "measure_s", "accuracy_s")
 
 
 def workload(name: str, directory: Path) -> dict:
-    """`api.plan` arguments for a named workload."""
+    """`planner.plan` arguments for a named workload."""
     if name == "example":
         return {}
     model = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=96), directory / "mobilenet_v2.onnx")
@@ -37,7 +38,7 @@ def workload(name: str, directory: Path) -> dict:
 
 def run(out: Path, cache: Path, trials: int, tune_trials: int, inputs: dict) -> tuple[float, dict[str, float], int, int]:
     t0 = time.perf_counter()
-    result = api.plan(out=out, trials=trials, cache_dir=cache, tune_trials=tune_trials, **inputs)
+    result = planner.plan(out=out, trials=trials, cache_dir=cache, tune_trials=tune_trials, **inputs)
     wall = time.perf_counter() - t0
     spent = {p: sum(t.seconds.get(p, 0.0) for t in result.trials) for p in PARTS}
     return wall, spent, len(result.trials), sum(t.state == "FAIL" for t in result.trials)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from optuna._hypervolume import compute_hypervolume
 
-from planner import api
+import planner
 
 # name -> (sampler, start from the space's hand-made schemes)
 SAMPLERS = {"tpe": ("tpe", True), "tpe-no-anchors": ("tpe", False), "random": ("random", False)}
@@ -36,7 +36,7 @@ def main() -> None:
         cache = Path(tmp) / "cache"
         for seed in args.seeds:
             for sampler, (name, anchors) in SAMPLERS.items():
-                result = api.plan(
+                result = planner.plan(
                     out=Path(tmp) / f"{sampler}-{seed}",
                     trials=args.trials,
                     seed=seed,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from planner import api, zoo
+import planner
+from planner import zoo
 
 FAMILIES = {
     "mobilenet_v2-0.35@32": lambda: zoo.mobilenet_v2(width=0.35, resolution=32),
@@ -38,7 +39,7 @@ def main() -> None:
         model = zoo.save(build(), d / "model.onnx")
         np.savez(d / "data.npz", **zoo.synthetic_task((3, 32, 32), n=400))
         t0 = time.perf_counter()
-        result = api.plan(
+        result = planner.plan(
             model=model,
             data=d / "data.npz",
             space="sparse-update",
