@@ -242,11 +242,11 @@ def other_plan(a_plan, tiny_model, tiny_data):
     scheme = a_plan.parent / "lr05.yaml"
     choice = read_plan(a_plan).choice
     layers = "\n".join(
-        f"  - {{layer: {t['layer']}, mode: {t['mode']}" + (f", ratio: {t['ratio']}" if "ratio" in t else "") + "}"
+        f"  - {{layer: {t.layer}, mode: {t.mode}" + (f", ratio: {t.ratio}" if t.ratio is not None else "") + "}"
         for t in choice.trainable
     )
     scheme.write_text(
-        f"trainable:\n{layers}\nbatch_size: {choice.batch_size}\noptimizer: {{name: {choice.optimizer['name']}, lr: 0.5}}\n"
+        f"trainable:\n{layers}\nbatch_size: {choice.batch_size}\noptimizer: {{name: {choice.optimizer.name}, lr: 0.5}}\n"
     )
     other = a_plan.parent / "other"
     res = planner(

@@ -137,8 +137,8 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
             path, scheme=_scheme(tmp_path / f"{name}.yaml", layers), data=data, out=out, accuracy_steps=2, latency_repeats=2
         )
         metrics = result.plan.metrics
-        assert metrics["step_latency_ms"]["median"] > 0 and np.isfinite(metrics["accuracy"]["after"])
-        peak[name] = metrics["peak_memory_bytes"]["total"]
+        assert metrics.step_latency_ms.median > 0 and np.isfinite(metrics.accuracy.after)
+        peak[name] = metrics.peak_memory_bytes.total
         for data_file in model.data_files:  # the plan directory stands alone
             assert (out / data_file).read_bytes() == (path.parent / data_file).read_bytes()
     assert peak["full"] > peak["last"], peak

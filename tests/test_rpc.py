@@ -332,6 +332,6 @@ def test_loopback_hosts_need_no_flag(host):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "192.168.1.10", "10.0.0.1", "board.example.com"])
 def test_other_hosts_are_refused_without_allow_remote(host):
-    with pytest.raises(BadInput, match="--allow-remote"):
+    with pytest.raises(BadInput, match="`allow_remote`"):  # the CLI shows it as --allow-remote
         check_bind_host(host, allow_remote=False)
     assert "any code" in check_bind_host(host, allow_remote=True)
