@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import time
 
 import numpy as np
 import scipy_openblas32
 import torch
 import tvm
+from kernel_libraries import best  # same folder: the scripts run as `python benchmarks/NAME.py`
 from tvm.script import tirx as T
 
 BLOCKS = 2
@@ -73,17 +73,6 @@ def kernel(n: int, c: int, h: int, o: int, k: int, s: int, pad: int):
                 )
 
     return conv, oh
-
-
-def best(fn) -> float:
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(30):
-            fn()
-        times.append((time.perf_counter() - t0) / 30)
-    return min(times)
 
 
 def main() -> None:

@@ -48,7 +48,8 @@ def numpy_peak(n: int = 1024, reps: int = 20) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def _best(fn, reps: int = 30) -> float:
+def best(fn, reps: int = 30) -> float:
+    """Seconds per call: the best of 5 rounds of `reps` calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(5):
@@ -109,7 +110,7 @@ def openblas_gemms(shapes: list[tuple[int, int, int]]) -> list[tuple[tuple[int, 
             ta, tb, tc = (tvm.runtime.tensor(x) for x in (a, b, np.zeros((m, n), "float32")))
             fn(ta, tb, tc)
             assert np.allclose(tc.numpy(), a @ b, rtol=1e-4, atol=1e-3), "the linked GEMM computes something else"
-            out.append(((m, k, n), 2 * m * k * n / _best(lambda: fn(ta, tb, tc)) / 1e9))
+            out.append(((m, k, n), 2 * m * k * n / best(lambda: fn(ta, tb, tc)) / 1e9))
     return out
 
 
