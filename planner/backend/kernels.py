@@ -62,4 +62,9 @@ def conv2d_transpose_taps(bb: relax.BlockBuilder, call: relax.Call) -> relax.Exp
 
 def legalize() -> tvm.transform.Pass:
     """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ."""
-    return relax.transform.LegalizeOps({"relax.nn.conv2d_transpose": conv2d_transpose_taps})
+    from planner.backend import blas
+
+    ops = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
+    if blas.load():
+        ops["relax.nn.conv2d"] = blas.conv2d
+    return relax.transform.LegalizeOps(ops)

@@ -24,6 +24,9 @@ class TrainingSession:
     def __init__(self, library: Path | tvm.runtime.Module, sig: StepSignature, weights: dict[str, np.ndarray], device=None):
         self.sig = sig
         self.device = device or tvm.cpu()
+        from planner.backend import blas
+
+        blas.load()  # the step may call OpenBLAS: its symbols must be there before the library loads
         lib = tvm.runtime.load_module(str(library)) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         weights = to_step(weights, sig.splits, sig.quantized)
