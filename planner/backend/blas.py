@@ -11,10 +11,12 @@ import ctypes
 import functools
 
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax
+from tvm.script import tirx as T
 
 GEMM = "scipy_cblas_sgemm"
 ROW_MAJOR, NO_TRANS = 101, 111
+BLOCKS = 2  # GEMM row blocks per image: the pool's threads on this host
 MAX_KERNEL = 7  # larger "kernels" are weight gradients written as convolutions: another GEMM shape
 
 
@@ -25,7 +27,8 @@ def load() -> bool:
         import scipy_openblas32
     except ImportError:
         return False
-    ctypes.CDLL(f"{scipy_openblas32.get_lib_dir()}/libscipy_openblas.so", mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(f"{scipy_openblas32.get_lib_dir()}/libscipy_openblas.so", mode=ctypes.RTLD_GLOBAL)
+    lib.scipy_openblas_set_num_threads(1)  # each call runs on one of TVM's pool threads
     return True
 
 
@@ -42,9 +45,67 @@ def _applies(call: relax.Call) -> bool:
     )
 
 
+def _kernel(n: int, c: int, h: int, w: int, o: int, kh: int, kw: int, oh: int, ow: int, sh: int, sw: int, pt: int, pl: int):
+    """One image at a time: im2col into a workspace of one image's columns (parallel over channel
+    and kernel row, vectorized along the output row; the index arithmetic written inline, since
+    TVM miscompiles a vectorized let), then the GEMM in `BLOCKS` row blocks of the output
+    channels, one per pool thread, each a single-threaded sgemm (OpenBLAS runs inside TVM's pool,
+    never beside it)."""
+    k, p = c * kh * kw, oh * ow
+    ob = -(-o // BLOCKS)
+
+    @T.prim_func(private=True)
+    def conv2d_gemm(
+        x: T.Buffer((n, c, h, w), "float32"), wt: T.Buffer((o, c, kh, kw), "float32"), y: T.Buffer((n, o, oh, ow), "float32")
+    ):
+        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8})  # opaque: never fused
+        for ni in range(n):
+            col = T.decl_buffer((k * p,), "float32")
+            for ck in T.parallel(c * kh):
+                for kj in range(kw):
+                    for yi in range(oh):
+                        for xi in T.vectorized(ow):
+                            col[((ck * kw + kj) * oh + yi) * ow + xi] = T.if_then_else(
+                                (yi * sh - pt + ck % kh >= 0)
+                                and (yi * sh - pt + ck % kh < h)
+                                and (xi * sw - pl + kj >= 0)
+                                and (xi * sw - pl + kj < w),
+                                x[
+                                    ni,
+                                    ck // kh,
+                                    T.max(T.min(yi * sh - pt + ck % kh, h - 1), 0),
+                                    T.max(T.min(xi * sw - pl + kj, w - 1), 0),
+                                ],
+                                T.float32(0),
+                            )
+            for b in T.parallel(BLOCKS):
+                T.evaluate(
+                    T.call_extern(
+                        "int32",
+                        GEMM,
+                        ROW_MAJOR,
+                        NO_TRANS,
+                        NO_TRANS,
+                        T.min(ob, o - b * ob),
+                        p,
+                        k,
+                        T.float32(1),
+                        T.address_of(wt[b * ob, 0, 0, 0]),
+                        k,
+                        col.data,
+                        p,
+                        T.float32(0),
+                        T.address_of(y[ni, b * ob, 0, 0]),
+                        p,
+                    )
+                )
+
+    return conv2d_gemm
+
+
 def conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    """`relax.nn.conv2d` as one kernel: im2col into a workspace, one sgemm over the batch, the
-    result copied into NCHW. Anything else falls back to TVM's own legalization."""
+    """`relax.nn.conv2d` as im2col + OpenBLAS sgemm (see `_kernel`); anything else falls back to
+    TVM's own legalization."""
     if not _applies(call):
         return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
     a = call.attrs
@@ -52,58 +113,5 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     o, _, kh, kw = (int(d) for d in call.args[1].ty.shape)
     _, _, oh, ow = (int(d) for d in call.ty.shape)
     sh, sw = (int(s) for s in a.strides)
-    pt, pl = int(a.padding[0]), int(a.padding[1])
-    k, p = c * kh * kw, oh * ow
-
-    x = te.placeholder((n, c, h, w), "float32", "x")
-    wt = te.placeholder((o, c, kh, kw), "float32", "w")
-
-    def im2col(ci, ki, kj, ni, yi, xi):
-        iy, ix = yi * sh - pt + ki, xi * sw - pl + kj
-        inside = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
-        value = x[ni, ci, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0)]
-        return tirx.Select(inside, value, tirx.const(0, "float32"))
-
-    col = te.compute((c, kh, kw, n, oh, ow), im2col, name="im2col")
-    buffers = [
-        tirx.decl_buffer(wt.shape, "float32", "wb", elem_offset=0),
-        tirx.decl_buffer(col.shape, "float32", "cb", elem_offset=0),
-        tirx.decl_buffer((o, n * p), "float32", "yb", elem_offset=0),
-    ]
-
-    def gemm(ins, outs):
-        wb, cb = ins
-        one, zero = tirx.const(1, "float32"), tirx.const(0, "float32")
-        return tirx.Evaluate(
-            tirx.call_extern(
-                "int32",
-                GEMM,
-                ROW_MAJOR,
-                NO_TRANS,
-                NO_TRANS,
-                o,
-                n * p,
-                k,
-                one,
-                wb.access_ptr("r"),
-                k,
-                cb.access_ptr("r"),
-                n * p,
-                zero,
-                outs[0].access_ptr("w"),
-                n * p,
-            )
-        )
-
-    flat = te.extern((o, n * p), [wt, col], gemm, name="sgemm", dtype="float32", in_buffers=buffers[:2], out_buffers=[buffers[2]])
-    y = te.compute((n, o, oh, ow), lambda ni, oi, yi, xi: flat[oi, ni * p + yi * ow + xi], name="nchw")
-    sch = tvm.s_tir.Schedule(te.create_prim_func([x, wt, y]))
-    loops = sch.get_loops(sch.get_sblock("im2col"))
-    sch.parallel(sch.fuse(loops[0], loops[1]))
-    sch.vectorize(loops[5])
-    loops = sch.get_loops(sch.get_sblock("nchw"))
-    sch.parallel(sch.fuse(loops[0], loops[1]))
-    sch.vectorize(loops[3])
-    func = sch.mod["main"].without_attr("global_symbol").with_attr("tir.is_scheduled", True)
-    gv = bb.add_func(func, "conv2d_gemm")
+    gv = bb.add_func(_kernel(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1])), "conv2d_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
