@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.script import tirx as T
 
 GEMM = "scipy_cblas_sgemm"
-ROW_MAJOR, NO_TRANS = 101, 111
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 BLOCKS = 2  # GEMM row blocks per image: the pool's threads on this host
 MAX_KERNEL = 7  # larger "kernels" are weight gradients written as convolutions: another GEMM shape
 
@@ -103,12 +103,70 @@ def _kernel(n: int, c: int, h: int, w: int, o: int, kh: int, kw: int, oh: int, o
     return conv2d_gemm
 
 
+def _weight_grad_kernel(n: int, c: int, h: int, w: int, o: int, kh: int, kw: int, oh: int, ow: int, sh: int, sw: int, pt: int, pl: int):
+    """The weight gradient dW[o, c, i, j] = sum over images and output pixels of dy[n, o, y, x] *
+    xpad[n, c, y*sh + i, x*sw + j] (TVM writes it as a CNHW/IOHW convolution of x by dy): per
+    image, the forward im2col of x for a (kh, kw) kernel, then dW += dy_n . col^T as row blocks of
+    output channels, one single-threaded sgemm per pool thread (beta 0 for the first image)."""
+    k, p = c * kh * kw, oh * ow
+    ob = -(-o // BLOCKS)
+
+    @T.prim_func(private=True)
+    def conv2d_weight_grad_gemm(
+        x: T.Buffer((n, c, h, w), "float32"), dy: T.Buffer((n, o, oh, ow), "float32"), dw: T.Buffer((o, c, kh, kw), "float32")
+    ):
+        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8})  # opaque: never fused
+        for ni in range(n):
+            col = T.decl_buffer((k * p,), "float32")
+            for ck in T.parallel(c * kh):
+                for kj in range(kw):
+                    for yi in range(oh):
+                        for xi in T.vectorized(ow):
+                            col[((ck * kw + kj) * oh + yi) * ow + xi] = T.if_then_else(
+                                (yi * sh - pt + ck % kh >= 0) and (yi * sh - pt + ck % kh < h)
+                                and (xi * sw - pl + kj >= 0) and (xi * sw - pl + kj < w),
+                                x[ni, ck // kh, T.max(T.min(yi * sh - pt + ck % kh, h - 1), 0), T.max(T.min(xi * sw - pl + kj, w - 1), 0)],
+                                T.float32(0),
+                            )
+            for b in T.parallel(BLOCKS):
+                T.evaluate(
+                    T.call_extern(
+                        "int32", GEMM, ROW_MAJOR, NO_TRANS, TRANS, T.min(ob, o - b * ob), k, p, T.float32(1),
+                        T.address_of(dy[ni, b * ob, 0, 0]), p, col.data, p, T.Select(ni == 0, T.float32(0), T.float32(1)),
+                        T.address_of(dw[b * ob, 0, 0, 0]), k,
+                    )
+                )
+
+    return conv2d_weight_grad_gemm
+
+
+def _weight_grad(call: relax.Call) -> bool:
+    """TVM's conv2d weight gradient: x (CNHW view) convolved by dy (IOHW view), CNHW out."""
+    a = call.attrs
+    shapes = [call.args[0].ty.shape, call.args[1].ty.shape, call.ty.shape]
+    return (
+        (a.data_layout, a.kernel_layout, a.out_layout) == ("CNHW", "IOHW", "CNHW")
+        and int(a.groups) == 1
+        and all(int(s) == 1 for s in a.strides)
+        and call.args[0].ty.dtype == call.args[1].ty.dtype == "float32"
+        and all(isinstance(d, tvm.tirx.IntImm) for s in shapes for d in s)
+    )
+
+
 def conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """`relax.nn.conv2d` as im2col + OpenBLAS sgemm (see `_kernel`); anything else falls back to
     TVM's own legalization."""
+    a = call.attrs
+    if _weight_grad(call):
+        n, c, h, w = (int(d) for d in call.args[0].ty.shape)
+        _, o, oh, ow = (int(d) for d in call.args[1].ty.shape)
+        _, _, kh, kw = (int(d) for d in call.ty.shape)
+        sh, sw = (int(d) for d in a.dilation)
+        func = _weight_grad_kernel(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
+        gv = bb.add_func(func, "conv2d_weight_grad_gemm")
+        return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     if not _applies(call):
         return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
-    a = call.attrs
     n, c, h, w = (int(d) for d in call.args[0].ty.shape)
     o, _, kh, kw = (int(d) for d in call.args[1].ty.shape)
     _, _, oh, ow = (int(d) for d in call.ty.shape)
