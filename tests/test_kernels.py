@@ -41,7 +41,7 @@ def test_transposed_convolution_by_taps_equals_tvms_dilated_one(n, o, c, size, k
     rng = np.random.default_rng(0)
     args = [rng.standard_normal((n, o, size, size)).astype("float32"), rng.standard_normal((o, c, k, k)).astype("float32")]
     mine = legalize()(bb.get())
-    assert "conv2d_transpose_taps" in str(mine)
+    assert "conv2d_transpose_taps" in str(mine) or "conv2d_input_grad_gemm" in str(mine)
     with HOST:
         scheduled = default_schedule()(mine)
     results = []

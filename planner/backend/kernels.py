@@ -67,4 +67,5 @@ def legalize() -> tvm.transform.Pass:
     ops = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
     if blas.load():
         ops["relax.nn.conv2d"] = blas.conv2d
+        ops["relax.nn.conv2d_transpose"] = lambda bb, call: blas.conv2d_transpose(bb, call, conv2d_transpose_taps)
     return relax.transform.LegalizeOps(ops)
