@@ -30,7 +30,9 @@ from planner.types import MemoryBreakdown, StepSignature
 
 PAGE = 4096  # TVM's pooled allocator (and its workspace pool) rounds every allocation up to whole pages
 _WORKSPACE_CALL = re.compile(r"call ptr %[\w.]+\(i32 \d+, i32 %[\w.]+, i64 (\d+), i32 \d+, i32 \d+\)")
-_DEFINE = re.compile(r"^define [^@]*@\"?([\w.$]+?)(?:_compute_)?\"?\(", re.M)
+# a kernel's body: `<name>_compute_`, or the exported `__tvm_ffi_<name>` itself when it has no
+# separate compute function (planner's library kernels allocate their workspace there)
+_DEFINE = re.compile(r"^define [^@]*@\"?(?:__tvm_ffi_)?([\w.$]+?)(?:_compute_)?\"?\(", re.M)
 
 
 def kernel_workspaces(llvm_ir: str) -> dict[str, list[int]]:
