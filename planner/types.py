@@ -81,6 +81,14 @@ class Precision(StrEnum):
     BF16 = "bf16"
 
 
+class Kernels(StrEnum):
+    """Who computes a step's dense convolutions: OpenBLAS's sgemm (`planner.backend.gemm`; the
+    board needs scipy-openblas32) or TVM's own schedules (nothing to install)."""
+
+    OPENBLAS = "openblas"
+    TVM = "tvm"
+
+
 class Optimizer(StrEnum):
     SGD = "sgd"
     MOMENTUM = "momentum"

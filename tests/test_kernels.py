@@ -1,4 +1,6 @@
-"""planner's own lowerings, under planner's default schedule, compute what TVM's do."""
+"""planner's own lowerings, under planner's default schedule, compute what TVM's do: the
+transposed convolution by taps, and the OpenBLAS convolutions (forward, input and weight
+gradient) over odd and even sizes, strides, padding, bands and thread blocks."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import pytest
 import tvm
 from tvm import relax
 
+from planner.backend import gemm, gradients
 from planner.backend.kernels import legalize
+from planner.backend.libraries import load_openblas
 from planner.backend.schedule import default_schedule
+from planner.types import Kernels
 
 HOST = tvm.target.Target({"kind": "llvm"})
 
@@ -40,8 +45,8 @@ def test_transposed_convolution_by_taps_equals_tvms_dilated_one(n, o, c, size, k
         bb.emit_func_output(result)
     rng = np.random.default_rng(0)
     args = [rng.standard_normal((n, o, size, size)).astype("float32"), rng.standard_normal((o, c, k, k)).astype("float32")]
-    mine = legalize()(bb.get())
-    assert "conv2d_transpose_taps" in str(mine) or "conv2d_input_grad_gemm" in str(mine)
+    mine = legalize(HOST, Kernels.TVM)(bb.get())
+    assert "conv2d_transpose_taps" in str(mine)
     with HOST:
         scheduled = default_schedule()(mine)
     results = []
@@ -50,3 +55,59 @@ def test_transposed_convolution_by_taps_equals_tvms_dilated_one(n, o, c, size, k
         results.append(vm["main"](*map(tvm.runtime.tensor, args)).numpy())
     np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(results[2], results[0], rtol=1e-5, atol=1e-5)
+
+
+def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
+    """loss = sum(conv2d(x, w) * r) and its gradients by x and w, as planner's steps get them
+    (planner's gradient registrations, then TVM's Gradient pass)."""
+    gradients.register()
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, c, h, w), "float32"))
+    wt = relax.Var("w", relax.TensorType((o, c, k, k), "float32"))
+    oh, ow = ((h + pad[0] + pad[2] - k) // stride + 1, (w + pad[1] + pad[3] - k) // stride + 1)
+    r = relax.Var("r", relax.TensorType((n, o, oh, ow), "float32"))
+    with bb.function("main", [x, wt, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, wt, strides=stride, padding=pad))
+            loss = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(y, r))))
+        bb.emit_func_output(loss)
+    return relax.transform.Gradient("main", require_grads=[x, wt])(bb.get())
+
+
+@pytest.mark.parametrize(
+    "n, c, h, w, o, k, stride, pad",
+    [
+        (2, 3, 7, 7, 4, 3, 1, (1, 1, 1, 1)),  # odd size, same padding
+        (1, 4, 8, 6, 5, 3, 2, (1, 1, 1, 1)),  # even, not square, stride 2 (last padding unread)
+        (3, 2, 9, 9, 3, 3, 2, (1, 1, 0, 0)),  # asymmetric padding
+        (2, 5, 5, 5, 6, 1, 1, (0, 0, 0, 0)),  # 1x1
+        (2, 3, 6, 6, 4, 1, 2, (0, 0, 0, 0)),  # a 1x1 stride-2 shortcut
+        (1, 3, 11, 11, 4, 7, 2, (3, 3, 3, 3)),  # a 7x7 stride-2 stem
+        (2, 4, 7, 6, 3, 5, 3, (2, 2, 2, 2)),  # 5x5, stride 3
+        (2, 8, 5, 7, 1, 3, 1, (1, 1, 1, 1)),  # one output channel: fewer than thread blocks
+    ],
+)
+@pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 1], ids=["bands-default", "band-per-row"])
+@pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
+def test_openblas_convolution_and_gradients_equal_tvms_lowering(monkeypatch, n, c, h, w, o, k, stride, pad, band_bytes, cores):
+    """Forward, weight gradient and input gradient through OpenBLAS equal TVM's own unscheduled
+    lowering of the same gradient module."""
+    assert load_openblas() is not None
+    monkeypatch.setattr(gemm, "BAND_BYTES", band_bytes)
+    target = tvm.target.Target({"kind": "llvm", **({"num-cores": cores} if cores else {})})
+    mod = _conv_and_gradients(n, c, h, w, o, k, stride, pad)
+    mine = legalize(target, Kernels.OPENBLAS)(mod)
+    kernels = {gv.name_hint.rstrip("0123456789_") for gv, f in mine.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {"conv2d_gemm", "conv2d_weight_grad_gemm", "conv2d_input_grad_gemm"} <= kernels, kernels
+    rng = np.random.default_rng(1)
+    shapes = [[int(d) for d in p.ty.shape] for p in mod["main_adjoint"].params]
+    args = [rng.standard_normal(s).astype("float32") for s in shapes]
+    results = []
+    for m in (relax.transform.LegalizeOps()(mod), mine):
+        with target:
+            m = default_schedule()(m)
+        vm = relax.VirtualMachine(relax.build(m, target), tvm.cpu())
+        loss, (dx, dw) = vm["main_adjoint"](*map(tvm.runtime.tensor, args))
+        results.append([loss.numpy(), dx.numpy(), dw.numpy()])
+    for mine_value, tvms in zip(results[1], results[0]):
+        np.testing.assert_allclose(mine_value, tvms, rtol=1e-4, atol=1e-4)

@@ -11,9 +11,10 @@ import pytest
 import tvm
 
 from planner import zoo
+from planner.backend import gemm
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.inputs.model import load_model
-from planner.types import Candidate
+from planner.types import Candidate, Kernels
 
 # Run in a fresh process: TVM's workspace pool is per thread and outlives a VirtualMachine, so a
 # step measured after another would find its scratch already held.
@@ -79,6 +80,20 @@ def test_scheduled_kernels_keep_no_whole_tensor_scratch(tmp_path):
     a reduction runs row by row inside its epilogue, and no kernel holds a tensor's worth."""
     model = load_model(zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx"))
     cand = Candidate(tuple((layer.name, "full") for layer in model.layers), batch_size=8, optimizer="sgd", lr=0.01)
-    mem = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"}))).memory
+    build = BuildOptions(tvm.target.Target({"kind": "llvm"}), kernels=Kernels.TVM)
+    mem = compile_candidate(model, cand, build).memory
     smallest_activation = 8 * 64 * 8 * 8 * 4  # the last stage's feature map
     assert mem.scratch < smallest_activation, mem
+
+
+def test_openblas_convolutions_keep_one_band_of_columns_at_any_batch(tmp_path):
+    """The OpenBLAS convolutions' im2col workspace is one band of output rows: planned, bounded by
+    `BAND_BYTES` and the same at batch 8 and 32 (a whole batch's columns would be 4x and 16x)."""
+    model = load_model(zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx"))
+    build = BuildOptions(tvm.target.Target({"kind": "llvm"}), kernels=Kernels.OPENBLAS)
+    scratch = []
+    for batch in (8, 32):
+        cand = Candidate(tuple((layer.name, "full") for layer in model.layers), batch_size=batch, optimizer="sgd", lr=0.01)
+        scratch.append(compile_candidate(model, cand, build).memory.scratch)
+    assert scratch[0] == scratch[1], scratch
+    assert 0 < scratch[0] <= gemm.BAND_BYTES, scratch

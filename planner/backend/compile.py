@@ -30,16 +30,17 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner import __version__, cachefile
-from planner.backend import link, tune
+from planner.backend import gemm, link, tune
 from planner.backend.graph import STEP_FUNC, build_training_module
 from planner.backend.inplace import in_place_candidates, update_in_place
 from planner.backend.kernels import legalize
+from planner.backend.libraries import PACKAGE, link_options
 from planner.backend.memory import step_peak
 from planner.backend.schedule import default_schedule
 from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
-from planner.types import Candidate, MemoryBreakdown, StepSignature
+from planner.types import Candidate, Kernels, MemoryBreakdown, StepSignature
 
 LIB_NAME = "train_step.so"
 META_NAME = "train_step.json"
@@ -98,14 +99,15 @@ def code_id() -> str:
     return h.hexdigest()[:16]
 
 
-def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, toolchain: str | None, tune_trials: int = 0) -> str:
+def cache_key(model: Model, candidate: Candidate, build: BuildOptions) -> str:
     blob = json.dumps(
         {
             "model": model.sha256,
             "candidate": candidate.to_json(),
-            "target": str(target),
-            "toolchain": toolchain,
-            "tune_trials": tune_trials,
+            "target": str(build.target),
+            "toolchain": build.toolchain,
+            "kernels": build.kernels,
+            "tune_trials": build.tune_trials,
             "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},
         },
         sort_keys=True,
@@ -113,9 +115,11 @@ def cache_key(model: Model, candidate: Candidate, target: tvm.target.Target, too
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def _fuse(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels) -> tvm.IRModule:
     """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
-    passes = cpu.library_dispatch_passes(target) + [legalize()] + cpu.legalize_passes(target)  # then TVM's: a no-op
+    passes = (
+        cpu.library_dispatch_passes(target) + [legalize(target, kernels)] + cpu.legalize_passes(target)
+    )  # then TVM's: a no-op
     with target:
         return tvm.transform.Sequential(passes)(mod)
 
@@ -148,7 +152,8 @@ class BuildOptions:
     spends that many MetaSchedule trials on the step's kernels, then schedules every kernel the
     target's shared tuning database has a record for (found now or by any earlier tuning); 0
     uses planner's default schedule only. `rpc` (a target's boards behind a tracker) times the
-    tuning trials on a board rather than here.
+    tuning trials on a board rather than here. `kernels` says who computes dense convolutions
+    (`Kernels`): OpenBLAS, the default, makes the step need scipy-openblas32 where it runs.
     """
 
     target: tvm.target.Target
@@ -156,18 +161,19 @@ class BuildOptions:
     toolchain: str | None = None
     tune_trials: int = 0
     rpc: RpcRunner | None = None
+    kernels: Kernels = Kernels.OPENBLAS
 
     @classmethod
     def for_target(cls, target: HardwareTarget, *, cache_dir: Path | None = None, tune_trials: int = 0) -> BuildOptions:
-        """The build `target` (a hardware target file) asks for: its TVM target, toolchain and boards."""
-        return cls(target.tvm(), cache_dir, target.toolchain, tune_trials, target.boards)
+        """The build `target` (a hardware target file) asks for: its TVM target, toolchain,
+        boards and kernels."""
+        return cls(target.tvm(), cache_dir, target.toolchain, tune_trials, target.boards, target.kernels)
 
 
 def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
     """The candidate's compiled step, from the cache when it is there (see `BuildOptions`)."""
-    target, cache_dir, toolchain, tune_trials, rpc = build.target, build.cache_dir, build.toolchain, build.tune_trials, build.rpc
-    cache_dir = cache_dir or default_cache_dir()
-    entry = cache_dir / "steps" / cache_key(model, candidate, target, toolchain, tune_trials)
+    cache_dir = build.cache_dir or default_cache_dir()
+    entry = cache_dir / "steps" / cache_key(model, candidate, build)
     if (step := _cached(entry)) is not None:
         return step
     try:
@@ -179,7 +185,7 @@ def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -
             if (step := _cached(entry)) is not None:
                 return step
             _discard(entry)
-            return _compile(model, candidate, target, cache_dir, toolchain, tune_trials, rpc, entry)
+            return _compile(model, candidate, build, cache_dir, entry)
     except OSError as exc:  # the cache's own files: its folders, the lock, the entry's metadata
         raise EnvironmentFailure(f"cannot write the compile cache {cache_dir}: {reason(exc)}") from None
 
@@ -235,22 +241,14 @@ def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None)
     return CandidateFailed(f"{stage} failed: {last_line(exc)}")
 
 
-def _compile(
-    model: Model,
-    candidate: Candidate,
-    target: tvm.target.Target,
-    cache_dir: Path,
-    toolchain: str | None,
-    tune_trials: int,
-    rpc: RpcRunner | None,
-    entry: Path,
-) -> CompiledStep:
+def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir: Path, entry: Path) -> CompiledStep:
     t0 = time.perf_counter()
+    target, toolchain, tune_trials = build.target, build.toolchain, build.tune_trials
     if candidate.updates not in ("in-place", "copy"):
         raise CandidateFailed(f"updates {candidate.updates!r} is not supported (in-place, copy)")
     mod, sig = build_training_module(model, candidate)
     try:
-        fused = _fuse(mod, target)
+        fused = _fuse(mod, target, build.kernels)
         # judged before tuning and scheduling rewrite the kernels
         in_place_ok = in_place_candidates(fused, sig) if candidate.updates == "in-place" else set()
         tuned: tuple[str, ...] = ()
@@ -258,7 +256,7 @@ def _compile(
         if tune_trials > 0:
             db = tune.database_dir(cache_dir, target)
             t_tune = time.perf_counter()
-            tune.tune(fused, target, tune_trials, db, rpc, toolchain)
+            tune.tune(fused, target, tune_trials, db, build.rpc, toolchain)
             tune_seconds = time.perf_counter() - t_tune
             fused, tuned = tune.apply(fused, target, db)
         kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
@@ -267,13 +265,16 @@ def _compile(
         lowered = _lower(scheduled, target)
         executable, workspaces = link.build(lowered, target, cache_dir)
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
+        libraries = [PACKAGE] if gemm.calls_openblas(lowered) else []
     except Exception as exc:
         raise _failure(exc, "TVM compile", cache_dir, toolchain) from None
 
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
         try:
-            executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain))
+            compiler = toolchain or tvm.support.cc.get_cc()
+            options = link_options(compiler, cache_dir) if libraries else []
+            executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain), options=options)
         except Exception as exc:
             raise _failure(exc, "linking the step", cache_dir, toolchain) from None
         meta = {
@@ -288,6 +289,7 @@ def _compile(
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
+            "libraries": libraries,
         }
         cachefile.write_json(tmp / META_NAME, meta, entry.name)
         tmp.rename(entry)  # under the lock, after `_discard`: no other entry is there

@@ -8,8 +8,14 @@ every four multiply-adds multiply a zero (a tiny CNN's stride-2 layer: 58 MFLOP 
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import relax, te, tirx
+
+from planner.backend import gemm
+from planner.backend.gemm import Lowering
+from planner.types import Kernels
 
 TAPS_STRIDES = "planner.taps_strides"  # block annotation: the stride phases `schedule` splits by
 
@@ -60,12 +66,15 @@ def conv2d_transpose_taps(bb: relax.BlockBuilder, call: relax.Call) -> relax.Exp
     return bb.call_te(compute, call.args[0], call.args[1], primfunc_name_hint="conv2d_transpose_taps")
 
 
-def legalize() -> tvm.transform.Pass:
-    """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ."""
-    from planner.backend import blas
-
-    ops = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
-    if blas.load():
-        ops["relax.nn.conv2d"] = blas.conv2d
-        ops["relax.nn.conv2d_transpose"] = lambda bb, call: blas.conv2d_transpose(bb, call, conv2d_transpose_taps)
+def legalize(target: tvm.target.Target, kernels: Kernels = Kernels.TVM) -> tvm.transform.Pass:
+    """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ: with
+    `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`."""
+    ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
+    if kernels == Kernels.OPENBLAS:
+        threads = gemm.pool_threads(target)
+        tvms = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")
+        ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads)
+        ops["relax.nn.conv2d_transpose"] = functools.partial(
+            gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads
+        )
     return relax.transform.LegalizeOps(ops)

@@ -14,8 +14,22 @@ import tvm
 from tvm import relax
 
 from planner.backend.graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
+from planner.backend.libraries import INSTALL_HINT, load_openblas, missing_library
 from planner.backend.weights import from_step, to_step
+from planner.errors import EnvironmentFailure
 from planner.types import StepSignature
+
+
+def load_step(library: Path | str) -> tvm.runtime.Module:
+    """The step's library, loaded after OpenBLAS (which it may need): a missing OpenBLAS is an
+    `EnvironmentFailure` that says what to install."""
+    load_openblas()
+    try:
+        return tvm.runtime.load_module(str(library))
+    except Exception as exc:
+        if missing_library(str(exc)):
+            raise EnvironmentFailure(f"the step needs OpenBLAS, not found here: {INSTALL_HINT}") from None
+        raise
 
 
 class TrainingSession:
@@ -24,10 +38,7 @@ class TrainingSession:
     def __init__(self, library: Path | tvm.runtime.Module, sig: StepSignature, weights: dict[str, np.ndarray], device=None):
         self.sig = sig
         self.device = device or tvm.cpu()
-        from planner.backend import blas
-
-        blas.load()  # the step may call OpenBLAS: its symbols must be there before the library loads
-        lib = tvm.runtime.load_module(str(library)) if isinstance(library, Path | str) else library
+        lib = load_step(library) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         weights = to_step(weights, sig.splits, sig.quantized)
         missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]

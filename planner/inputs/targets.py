@@ -10,6 +10,7 @@ Targets are YAML files (`hw_targets/NAME.yaml`, or a user's path), validated her
     flash_budget_bytes: 64MiB               # optional: the compiled step must fit
     precisions: [fp32]
     runner: rpc                             # local | rpc
+    kernels: openblas                       # optional: openblas (default) | tvm
     rpc: {tracker: 127.0.0.1:9190, key: raspberry-pi-4, priority: 1, session_timeout_s: 600}
 """
 
@@ -25,6 +26,7 @@ from planner.errors import BadInput, last_line
 from planner.inputs.addresses import parse_host_port
 from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
+from planner.types import Kernels
 
 TARGETS_DIR = shipped("hw_targets")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -76,6 +78,8 @@ class HardwareTarget(BaseModel):
     precisions: list[Literal["fp32", "fp16", "bf16"]] = ["fp32"]
     runner: Literal["local", "rpc"] = "local"
     rpc: RpcRunner | None = None
+    # dense convolutions through OpenBLAS (scipy-openblas32 where the step runs) or TVM's schedules
+    kernels: Kernels = Kernels.OPENBLAS
 
     @field_validator("tvm_target", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.backend.libraries import load_openblas
 from planner.errors import BadInput, BoardUnreachable
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ def _init_server(parent_pid: int) -> None:
     die_with_parent(parent_pid)
     _arm_sessions()
     register_memory_probes()
+    load_openblas()  # before the sessions fork: the steps they load may need it
 
 
 @dataclass

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from planner.backend.compile import CompiledStep
+from planner.backend.libraries import INSTALL_HINT, missing_library
 from planner.backend.session import TrainingSession
-from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, PlannerError, first_line, last_line
+from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, EnvironmentFailure, PlannerError, first_line, last_line
 from planner.measurement import Measurement
 from planner.measurement.board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
 from planner.measurement.latency import time_step
@@ -81,7 +82,13 @@ class BoardPool:
                 remote = self.session()
                 try:
                     remote.upload(str(library), _remote_name(library))
-                    return fn(remote, remote.load_module(_remote_name(library)), remote.cpu())
+                    try:
+                        lib = remote.load_module(_remote_name(library))
+                    except Exception as exc:
+                        if missing_library(str(exc)):  # the board's, not the candidate's: no retry
+                            raise EnvironmentFailure(f"a '{self.key}' board lacks OpenBLAS: {INSTALL_HINT}") from None
+                        raise
+                    return fn(remote, lib, remote.cpu())
                 finally:
                     del remote
             except PlannerError:  # the work itself failed (e.g. training diverged): no retry
