@@ -34,12 +34,17 @@ pytestmark = [
 ]
 
 
+def _board_env(cpu: str | None) -> dict[str, str]:
+    env = {**os.environ, "QEMU_LD_PREFIX": str(EMU / "root"), "PYTHONPATH": f"{EMU / 'site'}:{REPO}"}
+    env.pop("QEMU_CPU", None)
+    return env | ({"QEMU_CPU": cpu} if cpu else {})
+
+
 @pytest.fixture(scope="module")
 def pi():
     port = free_port()
     tracker = f"127.0.0.1:{port}"
     tracker_proc = start("tracker", "--port", str(port), "--port-end", str(port + 1))
-    env = {**os.environ, "QEMU_LD_PREFIX": str(EMU / "root"), "PYTHONPATH": f"{EMU / 'site'}:{REPO}"}
     board = subprocess.Popen(
         [
             str(EMU / "root/usr/bin/python3.11"),
@@ -54,7 +59,7 @@ def pi():
             "--port",
             str(free_port()),
         ],
-        env=env,
+        env=_board_env("cortex-a72"),  # a Raspberry Pi 4's CPU: OpenBLAS picks its Cortex-A kernels
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -105,3 +110,18 @@ def test_cross_compiled_step_trains_like_the_host_build(pi, tiny_model, tiny_dat
         for k in a.files:
             np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-5)
     assert remote.after["accuracy"] == local.after["accuracy"]
+
+
+def test_a_board_whose_openblas_computes_wrong_refuses_to_serve():
+    """qemu's default CPU has SME, where this OpenBLAS's kernels compute small products wrong:
+    the board stops with one line saying so (and the fix), before any step can train wrong."""
+    proc = subprocess.run(
+        [str(EMU / "root/usr/bin/python3.11"), "-m", "planner", "board", "serve", "--tracker", "127.0.0.1:9", "--key", "k"],
+        env=_board_env(None),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "OpenBLAS's sgemm computes wrong results on this CPU" in proc.stderr
+    assert "OPENBLAS_CORETYPE" in proc.stderr and "Traceback" not in proc.stderr

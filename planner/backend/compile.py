@@ -22,7 +22,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tvm
@@ -83,6 +83,7 @@ class CompiledStep:
     tuned_kernels: tuple[str, ...] = ()  # those scheduled from the tuning database
     tune_seconds: float = 0.0  # MetaSchedule time within compile_seconds
     in_place_updates: int = 0  # updated weights and states written over their old buffers
+    kernel_table: tuple[link.Kernel, ...] = ()  # the library's kernels: symbol, name, flops per call
 
     @property
     def library(self) -> Path:
@@ -263,7 +264,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
         scheduled = _schedule(fused, target)
         scheduled, in_place = update_in_place(scheduled, sig, in_place_ok)
         lowered = _lower(scheduled, target)
-        executable, workspaces = link.build(lowered, target, cache_dir)
+        executable, workspaces, kernel_table = link.build(lowered, target, cache_dir)
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
         libraries = [PACKAGE] if gemm.calls_openblas(lowered) else []
     except Exception as exc:
@@ -290,6 +291,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
             "target": str(target),
             "toolchain": toolchain,
             "libraries": libraries,
+            "kernel_table": [asdict(k) for k in kernel_table],
         }
         cachefile.write_json(tmp / META_NAME, meta, entry.name)
         tmp.rename(entry)  # under the lock, after `_discard`: no other entry is there
@@ -310,4 +312,5 @@ def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:
         tuned_kernels=tuple(meta.get("tuned_kernels", ())),
         tune_seconds=float(meta.get("tune_seconds", 0.0)),
         in_place_updates=int(meta.get("in_place_updates", 0)),
+        kernel_table=tuple(link.Kernel(str(k["symbol"]), str(k["name"]), int(k["flops"])) for k in meta["kernel_table"]),
     )

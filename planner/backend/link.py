@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
@@ -26,8 +27,10 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax import vm_build
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.s_tir.analysis import estimate_tir_flops
 
 from planner import cachefile
+from planner.backend.gemm import FLOPS
 from planner.backend.memory import kernel_workspaces
 
 # The finishing passes of relax.build's pipeline (CPU targets)
@@ -91,20 +94,49 @@ def _by_content(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, tirx.PrimFun
     return (out.with_attrs(mod.attrs) if mod.attrs else out), kernels, symbols
 
 
-def _object(sym: str, func: tirx.PrimFunc, target: tvm.target.Target, directory: Path) -> tuple[Path, list[int]]:
-    """The kernel's object file and workspace sizes, compiled now unless they are cached (and
-    verify). Writing them into the cache raises the OSError of a full disk or a read-only one."""
+@dataclass(frozen=True)
+class Kernel:
+    """A compiled kernel as the step's profile names it: its symbol in the library, the name the
+    compiler gave it (what it computes: `fused_conv2d_add_relu`, `conv2d_gemm`) and its
+    floating-point operations per call."""
+
+    symbol: str
+    name: str
+    flops: int
+
+
+def _flops(func: tirx.PrimFunc) -> int:
+    """A kernel's floating-point operations: declared by a library kernel (whose work is an
+    external call TVM cannot see into), else counted from its loops by TVM."""
+    declared = func.attrs.get(FLOPS) if func.attrs else None
+    if declared is not None:
+        return int(declared)
+    try:
+        return int(estimate_tir_flops(tvm.IRModule({"main": func})))
+    except Exception:  # a loop TVM cannot bound: the profile shows its time without a rate
+        return 0
+
+
+def _object(sym: str, func: tirx.PrimFunc, target: tvm.target.Target, directory: Path) -> tuple[Path, list[int], int]:
+    """The kernel's object file, workspace sizes and flops, compiled now unless they are cached
+    (and verify). Writing them into the cache raises the OSError of a full disk or a read-only one."""
     obj, meta_path = directory / f"{sym}.o", directory / f"{sym}.json"
     meta = cachefile.read_json(meta_path, sym)
-    if meta is not None and cachefile.matches(obj, meta.get("object")) and isinstance(meta.get("workspaces"), list):
-        return obj, meta["workspaces"]
+    if (
+        meta is not None
+        and cachefile.matches(obj, meta.get("object"))
+        and isinstance(meta.get("workspaces"), list)
+        and isinstance(meta.get("flops"), int)
+    ):
+        return obj, meta["workspaces"], meta["flops"]
     lib = tvm.tirx.build(tvm.IRModule({sym: func}), target=target)
     workspaces = kernel_workspaces(lib.inspect_source("ll")).get(sym, [])
+    flops = _flops(func)
     directory.mkdir(parents=True, exist_ok=True)
     cachefile.write_bytes(obj, _object_code(lib))
     # the object first: its metadata, written last, is what makes the pair valid
-    cachefile.write_json(meta_path, {"workspaces": workspaces, "object": cachefile.digest(obj)}, sym)
-    return obj, workspaces
+    cachefile.write_json(meta_path, {"workspaces": workspaces, "flops": flops, "object": cachefile.digest(obj)}, sym)
+    return obj, workspaces, flops
 
 
 def _object_code(lib: tvm.runtime.Module) -> bytes:
@@ -116,20 +148,27 @@ def _object_code(lib: tvm.runtime.Module) -> bytes:
         return f.read()
 
 
-def build(mod: tvm.IRModule, target: tvm.target.Target, cache_dir: Path) -> tuple[relax.VMExecutable, dict[str, list[int]]]:
-    """The executable of a memory-planned module, and the workspace sizes of each of its kernels
-    (by their names in `mod`)."""
+def build(
+    mod: tvm.IRModule, target: tvm.target.Target, cache_dir: Path
+) -> tuple[relax.VMExecutable, dict[str, list[int]], list[Kernel]]:
+    """The executable of a memory-planned module, the workspace sizes of each of its kernels (by
+    their names in `mod`), and its kernels as the library names them."""
     with target:
         mod = tvm.transform.Sequential([p() for p in _FINISH])(mod)
+    names = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            names.setdefault(_symbol(func), gv.name_hint)
     mod, kernels, symbols = _by_content(mod)
     directory = objects_dir(cache_dir, target)
-    libs, workspaces = [], {}
+    libs, workspaces, table = [], {}, []
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         done = pool.map(lambda sym: _object(sym, kernels[sym], target, directory), kernels)
-        for sym, (obj, workspaces[sym]) in zip(kernels, done):
+        for sym, (obj, workspaces[sym], flops) in zip(kernels, done):
             libs.append(tvm.runtime.load_static_library(str(obj), [sym]))
+            table.append(Kernel(sym, names.get(sym, sym), flops))
     # relax.build's own two halves, with the kernels supplied as objects instead of compiled anew
     builder = relax.ExecBuilder()
     vm_build._vmcodegen(builder, mod, "bytecode")
     executable = vm_build._vmlink(builder, target, None, ext_libs=libs)
-    return executable, {name: workspaces[sym] for name, sym in symbols.items()}
+    return executable, {name: workspaces[sym] for name, sym in symbols.items()}, table

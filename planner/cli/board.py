@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from planner.cli._app import app
-from planner.cli._errors import fail
+from planner.cli._errors import fail, guard
 from planner.cli._output import note
 
 board_app = typer.Typer(
@@ -67,6 +67,7 @@ def board_serve(
     allow_remote: AllowRemoteOpt = False,
 ) -> None:
     """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
+    from planner.backend.libraries import PACKAGE, load_openblas
     from planner.inputs.addresses import parse_host_port
     from planner.measurement.board import serve
 
@@ -75,6 +76,9 @@ def board_serve(
     except ValueError as exc:
         raise fail(exc, 2) from None
     _checked_bind(host, allow_remote)
+    # checked here, where a wrong OpenBLAS can stop the board with one line, not in its worker
+    if guard(load_openblas) is None:
+        note(f"no {PACKAGE} here: steps built with `kernels: openblas` (the default) will not load")
     server = serve(addr, key, host, port, port_end)
     note(f"board '{key}' serving on {host}:{server.port}, registered with {tracker} (Ctrl-C stops it)")
     _wait(server.terminate)
