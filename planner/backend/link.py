@@ -155,7 +155,7 @@ def build(
     their names in `mod`), and its kernels as the library names them."""
     with target:
         mod = tvm.transform.Sequential([p() for p in _FINISH])(mod)
-    names = {}
+    names: dict[str, str] = {}
     for gv, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc):
             names.setdefault(_symbol(func), gv.name_hint)
