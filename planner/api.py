@@ -55,7 +55,7 @@ from planner.reports import content as report_content
 from planner.reports import html as report_html
 from planner.reports import markdown
 from planner.search.urls import redact
-from planner.types import RunResult, TrialRecord, TrialState
+from planner.types import RunResult, StepProfile, TrialRecord, TrialState
 
 if TYPE_CHECKING:
     from planner.backend.compile import CompiledStep
@@ -77,6 +77,7 @@ class PlanResult:
     out: Path
     trials: list[TrialRecord]
     interrupted: bool = False
+    profile: StepProfile | None = None  # `measure(profile=True)`: where the step's time goes
 
     @property
     def finished(self) -> int:
@@ -360,6 +361,7 @@ def measure(
     tracker: str | None = None,
     key: str | None = None,
     cache_dir: Path | None = None,
+    profile: bool = False,
 ) -> PlanResult:
     """Measure one explicit scheme (a YAML file, see `planner.load_scheme`) with no search, and
     write a plan directory as `plan` does.
@@ -368,7 +370,9 @@ def measure(
         print(result.plan.metrics.step_latency_ms.median, result.plan.selection.feasible)
 
     The plan is written even when the scheme breaks the target's budgets — it is what was asked
-    to be measured; `plan.selection.feasible` says whether it fits.
+    to be measured; `plan.selection.feasible` says whether it fits. `profile` also times each
+    kernel of the step (`PlanResult.profile`: time per step and GFLOP/s, slowest first), on
+    this machine: a target measured on boards cannot be profiled here.
     """
     from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate, default_cache_dir
     from planner.backend.graph import check_importable
@@ -379,6 +383,8 @@ def measure(
     m = load_model(model)
     dataset = load_dataset(data, m)
     hw = resolve_target(target, tracker=tracker, key=key)
+    if profile and hw.boards is not None:
+        raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on '{hw.boards.key}' boards")
     candidate = load_scheme(scheme).candidate(m)
     model_files(m)
     if candidate.precision not in hw.precisions:
@@ -419,7 +425,13 @@ def measure(
         accuracy_seed=seed,
         tune_trials=tune_trials,
     )
-    return PlanResult(_write(out, result, compiled, m, [rec]), out, [rec])
+    written = _write(out, result, compiled, m, [rec])
+    step_profile = None
+    if profile:
+        from planner.measurement.profile import profile_step
+
+        step_profile = profile_step(compiled, m.initializers, seed=seed)
+    return PlanResult(written, out, [rec], profile=step_profile)
 
 
 def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: int = 0, cache_dir: Path | None = None) -> Plan:

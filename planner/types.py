@@ -390,3 +390,31 @@ class RunResult:
 
     def to_json(self) -> dict:
         return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel of the step: what it is, how often the step calls it, its time per step."""
+
+    name: str
+    symbol: str
+    calls: int  # per step
+    seconds: float  # per step, all calls
+    flops: int  # per step, all calls (0: not known)
+
+    @property
+    def gflops(self) -> float | None:
+        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """The step's kernels, slowest first, averaged over `steps` steps, and the steps' own time."""
+
+    kernels: tuple[KernelTime, ...]
+    step_seconds: float
+    steps: int
+
+    @property
+    def flops(self) -> int:
+        return sum(k.flops for k in self.kernels)

@@ -84,10 +84,11 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
         (2, 3, 6, 6, 4, 1, 2, (0, 0, 0, 0)),  # a 1x1 stride-2 shortcut
         (1, 3, 11, 11, 4, 7, 2, (3, 3, 3, 3)),  # a 7x7 stride-2 stem
         (2, 4, 7, 6, 3, 5, 3, (2, 2, 2, 2)),  # 5x5, stride 3
-        (2, 8, 5, 7, 1, 3, 1, (1, 1, 1, 1)),  # one output channel: fewer than thread blocks
+        (2, 8, 5, 7, 1, 3, 1, (1, 1, 1, 1)),  # one output channel
+        (7, 4, 3, 3, 5, 3, 1, (1, 1, 1, 1)),  # many small images: tiles of several, a short last one
     ],
 )
-@pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 1], ids=["bands-default", "band-per-row"])
+@pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])
 @pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
 def test_openblas_convolution_and_gradients_equal_tvms_lowering(monkeypatch, n, c, h, w, o, k, stride, pad, band_bytes, cores):
     """Forward, weight gradient and input gradient through OpenBLAS equal TVM's own unscheduled

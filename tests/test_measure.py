@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -137,3 +138,31 @@ def test_a_diverging_fine_tune_is_a_measured_infeasible_result(tiny_model, tiny_
         assert rec.state == "COMPLETE" and not rec.feasible and rec.over_budget == {"diverged": 1.0}
         assert 1 <= rec.accuracy.diverged_at <= 30 and rec.accuracy.loss_after is None
         assert rec.latency.median > 0 and rec.memory.total > 0
+
+
+def test_measure_verbose_prints_where_the_step_time_goes(tiny_model, tiny_data, tmp_path):
+    """`measure -v` ends with the step's kernel profile: the convolutions by name, with a rate
+    computed from their work; the API returns the same profile, whose kernels account for the
+    instrumented step's time and whose convolution work is the model's."""
+    scheme = tmp_path / "all.yaml"
+    scheme.write_text(
+        "trainable:\n  - layer: c1\n  - layer: c2\n  - layer: fc\nbatch_size: 8\noptimizer: {name: sgd, lr: 0.01}\n"
+    )
+    args = ["--scheme", scheme, "--data", tiny_data, "--accuracy-steps", "5"]
+    res = planner("measure", tiny_model, *args, "--out", tmp_path / "m", "-v")
+    assert res.returncode == 0, res.stderr
+    assert "kernel profile" in res.stdout and "conv2d_gemm" in res.stdout and "GFLOP/s" in res.stdout
+    result = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m2", accuracy_steps=5, profile=True)
+    profile = result.profile
+    assert profile is not None and profile.steps >= 1
+    assert 0 < sum(k.seconds for k in profile.kernels) <= profile.step_seconds
+    convs = [k for k in profile.kernels if k.name.startswith("conv2d_")]
+    assert convs and all(k.flops > 0 and k.gflops for k in convs)
+    forward = 0
+    for layer in api.inspect(tiny_model).layers:
+        if layer.op == "Conv":
+            o, c, kh, kw = layer.param_shapes[layer.weight]
+            forward += 2 * 8 * math.prod(int(d) for d in layer.output_shape[1:]) * c * kh * kw
+    assert sum(k.flops for k in convs if "grad" not in k.name) == forward
+    with pytest.raises(BadInput, match="`profile` times kernels on this machine"):
+        api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m3", profile=True, tracker="127.0.0.1:9", key="k")

@@ -34,7 +34,7 @@ from tvm.script import tirx as T
 
 GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
-BAND_BYTES = 256 * 1024  # the column workspace of one band (an L2 cache's worth)
+BAND_BYTES = 1024 * 1024  # every thread's tiles together (an L2 cache's worth per thread here)
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
@@ -66,13 +66,45 @@ class Conv:
         return self.c * self.kh * self.kw
 
     @property
-    def rows(self) -> int:
-        """Output rows per band: as many as fit `BAND_BYTES` of columns (at least one)."""
-        return max(1, min(self.oh, BAND_BYTES // (4 * self.k * self.ow)))
+    def p(self) -> int:  # output pixels per image
+        return self.oh * self.ow
 
     @property
     def flops(self) -> int:
-        return 2 * self.n * self.o * self.k * self.oh * self.ow
+        return 2 * self.n * self.o * self.k * self.p
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How a kernel's columns are cut into per-thread tiles of at most `BAND_BYTES` in all.
+
+    A tile is either `images` whole images side by side (small feature maps: one image's few
+    pixels would make a product too thin for sgemm to run fast), or a band of `rows` output rows
+    of one image. `width` is a tile's column count as laid out in its workspace."""
+
+    images: int
+    rows: int
+    width: int
+
+    @classmethod
+    def of(cls, s: Conv, threads: int, rows_per_column: int) -> Tiles:
+        """Tiles for `threads` workspaces of `rows_per_column` floats per column each. Whole
+        images are dealt out evenly: as many tiles as a multiple of the threads needs, each
+        as wide as that allows (8 images of 4 pixels, 2 threads: 4 and 4, never 6 and 2)."""
+        cols = max(s.ow, BAND_BYTES // (4 * threads * rows_per_column))
+        if cols >= s.p:
+            most = max(1, min(s.n, cols // s.p))
+            rounds = -(-s.n // (threads * most))
+            images = -(-s.n // (threads * rounds))
+            return cls(images, s.oh, images * s.p)
+        rows = max(1, cols // s.ow)
+        return cls(1, rows, rows * s.ow)
+
+    def groups(self, s: Conv) -> int:
+        return -(-s.n // self.images)
+
+    def bands(self, s: Conv) -> int:
+        return -(-s.oh // self.rows)
 
 
 def _static(call: relax.Call, layouts: tuple[str, str, str]) -> bool:
@@ -92,7 +124,7 @@ def _ints(shape) -> list[int]:
 
 
 def pool_threads(target: tvm.target.Target) -> int:
-    """GEMM blocks per product: the target's cores (`num-cores`), else this machine's."""
+    """Threads a kernel splits its work into: the target's cores (`num-cores`), else this machine's."""
     cores = target.attrs.get("num-cores")
     return max(1, int(cores) if cores else os.cpu_count() or 1)
 
@@ -102,186 +134,352 @@ def calls_openblas(mod: tvm.IRModule) -> bool:
     return any(isinstance(f, tvm.tirx.PrimFunc) and f.attrs.get(CALLS) == "openblas" for _, f in mod.functions_items())
 
 
-def _blocks(rows: int, threads: int) -> int:
-    return -(-rows // threads)
+def _attrs(s: Conv) -> dict:
+    return {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8, FLOPS: s.flops, CALLS: "openblas"}
 
 
-def _im2col_macro(s: Conv):
-    """Writes the columns of image `ni`, output rows y0 .. y0 + r, into `col` (k rows of
-    `s.rows * ow`): zero where a tap reads the padding. Parallel over channel and kernel row,
-    vectorized along the output row."""
-    rows = s.rows
+def _macros(s: Conv):
+    """The data movement around the products, each run by one thread on its own tile:
+
+    - `im2col(x, ws, base, ld, ni, y0, r, off, k0, kt)`: rows k0 .. k0 + kt of image ni's
+      columns for output rows y0 .. y0 + r, into ws[base + (kr - k0) * ld + off + pixel]; zero
+      where a tap reads the padding (clamped loads and a select: no branch per element);
+    - `gather(src, ws, base, ld, ni, off)`: src[ni] (channels × pixels) into ws[base + ch * ld + off + pixel];
+    - `scatter(ws, base, ld, dst, ni, off)`: the reverse, into dst[ni];
+    - `col2im(ws, base, ld, dx, ni, y0, r, off)`: each column entry added onto the input pixel
+      its tap read (dx[ni] zeroed by the caller first)."""
+    taps = s.kh * s.kw
 
     @T.macro
-    def im2col(x, col, ni, y0, r):
-        for ck in T.parallel(s.c * s.kh):
-            for kj in range(s.kw):
-                for yi in range(r):
+    def im2col(x, ws, base, ld, ni, y0, r, off, k0, kt):
+        # per column row (channel, tap) and output row: zeros left and right of the taps that
+        # read the image, a strided copy between (affine loads: LLVM vectorizes the copy)
+        for kr in range(kt):
+            for yi in range(r):
+                if (y0 + yi) * s.sh - s.pt + (k0 + kr) // s.kw % s.kh >= 0 and (y0 + yi) * s.sh - s.pt + (
+                    k0 + kr
+                ) // s.kw % s.kh < s.h:
+                    for xi in range(T.min(T.max(s.pl - (k0 + kr) % s.kw + s.sw - 1, 0) // s.sw, s.ow)):
+                        ws[base + kr * ld + off + yi * s.ow + xi] = T.float32(0)
+                    for xi in range(
+                        T.min(T.max(s.pl - (k0 + kr) % s.kw + s.sw - 1, 0) // s.sw, s.ow),
+                        T.max(
+                            T.min((s.w - 1 + s.pl - (k0 + kr) % s.kw) // s.sw + 1, s.ow),
+                            T.min(T.max(s.pl - (k0 + kr) % s.kw + s.sw - 1, 0) // s.sw, s.ow),
+                        ),
+                    ):
+                        ws[base + kr * ld + off + yi * s.ow + xi] = x[
+                            ni,
+                            (k0 + kr) // taps,
+                            (y0 + yi) * s.sh - s.pt + (k0 + kr) // s.kw % s.kh,
+                            xi * s.sw - s.pl + (k0 + kr) % s.kw,
+                        ]
+                    for xi in range(
+                        T.max(
+                            T.min((s.w - 1 + s.pl - (k0 + kr) % s.kw) // s.sw + 1, s.ow),
+                            T.min(T.max(s.pl - (k0 + kr) % s.kw + s.sw - 1, 0) // s.sw, s.ow),
+                        ),
+                        s.ow,
+                    ):
+                        ws[base + kr * ld + off + yi * s.ow + xi] = T.float32(0)
+                else:
                     for xi in T.vectorized(s.ow):
-                        col[((ck * s.kw + kj) * rows + yi) * s.ow + xi] = T.if_then_else(
-                            ((y0 + yi) * s.sh - s.pt + ck % s.kh >= 0)
-                            and ((y0 + yi) * s.sh - s.pt + ck % s.kh < s.h)
-                            and (xi * s.sw - s.pl + kj >= 0)
-                            and (xi * s.sw - s.pl + kj < s.w),
-                            x[
-                                ni,
-                                ck // s.kh,
-                                T.max(T.min((y0 + yi) * s.sh - s.pt + ck % s.kh, s.h - 1), 0),
-                                T.max(T.min(xi * s.sw - s.pl + kj, s.w - 1), 0),
-                            ],
-                            T.float32(0),
-                        )
+                        ws[base + kr * ld + off + yi * s.ow + xi] = T.float32(0)
 
-    return im2col
+    @T.macro
+    def gather(src, ws, base, ld, ni, off):
+        for ch in range(s.o):
+            for q in T.vectorized(s.p):
+                ws[base + ch * ld + off + q] = src[ni, ch, q // s.ow, q % s.ow]
+
+    @T.macro
+    def scatter(ws, base, ld, dst, ni, off):
+        for ch in range(s.o):
+            for q in T.vectorized(s.p):
+                dst[ni, ch, q // s.ow, q % s.ow] = ws[base + ch * ld + off + q]
+
+    @T.macro
+    def col2im(ws, base, ld, dx, ni, y0, r, off):
+        # per column row and output row: only the taps that read the image add (no test per element)
+        for ci in range(s.c):
+            for ki in range(s.kh):
+                for kj in range(s.kw):
+                    for yi in range(r):
+                        if (y0 + yi) * s.sh - s.pt + ki >= 0 and (y0 + yi) * s.sh - s.pt + ki < s.h:
+                            for xi in range(
+                                T.min(T.max(s.pl - kj + s.sw - 1, 0) // s.sw, s.ow),
+                                T.max(
+                                    T.min((s.w - 1 + s.pl - kj) // s.sw + 1, s.ow),
+                                    T.min(T.max(s.pl - kj + s.sw - 1, 0) // s.sw, s.ow),
+                                ),
+                            ):
+                                dx[ni, ci, (y0 + yi) * s.sh - s.pt + ki, xi * s.sw - s.pl + kj] = (
+                                    dx[ni, ci, (y0 + yi) * s.sh - s.pt + ki, xi * s.sw - s.pl + kj]
+                                    + ws[base + ((ci * s.kh + ki) * s.kw + kj) * ld + off + yi * s.ow + xi]
+                                )
+
+    return im2col, gather, scatter, col2im
+
+
+def _sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc):
+    return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), a, lda, b, ldb, beta, c, ldc)
 
 
 def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """y_n = W · col(x_n), band by band; blocks of output channels on the pool's threads."""
-    k, p, rows, band = s.k, s.oh * s.ow, s.rows, s.rows * s.ow
-    bands, ob = -(-s.oh // rows), _blocks(s.o, threads)
-    im2col = _im2col_macro(s)
+    """y_n = W · col(x_n). The pool's threads take the images in turn (contiguous shares), each
+    building its own tiles' columns and multiplying them: one parallel region, no thread waits
+    for another. Whole-image tiles multiply into a workspace, copied out image by image."""
+    k, o, p = s.k, s.o, s.p
+    t = Tiles.of(s, threads, k + o)
+    per = t.width * (k + o)  # one thread's workspace: columns, then the product
+    im2col, _, scatter, _ = _macros(s)
+    if t.images > 1:
+        groups = t.groups(s)
+        share = -(-groups // threads)
 
-    @T.prim_func(private=True)
-    def conv2d_gemm(
-        x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-        wt: T.Buffer((s.o, s.c, s.kh, s.kw), "float32"),
-        y: T.Buffer((s.n, s.o, s.oh, s.ow), "float32"),
-    ):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8, FLOPS: s.flops, CALLS: "openblas"})
-        col = T.decl_buffer((k * band,), "float32")
-        for ni in range(s.n):
-            for bi in range(bands):
-                im2col(x, col, ni, bi * rows, T.min(rows, s.oh - bi * rows))
-                for b in T.parallel(threads):
+        @T.prim_func(private=True)
+        def conv2d_gemm(
+            x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+            wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+            y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        ):
+            T.func_attr(_attrs(s))
+            ws = T.decl_buffer((threads * per,), "float32")
+            for th in T.parallel(threads):
+                for g in range(th * share, T.min((th + 1) * share, groups)):
+                    for j in range(T.min(t.images, s.n - g * t.images)):
+                        im2col(x, ws, th * per, t.width, g * t.images + j, 0, s.oh, j * p, 0, k)
                     T.evaluate(
-                        T.call_extern(
-                            "int32",
-                            GEMM,
-                            ROW_MAJOR,
+                        _sgemm(
                             NO_TRANS,
                             NO_TRANS,
-                            T.max(T.min(ob, s.o - b * ob), 0),
-                            T.min(rows, s.oh - bi * rows) * s.ow,
+                            o,
+                            T.min(t.images, s.n - g * t.images) * p,
                             k,
-                            T.float32(1),
-                            T.address_of(wt[T.min(b * ob, s.o - 1), 0, 0, 0]),
+                            wt.data,
                             k,
-                            col.data,
-                            band,
+                            T.address_of(ws[th * per]),
+                            t.width,
                             T.float32(0),
-                            T.address_of(y[ni, T.min(b * ob, s.o - 1), bi * rows, 0]),
-                            p,
+                            T.address_of(ws[th * per + k * t.width]),
+                            t.width,
                         )
                     )
+                    for j in range(T.min(t.images, s.n - g * t.images)):
+                        scatter(ws, th * per + k * t.width, t.width, y, g * t.images + j, j * p)
 
-    return conv2d_gemm
+        return conv2d_gemm
+
+    bands = t.bands(s)
+    share = -(-(s.n * bands) // threads)  # (image, band) pairs per thread: bands never overlap
+
+    @T.prim_func(private=True)
+    def conv2d_gemm_rows(
+        x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+        y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+    ):
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        for th in T.parallel(threads):
+            for i in range(th * share, T.min((th + 1) * share, s.n * bands)):
+                im2col(
+                    x, ws, th * per, t.width, i // bands, i % bands * t.rows, T.min(t.rows, s.oh - i % bands * t.rows), 0, 0, k
+                )
+                T.evaluate(
+                    _sgemm(
+                        NO_TRANS,
+                        NO_TRANS,
+                        o,
+                        T.min(t.rows, s.oh - i % bands * t.rows) * s.ow,
+                        k,
+                        wt.data,
+                        k,
+                        T.address_of(ws[th * per]),
+                        t.width,
+                        T.float32(0),
+                        T.address_of(y[i // bands, 0, i % bands * t.rows, 0]),
+                        p,
+                    )
+                )
+
+    return conv2d_gemm_rows
 
 
 def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """dW = Σ_n dy_n · col(x_n)ᵀ, band by band (beta 0 for the first band of the first image);
-    blocks of output channels on the pool's threads."""
-    k, p, rows, band = s.k, s.oh * s.ow, s.rows, s.rows * s.ow
-    bands, ob = -(-s.oh // rows), _blocks(s.o, threads)
-    im2col = _im2col_macro(s)
+    """dW = Σ_n dy_n · col(x_n)ᵀ. Each thread owns a share of dW's columns (kernel taps × input
+    channels) over the whole batch: it builds only its rows of the columns and accumulates into
+    only its part of dW, so no two threads add into one weight and none waits for another.
+    Whole-image tiles gather the images' dy side by side first (the product's inner dimension
+    is then the tile, not one small image)."""
+    k, o, p = s.k, s.o, s.p
+    kb = -(-k // threads)  # dW columns per thread
+    t = Tiles.of(s, threads, kb + o)
+    per = t.width * (kb + o)  # one thread's workspace: its rows of the columns, then dy
+    im2col, gather, _, _ = _macros(s)
+    if t.images > 1:
+        groups = t.groups(s)
+
+        @T.prim_func(private=True)
+        def conv2d_weight_grad_gemm(
+            x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+            dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+            dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+        ):
+            T.func_attr(_attrs(s))
+            ws = T.decl_buffer((threads * per,), "float32")
+            for th in T.parallel(threads):
+                if th * kb < k:
+                    for g in range(groups):
+                        for j in range(T.min(t.images, s.n - g * t.images)):
+                            im2col(x, ws, th * per, t.width, g * t.images + j, 0, s.oh, j * p, th * kb, T.min(kb, k - th * kb))
+                            gather(dy, ws, th * per + kb * t.width, t.width, g * t.images + j, j * p)
+                        T.evaluate(
+                            _sgemm(
+                                NO_TRANS,
+                                TRANS,
+                                o,
+                                T.min(kb, k - th * kb),
+                                T.min(t.images, s.n - g * t.images) * p,
+                                T.address_of(ws[th * per + kb * t.width]),
+                                t.width,
+                                T.address_of(ws[th * per]),
+                                t.width,
+                                T.Select(g == 0, T.float32(0), T.float32(1)),
+                                T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
+                                k,
+                            )
+                        )
+
+        return conv2d_weight_grad_gemm
+
+    bands = t.bands(s)
 
     @T.prim_func(private=True)
-    def conv2d_weight_grad_gemm(
+    def conv2d_weight_grad_gemm_rows(
         x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-        dy: T.Buffer((s.n, s.o, s.oh, s.ow), "float32"),
-        dw: T.Buffer((s.o, s.c, s.kh, s.kw), "float32"),
+        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
     ):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8, FLOPS: s.flops, CALLS: "openblas"})
-        col = T.decl_buffer((k * band,), "float32")
-        for ni in range(s.n):
-            for bi in range(bands):
-                im2col(x, col, ni, bi * rows, T.min(rows, s.oh - bi * rows))
-                for b in T.parallel(threads):
-                    T.evaluate(
-                        T.call_extern(
-                            "int32",
-                            GEMM,
-                            ROW_MAJOR,
-                            NO_TRANS,
-                            TRANS,
-                            T.max(T.min(ob, s.o - b * ob), 0),
-                            k,
-                            T.min(rows, s.oh - bi * rows) * s.ow,
-                            T.float32(1),
-                            T.address_of(dy[ni, T.min(b * ob, s.o - 1), bi * rows, 0]),
-                            p,
-                            col.data,
-                            band,
-                            T.Select(ni + bi == 0, T.float32(0), T.float32(1)),
-                            T.address_of(dw[T.min(b * ob, s.o - 1), 0, 0, 0]),
-                            k,
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        for th in T.parallel(threads):
+            if th * kb < k:
+                for ni in range(s.n):
+                    for b in range(bands):
+                        im2col(
+                            x,
+                            ws,
+                            th * per,
+                            t.width,
+                            ni,
+                            b * t.rows,
+                            T.min(t.rows, s.oh - b * t.rows),
+                            0,
+                            th * kb,
+                            T.min(kb, k - th * kb),
                         )
-                    )
+                        T.evaluate(
+                            _sgemm(
+                                NO_TRANS,
+                                TRANS,
+                                o,
+                                T.min(kb, k - th * kb),
+                                T.min(t.rows, s.oh - b * t.rows) * s.ow,
+                                T.address_of(dy[ni, 0, b * t.rows, 0]),
+                                p,
+                                T.address_of(ws[th * per]),
+                                t.width,
+                                T.Select(ni + b == 0, T.float32(0), T.float32(1)),
+                                T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
+                                k,
+                            )
+                        )
 
-    return conv2d_weight_grad_gemm
+    return conv2d_weight_grad_gemm_rows
 
 
 def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """dx_n = col2im(Wᵀ · dy_n), band by band: blocks of column rows on the pool's threads, then
-    each column entry added onto the input pixel its tap read, parallel over input channels (a
-    channel's entries land only in that channel: no two threads add into one pixel)."""
-    k, p, rows, band = s.k, s.oh * s.ow, s.rows, s.rows * s.ow
-    bands, kb = -(-s.oh // rows), _blocks(k, threads)
-    taps = s.kh * s.kw
+    """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each multiplying
+    its tiles' dy into its own columns and adding them back onto its own images: a band's taps
+    overlap the next band's rows, so an image is never split between threads."""
+    k, o, p = s.k, s.o, s.p
+    t = Tiles.of(s, threads, k + o)
+    per = t.width * (k + o)  # one thread's workspace: columns, then the gathered dy
+    _, gather, _, col2im = _macros(s)
+    if t.images > 1:
+        groups = t.groups(s)
+        share = -(-groups // threads)
 
-    @T.prim_func(private=True)
-    def conv2d_input_grad_gemm(
-        dy: T.Buffer((s.n, s.o, s.oh, s.ow), "float32"),
-        wt: T.Buffer((s.o, s.c, s.kh, s.kw), "float32"),
-        dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-    ):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True, "op_pattern": 8, FLOPS: s.flops, CALLS: "openblas"})
-        col = T.decl_buffer((k * band,), "float32")
-        for ni in range(s.n):
-            for cy in T.parallel(s.c * s.h):
-                for xi in T.vectorized(s.w):
-                    dx[ni, cy // s.h, cy % s.h, xi] = T.float32(0)
-            for bi in range(bands):
-                for b in T.parallel(threads):
+        @T.prim_func(private=True)
+        def conv2d_input_grad_gemm(
+            dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+            wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+            dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+        ):
+            T.func_attr(_attrs(s))
+            ws = T.decl_buffer((threads * per,), "float32")
+            for th in T.parallel(threads):
+                for g in range(th * share, T.min((th + 1) * share, groups)):
+                    for j in range(T.min(t.images, s.n - g * t.images)):
+                        gather(dy, ws, th * per + k * t.width, t.width, g * t.images + j, j * p)
                     T.evaluate(
-                        T.call_extern(
-                            "int32",
-                            GEMM,
-                            ROW_MAJOR,
+                        _sgemm(
                             TRANS,
                             NO_TRANS,
-                            T.max(T.min(kb, k - b * kb), 0),
-                            T.min(rows, s.oh - bi * rows) * s.ow,
-                            s.o,
-                            T.float32(1),
-                            T.address_of(
-                                wt[
-                                    0,
-                                    T.min(b * kb, k - 1) // taps,
-                                    T.min(b * kb, k - 1) // s.kw % s.kh,
-                                    T.min(b * kb, k - 1) % s.kw,
-                                ]
-                            ),
                             k,
-                            T.address_of(dy[ni, 0, bi * rows, 0]),
-                            p,
+                            T.min(t.images, s.n - g * t.images) * p,
+                            o,
+                            wt.data,
+                            k,
+                            T.address_of(ws[th * per + k * t.width]),
+                            t.width,
                             T.float32(0),
-                            T.address_of(col[T.min(b * kb, k - 1) * band]),
-                            band,
+                            T.address_of(ws[th * per]),
+                            t.width,
                         )
                     )
-                for ci in T.parallel(s.c):
-                    for ki in range(s.kh):
-                        for kj in range(s.kw):
-                            for yi in range(T.min(rows, s.oh - bi * rows)):
-                                if (bi * rows + yi) * s.sh - s.pt + ki >= 0 and (bi * rows + yi) * s.sh - s.pt + ki < s.h:
-                                    for xi in range(s.ow):
-                                        if xi * s.sw - s.pl + kj >= 0 and xi * s.sw - s.pl + kj < s.w:
-                                            dx[ni, ci, (bi * rows + yi) * s.sh - s.pt + ki, xi * s.sw - s.pl + kj] = (
-                                                dx[ni, ci, (bi * rows + yi) * s.sh - s.pt + ki, xi * s.sw - s.pl + kj]
-                                                + col[((ci * s.kh + ki) * s.kw + kj) * band + yi * s.ow + xi]
-                                            )
+                    for j in range(T.min(t.images, s.n - g * t.images)):
+                        for q in T.vectorized(s.c * s.h * s.w):
+                            dx[g * t.images + j, q // (s.h * s.w), q // s.w % s.h, q % s.w] = T.float32(0)
+                        col2im(ws, th * per, t.width, dx, g * t.images + j, 0, s.oh, j * p)
 
-    return conv2d_input_grad_gemm
+        return conv2d_input_grad_gemm
+
+    bands, share = t.bands(s), -(-s.n // threads)
+
+    @T.prim_func(private=True)
+    def conv2d_input_grad_gemm_rows(
+        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+        dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+    ):
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        for th in T.parallel(threads):
+            for ni in range(th * share, T.min((th + 1) * share, s.n)):
+                for q in T.vectorized(s.c * s.h * s.w):
+                    dx[ni, q // (s.h * s.w), q // s.w % s.h, q % s.w] = T.float32(0)
+                for b in range(bands):
+                    T.evaluate(
+                        _sgemm(
+                            TRANS,
+                            NO_TRANS,
+                            k,
+                            T.min(t.rows, s.oh - b * t.rows) * s.ow,
+                            o,
+                            wt.data,
+                            k,
+                            T.address_of(dy[ni, 0, b * t.rows, 0]),
+                            p,
+                            T.float32(0),
+                            T.address_of(ws[th * per]),
+                            t.width,
+                        )
+                    )
+                    col2im(ws, th * per, t.width, dx, ni, b * t.rows, T.min(t.rows, s.oh - b * t.rows), 0)
+
+    return conv2d_input_grad_gemm_rows
 
 
 def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int) -> relax.Expr:

@@ -15,6 +15,7 @@ from tvm import relax, te, tirx
 
 from planner.backend import gemm
 from planner.backend.gemm import Lowering
+from planner.backend.libraries import load_openblas
 from planner.types import Kernels
 
 TAPS_STRIDES = "planner.taps_strides"  # block annotation: the stride phases `schedule` splits by
@@ -71,6 +72,9 @@ def legalize(target: tvm.target.Target, kernels: Kernels = Kernels.TVM) -> tvm.t
     `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`."""
     ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
     if kernels == Kernels.OPENBLAS:
+        # loaded here too, not only where the step is loaded: a module built in-process (tests,
+        # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
+        load_openblas()
         threads = gemm.pool_threads(target)
         tvms = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")
         ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads)

@@ -33,6 +33,7 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
+from planner.backend import gemm
 from planner.backend.graph import STEP_FUNC
 from planner.backend.link import linker
 from planner.inputs.targets import RpcRunner
@@ -193,7 +194,8 @@ def tune(
         new = [
             task
             for task in ms.relax_integration.extract_tasks(step_only, target, module_equality=EQUALITY)
-            if not database.has_workload(task.dispatched[0])
+            # a library kernel's work is a call MetaSchedule cannot schedule
+            if not database.has_workload(task.dispatched[0]) and not gemm.calls_openblas(task.dispatched[0])
         ]
         new.sort(key=lambda task: -estimate_tir_flops(task.dispatched[0]) * task.weight)
         new = new[: max(1, trials // TRIALS_PER_KERNEL)]

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from planner.cli._app import KeyOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import guard
-from planner.cli._output import plan_summary, stderr, stdout
+from planner.cli._output import note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET
 
 
@@ -36,12 +36,15 @@ def measure(
     """Measure one explicit scheme (e.g. a paper's) with no search; writes a plan directory.
 
     The directory has the format `planner plan` writes, so `planner run DIR` executes it and its
-    numbers compare directly with a searched plan's.
+    numbers compare directly with a searched plan's. With -v it also prints the step's kernel
+    profile: each kernel's time per step and GFLOP/s, slowest first (targets measured here).
     """
     from planner import api
     from planner.cli._progress import configure_logging
+    from planner.inputs.targets import load_target
 
     configure_logging(stderr, verbose)
+    profile = verbose and tracker is None and guard(lambda: load_target(target)).boards is None
     result = guard(
         lambda: api.measure(
             model,
@@ -54,6 +57,7 @@ def measure(
             tracker=tracker,
             key=key,
             tune_trials=tune_trials,
+            profile=profile,
         )
     )
     if json_out:
@@ -61,6 +65,33 @@ def measure(
         print(json.dumps(result.plan.model_dump(mode="json"), indent=2))
         return
     plan_summary(result)
+    if result.profile is not None:
+        _print_profile(result.profile)
+    elif verbose:
+        note("kernel profile: only for a target measured on this machine")
+
+
+PROFILE_ROWS = 15
+
+
+def _print_profile(profile) -> None:
+    """The slowest kernels of the step, then the rest in one line."""
+    table = Table(title=f"kernel profile: {profile.step_seconds * 1e3:.2f} ms per instrumented step (mean of {profile.steps})")
+    for column in ("kernel", "calls", "ms/step", "share", "GFLOP/s"):
+        table.add_column(column, justify="left" if column == "kernel" else "right")
+    total = sum(k.seconds for k in profile.kernels) or 1.0
+    for k in profile.kernels[:PROFILE_ROWS]:
+        rate = "" if k.gflops is None else f"{k.gflops:.1f}"
+        table.add_row(escape(k.name), str(k.calls), f"{k.seconds * 1e3:.3f}", f"{k.seconds / total:.0%}", rate)
+    rest = profile.kernels[PROFILE_ROWS:]
+    if rest:
+        seconds = sum(k.seconds for k in rest)
+        table.add_row(
+            f"({len(rest)} more)", str(sum(k.calls for k in rest)), f"{seconds * 1e3:.3f}", f"{seconds / total:.0%}", ""
+        )
+    stdout.print(table)
+    gflop = profile.flops / 1e9
+    stdout.print(f"{gflop:.3f} GFLOP per step: {gflop / profile.step_seconds:.1f} GFLOP/s over the whole step")
 
 
 @app.command()

@@ -11,53 +11,27 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 
 from planner.backend.compile import CompiledStep
 from planner.backend.session import TrainingSession
+from planner.types import KernelTime, StepProfile
 
 RUNTIME = "(runtime)"
 
 
-@dataclass(frozen=True)
-class KernelTime:
-    """One kernel of the step: what it is, how often the step calls it, its time per step."""
-
-    name: str
-    symbol: str
-    calls: int  # per step
-    seconds: float  # per step, all calls
-    flops: int  # per step, all calls (0: not known)
-
-    @property
-    def gflops(self) -> float | None:
-        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
-
-
-@dataclass(frozen=True)
-class StepProfile:
-    """The step's kernels, slowest first, averaged over `steps` steps, and the steps' own time."""
-
-    kernels: tuple[KernelTime, ...]
-    step_seconds: float
-    steps: int
-
-    @property
-    def flops(self) -> int:
-        return sum(k.flops for k in self.kernels)
-
-
 def profile_step(compiled: CompiledStep, weights: dict[str, np.ndarray], *, steps: int = 5, seed: int = 0) -> StepProfile:
-    """Times every call of `steps` training steps of `compiled` (after one warm-up step), on
+    """Times every call of `steps` training steps of `compiled` (after as many warm-up steps:
+    the first steps fault pages in and fill OpenBLAS's and TVM's pools, at twice the time), on
     random inputs of the step's shape: kernel times do not depend on the values."""
     session = TrainingSession(compiled.library, compiled.signature, weights)
     sig = compiled.signature
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(sig.input_shape).astype(np.float32)
     y = rng.integers(0, sig.n_classes, sig.batch_size)
-    session.step(x, y)  # first call: pages touched, pools filled
+    for _ in range(steps):
+        session.step(x, y)
     seconds: defaultdict[str, float] = defaultdict(float)
     calls: Counter[str] = Counter()
     started = [0.0]
