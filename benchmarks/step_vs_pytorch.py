@@ -3,9 +3,12 @@
     pip install -e '.[bench]'
     python benchmarks/step_vs_pytorch.py [--threads 2] [--repeats 10] [--rounds 3] [--models tiny_cnn@28 ...]
 
-For the tiny CNN, MobileNetV2-0.35 at 96x96 and ResNet-8 at 32x32, at batch 8 and 32, with every
-layer trained ("full") and with the last quarter of the layers trained ("sparse"): the same
-weights, trainable set, plain SGD and thread count in both. Printed per row:
+For the tiny CNN, MobileNetV2-0.35 at 96x96 and ResNet-8 at 32x32 (planner's zoo; PyTorch runs
+the same graph with torch ops), and torchvision's resnet18 and mobilenet_v3_small at 64x64
+(exported with `torch.onnx.export(dynamo=False)`, which folds BatchNorm into the convolutions;
+PyTorch runs the native torchvision module in eval mode, BatchNorm included), at batch 8 and 32,
+with every layer trained ("full") and with the last quarter of the layers trained ("sparse"): the
+same weights, trainable set, plain SGD and thread count in both. Printed per row:
 
 - step time: planner's compiled step (the VM's time evaluator, as a plan measures it) and
   PyTorch's (forward, cross-entropy, backward, `optimizer.step()`; median of timed repeats),
@@ -38,6 +41,8 @@ MODELS = {
     "mobilenet_v2-0.35@96": ("mobilenet_v2", {"width": 0.35, "resolution": 96}),
     "resnet8@32": ("resnet", {"depth": 8, "resolution": 32}),
 }
+TORCHVISION = {"resnet18@64": ("resnet18", 64), "mobilenet_v3_small@64": ("mobilenet_v3_small", 64)}
+NUM_CLASSES = 10
 BATCHES = (8, 32)
 LR = 0.01
 
@@ -124,14 +129,60 @@ def torch_model(proto: onnx.ModelProto):
     return OnnxModule()
 
 
-def torch_step_setup(proto: onnx.ModelProto, params: list[str], batch: int):
+def torchvision_module(name: str):
+    """torchvision's `name`, 10 classes, seeded weights, eval mode (BatchNorm on running
+    statistics, as planner trains it); importable with CPU torch (tests/torch_families.py)."""
     import torch
 
-    model = torch_model(proto).eval()  # BN on running statistics, as planner trains it
-    keep = {p.replace(".", "/") for p in params}
-    for name, param in model.params.items():
-        param.requires_grad_(name in keep)
-    opt = torch.optim.SGD([p for n, p in model.params.items() if n in keep], lr=LR)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import torch_families
+
+    torch.manual_seed(0)
+    return getattr(torch_families._torchvision_models(), name)(num_classes=NUM_CLASSES).eval()
+
+
+def export_torchvision(name: str, resolution: int, path: Path) -> Path:
+    import torch
+
+    x = torch.randn(1, 3, resolution, resolution)
+    torch.onnx.export(torchvision_module(name), x, str(path), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    return path
+
+
+def torchvision_trainable(module, layers: list[str]) -> list:
+    """The native module's parameters behind planner's trained layers: each layer is a module
+    path (the legacy exporter names nodes by path), and a convolution's BatchNorm (folded into
+    it by the export) is the module registered right after it."""
+    import torch
+
+    modules = list(module.named_modules())
+    wanted = set(layers)
+    params = []
+    for i, (path, m) in enumerate(modules):
+        if path in wanted:
+            params += list(m.parameters(recurse=False))
+            if isinstance(m, torch.nn.Conv2d) and i + 1 < len(modules) and isinstance(modules[i + 1][1], torch.nn.BatchNorm2d):
+                params += list(modules[i + 1][1].parameters(recurse=False))
+    return params
+
+
+def torch_step_setup(proto: onnx.ModelProto, params: list[str], batch: int, native: str | None = None, layers=()):
+    import torch
+
+    if native is None:
+        model = torch_model(proto).eval()  # BN on running statistics, as planner trains it
+        keep = {p.replace(".", "/") for p in params}
+        for name, param in model.params.items():
+            param.requires_grad_(name in keep)
+        trained = [p for n, p in model.params.items() if n in keep]
+    else:
+        model = torchvision_module(native)
+        trained = torchvision_trainable(model, list(layers))
+        for param in model.parameters():
+            param.requires_grad_(False)
+        for param in trained:
+            param.requires_grad_(True)
+    opt = torch.optim.SGD(trained, lr=LR)
     shape = [batch, *[d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim[1:]]]
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     y = torch.arange(batch) % 10
@@ -181,7 +232,7 @@ def probe(spec: dict) -> None:
         import torch
 
         torch.set_num_threads(spec["threads"])
-        step = torch_step_setup(proto, spec["params"], spec["batch"])
+        step = torch_step_setup(proto, spec["params"], spec["batch"], spec.get("native"), spec.get("layers", ()))
     else:
         from planner.backend.session import TrainingSession
 
@@ -257,7 +308,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per framework (median taken)")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="rows to run (default: all)")
+    every = [*MODELS, *TORCHVISION]
+    parser.add_argument("--models", nargs="+", choices=every, default=every, help="rows to run (default: all)")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -283,8 +335,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for label in args.models:
-            builder, kwargs = MODELS[label]
-            path = zoo.save(getattr(zoo, builder)(**kwargs), Path(tmp) / f"{builder}.onnx")
+            native = None
+            if label in TORCHVISION:
+                native, resolution = TORCHVISION[label]
+                path = export_torchvision(native, resolution, Path(tmp) / f"{native}.onnx")
+            else:
+                builder, kwargs = MODELS[label]
+                path = zoo.save(getattr(zoo, builder)(**kwargs), Path(tmp) / f"{builder}.onnx")
             proto = onnx.load(path)
             layers = [layer.name for layer in load_model(path).layers]
             for batch in BATCHES:
@@ -294,7 +351,7 @@ def main() -> None:
                     model, compiled = planner_step(path, trained, batch)
                     session = TrainingSession(compiled.library, compiled.signature, model.initializers)
                     params = list(compiled.signature.trainable)
-                    torch_step = torch_step_setup(proto, params, batch)
+                    torch_step = torch_step_setup(proto, params, batch, native, trained)
                     for _ in range(3):
                         torch_step()
                     # alternating rounds: the host's speed drifts, and both frameworks should see
@@ -306,7 +363,9 @@ def main() -> None:
                     t_planner, t_torch = float(np.median(rounds_p)), float(np.median(rounds_t))
                     spec = {"model": str(path), "batch": batch, "threads": args.threads}
                     m_planner = peak_growth({**spec, "framework": "planner", "layers": trained}, env)
-                    m_torch = peak_growth({**spec, "framework": "torch", "params": params}, env)
+                    m_torch = peak_growth(
+                        {**spec, "framework": "torch", "params": params, "native": native, "layers": trained}, env
+                    )
                     work = step_flops(flops, layers, trained) / 1e9
                     g_planner, g_torch = work / (t_planner / 1e3), work / (t_torch / 1e3)
                     print(

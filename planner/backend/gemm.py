@@ -11,10 +11,15 @@ writes the input's columns (im2col) into a workspace and multiplies them by the 
 - input gradient (TVM's `conv2d_transpose` of dy by the IOHW view of W): col = Wᵀ · dy_n, then
   each column entry added back onto the input pixel it came from (col2im).
 
-The columns are built a band of output rows at a time, at most `BAND_BYTES` per kernel whatever
-the batch or image size: the workspace is counted in the step's planned memory like any other, so
-it must stay small. Each product is split into one block of rows per pool thread, each block one
-single-threaded sgemm call (`T.parallel`): OpenBLAS runs inside TVM's thread pool, never beside it.
+Each kernel is one parallel region over TVM's pool threads (`pool_threads`), and each thread works
+on its own tiles in its own part of one workspace: it builds a tile's columns, multiplies them
+with a single-threaded sgemm and writes its own outputs, never waiting for another thread
+(OpenBLAS runs inside TVM's pool, never beside it: their two pools fought over the cores). A tile
+is whole images side by side when images are small, else a band of output rows (`Tiles`); all
+the threads' tiles together stay within about `BAND_BYTES` whatever the batch, since the
+workspace is counted in the step's planned memory like any other buffer. The forward and input
+gradient deal out images (or rows) to threads; the weight gradient deals out its columns, so no
+two threads accumulate into one weight.
 
 The kernels are marked scheduled and opaque (`op_pattern` 8): no schedule or fusion touches them.
 Their index arithmetic is written inline: TVM miscompiled the same lets under `T.vectorized`.
@@ -34,7 +39,7 @@ from tvm.script import tirx as T
 
 GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
-BAND_BYTES = 1024 * 1024  # every thread's tiles together (an L2 cache's worth per thread here)
+BAND_BYTES = 1024 * 1024  # all threads' tiles: a quarter of this ran up to 2x slower on 4x4 and 2x2 maps
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
