@@ -477,6 +477,7 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
                     "tuned_kernels": list(compiled.tuned_kernels),
                     "tune_trials": tune_trials,
                     "in_place_updates": compiled.in_place_updates,
+                    "requires": list(compiled.requires),
                 }
             ),
         }

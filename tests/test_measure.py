@@ -57,6 +57,7 @@ def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     assert plan["choice"]["optimizer"] == {"name": "momentum", "lr": 0.05} and plan["choice"]["batch_size"] == 4
     assert plan["selection"]["policy"] == "scheme" and plan["selection"]["feasible"] is True
     assert plan["metrics"]["step_latency_ms"]["repeats"] >= 5
+    assert plan["step"]["requires"] == []  # bf16 convolutions are TVM's: the step needs no OpenBLAS
     run = api.run(tmp_path / "m", steps=10, out=tmp_path / "ft")
     assert run.steps == 10 and (tmp_path / "ft" / "model.onnx").is_file()
 
@@ -153,6 +154,7 @@ def test_measure_verbose_prints_where_the_step_time_goes(tiny_model, tiny_data, 
     assert res.returncode == 0, res.stderr
     assert "kernel profile" in res.stdout and "conv2d_gemm" in res.stdout and "GFLOP/s" in res.stdout
     result = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m2", accuracy_steps=5, profile=True)
+    assert result.plan.step.requires == ["scipy-openblas32"]  # fp32 convolutions call OpenBLAS
     profile = result.profile
     assert profile is not None and profile.steps >= 1
     assert 0 < sum(k.seconds for k in profile.kernels) <= profile.step_seconds

@@ -84,6 +84,7 @@ class CompiledStep:
     tune_seconds: float = 0.0  # MetaSchedule time within compile_seconds
     in_place_updates: int = 0  # updated weights and states written over their old buffers
     kernel_table: tuple[link.Kernel, ...] = ()  # the library's kernels: symbol, name, flops per call
+    requires: tuple[str, ...] = ()  # packages the library needs where it runs (scipy-openblas32)
 
     @property
     def library(self) -> Path:
@@ -118,9 +119,8 @@ def cache_key(model: Model, candidate: Candidate, build: BuildOptions) -> str:
 
 def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels) -> tvm.IRModule:
     """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
-    passes = (
-        cpu.library_dispatch_passes(target) + [legalize(target, kernels)] + cpu.legalize_passes(target)
-    )  # then TVM's: a no-op
+    # planner's legalization first; TVM's own after it is then a no-op
+    passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels)] + cpu.legalize_passes(target)
     with target:
         return tvm.transform.Sequential(passes)(mod)
 
@@ -266,7 +266,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
         lowered = _lower(scheduled, target)
         executable, workspaces, kernel_table = link.build(lowered, target, cache_dir)
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
-        libraries = [PACKAGE] if gemm.calls_openblas(lowered) else []
+        requires = [PACKAGE] if gemm.calls_openblas(lowered) else []
     except Exception as exc:
         raise _failure(exc, "TVM compile", cache_dir, toolchain) from None
 
@@ -274,7 +274,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
     try:
         try:
             compiler = toolchain or tvm.support.cc.get_cc()
-            options = link_options(compiler, cache_dir) if libraries else []
+            options = link_options(compiler, cache_dir) if requires else []
             executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain), options=options)
         except Exception as exc:
             raise _failure(exc, "linking the step", cache_dir, toolchain) from None
@@ -290,7 +290,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
             "candidate": candidate.to_json(),
             "target": str(target),
             "toolchain": toolchain,
-            "libraries": libraries,
+            "requires": requires,
             "kernel_table": [asdict(k) for k in kernel_table],
         }
         cachefile.write_json(tmp / META_NAME, meta, entry.name)
@@ -313,4 +313,5 @@ def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:
         tune_seconds=float(meta.get("tune_seconds", 0.0)),
         in_place_updates=int(meta.get("in_place_updates", 0)),
         kernel_table=tuple(link.Kernel(str(k["symbol"]), str(k["name"]), int(k["flops"])) for k in meta["kernel_table"]),
+        requires=tuple(str(r) for r in meta["requires"]),
     )

@@ -67,7 +67,7 @@ def conv2d_transpose_taps(bb: relax.BlockBuilder, call: relax.Call) -> relax.Exp
     return bb.call_te(compute, call.args[0], call.args[1], primfunc_name_hint="conv2d_transpose_taps")
 
 
-def legalize(target: tvm.target.Target, kernels: Kernels = Kernels.TVM) -> tvm.transform.Pass:
+def legalize(target: tvm.target.Target, kernels: Kernels) -> tvm.transform.Pass:
     """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ: with
     `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`."""
     ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}

@@ -207,6 +207,7 @@ class Step(_Part):
     tuned_kernels: list[str] = []
     tune_trials: int = 0
     in_place_updates: int = 0
+    requires: list[str] = Field(default=[], description="packages the step library needs where it runs (pip install them there)")
 
 
 class StudyInfo(_Part):

@@ -151,6 +151,7 @@ def assemble(
             tuned_kernels=list(compiled.tuned_kernels),
             tune_trials=tune_trials,
             in_place_updates=compiled.in_place_updates,
+            requires=list(compiled.requires),
         ),
         versions=versions(),
         study=StudyInfo.model_validate(
