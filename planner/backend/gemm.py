@@ -111,6 +111,31 @@ class Tiles:
     def bands(self, s: Conv) -> int:
         return -(-s.oh // self.rows)
 
+    # A tile is image group g (its images side by side) by row band b; in TIR expressions:
+
+    def count(self, s: Conv, g):
+        """Images in group g (the last may hold fewer)."""
+        return T.min(self.images, s.n - g * self.images)
+
+    def image(self, g, j):
+        return g * self.images + j
+
+    def row(self, b):
+        """Band b's first output row."""
+        return b * self.rows
+
+    def span(self, s: Conv, b):
+        """Output rows in band b (the last may hold fewer)."""
+        return T.min(self.rows, s.oh - b * self.rows)
+
+    def run(self, s: Conv) -> int:
+        """Columns between one image's columns and the next's within a tile."""
+        return self.rows * s.ow
+
+    def columns(self, s: Conv, g, b):
+        """The tile's columns: several whole images, or one image's band (never both)."""
+        return self.count(s, g) * self.span(s, b) * s.ow
+
 
 def _static(call: relax.Call, layouts: tuple[str, str, str]) -> bool:
     """float32, ungrouped, in `layouts`, every shape known."""
@@ -149,8 +174,9 @@ def _macros(s: Conv):
     - `im2col(x, ws, base, ld, ni, y0, r, off, k0, kt)`: rows k0 .. k0 + kt of image ni's
       columns for output rows y0 .. y0 + r, into ws[base + (kr - k0) * ld + off + pixel]; zero
       where a tap reads the padding (clamped loads and a select: no branch per element);
-    - `gather(src, ws, base, ld, ni, off)`: src[ni] (channels × pixels) into ws[base + ch * ld + off + pixel];
-    - `scatter(ws, base, ld, dst, ni, off)`: the reverse, into dst[ni];
+    - `gather(src, ws, base, ld, ni, off, y0, r)`: rows y0 .. y0 + r of src[ni] (channels ×
+      pixels) into ws[base + ch * ld + off + pixel];
+    - `scatter(ws, base, ld, dst, ni, off, y0, r)`: the reverse, into dst[ni];
     - `col2im(ws, base, ld, dx, ni, y0, r, off)`: each column entry added onto the input pixel
       its tap read (dx[ni] zeroed by the caller first)."""
     taps = s.kh * s.kw
@@ -192,16 +218,16 @@ def _macros(s: Conv):
                         ws[base + kr * ld + off + yi * s.ow + xi] = T.float32(0)
 
     @T.macro
-    def gather(src, ws, base, ld, ni, off):
+    def gather(src, ws, base, ld, ni, off, y0, r):
         for ch in range(s.o):
-            for q in T.vectorized(s.p):
-                ws[base + ch * ld + off + q] = src[ni, ch, q // s.ow, q % s.ow]
+            for q in range(r * s.ow):
+                ws[base + ch * ld + off + q] = src[ni, ch, y0 + q // s.ow, q % s.ow]
 
     @T.macro
-    def scatter(ws, base, ld, dst, ni, off):
+    def scatter(ws, base, ld, dst, ni, off, y0, r):
         for ch in range(s.o):
-            for q in T.vectorized(s.p):
-                dst[ni, ch, q // s.ow, q % s.ow] = ws[base + ch * ld + off + q]
+            for q in range(r * s.ow):
+                dst[ni, ch, y0 + q // s.ow, q % s.ow] = ws[base + ch * ld + off + q]
 
     @T.macro
     def col2im(ws, base, ld, dx, ni, y0, r, off):
@@ -231,55 +257,19 @@ def _sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc):
 
 
 def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """y_n = W · col(x_n). The pool's threads take the images in turn (contiguous shares), each
-    building its own tiles' columns and multiplying them: one parallel region, no thread waits
-    for another. Whole-image tiles multiply into a workspace, copied out image by image."""
-    k, o, p = s.k, s.o, s.p
+    """y_n = W · col(x_n). The pool's threads take the tiles in turn (contiguous shares), each
+    building its own tile's columns, multiplying them into its workspace and copying the product
+    out image by image: one parallel region, no thread waits for another."""
+    k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o)
     per = t.width * (k + o)  # one thread's workspace: columns, then the product
-    im2col, _, scatter, _ = _macros(s)
-    if t.images > 1:
-        groups = t.groups(s)
-        share = -(-groups // threads)
-
-        @T.prim_func(private=True)
-        def conv2d_gemm(
-            x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-            wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-            y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-        ):
-            T.func_attr(_attrs(s))
-            ws = T.decl_buffer((threads * per,), "float32")
-            for th in T.parallel(threads):
-                for g in range(th * share, T.min((th + 1) * share, groups)):
-                    for j in range(T.min(t.images, s.n - g * t.images)):
-                        im2col(x, ws, th * per, t.width, g * t.images + j, 0, s.oh, j * p, 0, k)
-                    T.evaluate(
-                        _sgemm(
-                            NO_TRANS,
-                            NO_TRANS,
-                            o,
-                            T.min(t.images, s.n - g * t.images) * p,
-                            k,
-                            wt.data,
-                            k,
-                            T.address_of(ws[th * per]),
-                            t.width,
-                            T.float32(0),
-                            T.address_of(ws[th * per + k * t.width]),
-                            t.width,
-                        )
-                    )
-                    for j in range(T.min(t.images, s.n - g * t.images)):
-                        scatter(ws, th * per + k * t.width, t.width, y, g * t.images + j, j * p)
-
-        return conv2d_gemm
-
     bands = t.bands(s)
-    share = -(-(s.n * bands) // threads)  # (image, band) pairs per thread: bands never overlap
+    tiles = t.groups(s) * bands
+    share = -(-tiles // threads)
+    im2col, _, scatter, _ = _macros(s)
 
     @T.prim_func(private=True)
-    def conv2d_gemm_rows(
+    def conv2d_gemm(
         x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
         wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
         y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
@@ -287,81 +277,66 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
         T.func_attr(_attrs(s))
         ws = T.decl_buffer((threads * per,), "float32")
         for th in T.parallel(threads):
-            for i in range(th * share, T.min((th + 1) * share, s.n * bands)):
-                im2col(
-                    x, ws, th * per, t.width, i // bands, i % bands * t.rows, T.min(t.rows, s.oh - i % bands * t.rows), 0, 0, k
-                )
+            for i in range(th * share, T.min((th + 1) * share, tiles)):
+                for j in range(t.count(s, i // bands)):
+                    im2col(
+                        x,
+                        ws,
+                        th * per,
+                        t.width,
+                        t.image(i // bands, j),
+                        t.row(i % bands),
+                        t.span(s, i % bands),
+                        j * t.run(s),
+                        0,
+                        k,
+                    )
                 T.evaluate(
                     _sgemm(
                         NO_TRANS,
                         NO_TRANS,
                         o,
-                        T.min(t.rows, s.oh - i % bands * t.rows) * s.ow,
+                        t.columns(s, i // bands, i % bands),
                         k,
                         wt.data,
                         k,
                         T.address_of(ws[th * per]),
                         t.width,
                         T.float32(0),
-                        T.address_of(y[i // bands, 0, i % bands * t.rows, 0]),
-                        p,
+                        T.address_of(ws[th * per + k * t.width]),
+                        t.width,
                     )
                 )
+                for j in range(t.count(s, i // bands)):
+                    scatter(
+                        ws,
+                        th * per + k * t.width,
+                        t.width,
+                        y,
+                        t.image(i // bands, j),
+                        j * t.run(s),
+                        t.row(i % bands),
+                        t.span(s, i % bands),
+                    )
 
-    return conv2d_gemm_rows
+    return conv2d_gemm
 
 
 def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     """dW = Σ_n dy_n · col(x_n)ᵀ. Each thread owns a share of dW's columns (kernel taps × input
-    channels) over the whole batch: it builds only its rows of the columns and accumulates into
-    only its part of dW, so no two threads add into one weight and none waits for another.
-    Whole-image tiles gather the images' dy side by side first (the product's inner dimension
-    is then the tile, not one small image)."""
-    k, o, p = s.k, s.o, s.p
+    channels) over every tile: it builds only its rows of the columns, gathers the tile's dy
+    beside them, and accumulates into only its part of dW, so no two threads add into one weight
+    and none waits for another."""
+    k, o = s.k, s.o
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o)
     per = t.width * (kb + o)  # one thread's workspace: its rows of the columns, then dy
-    im2col, gather, _, _ = _macros(s)
-    if t.images > 1:
-        groups = t.groups(s)
-
-        @T.prim_func(private=True)
-        def conv2d_weight_grad_gemm(
-            x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-            dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-            dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-        ):
-            T.func_attr(_attrs(s))
-            ws = T.decl_buffer((threads * per,), "float32")
-            for th in T.parallel(threads):
-                if th * kb < k:
-                    for g in range(groups):
-                        for j in range(T.min(t.images, s.n - g * t.images)):
-                            im2col(x, ws, th * per, t.width, g * t.images + j, 0, s.oh, j * p, th * kb, T.min(kb, k - th * kb))
-                            gather(dy, ws, th * per + kb * t.width, t.width, g * t.images + j, j * p)
-                        T.evaluate(
-                            _sgemm(
-                                NO_TRANS,
-                                TRANS,
-                                o,
-                                T.min(kb, k - th * kb),
-                                T.min(t.images, s.n - g * t.images) * p,
-                                T.address_of(ws[th * per + kb * t.width]),
-                                t.width,
-                                T.address_of(ws[th * per]),
-                                t.width,
-                                T.Select(g == 0, T.float32(0), T.float32(1)),
-                                T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
-                                k,
-                            )
-                        )
-
-        return conv2d_weight_grad_gemm
-
     bands = t.bands(s)
+    tiles = t.groups(s) * bands
+    im2col, gather, _, _ = _macros(s)
 
     @T.prim_func(private=True)
-    def conv2d_weight_grad_gemm_rows(
+    def conv2d_weight_grad_gemm(
         x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
         dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
         dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
@@ -370,70 +345,83 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
         ws = T.decl_buffer((threads * per,), "float32")
         for th in T.parallel(threads):
             if th * kb < k:
-                for ni in range(s.n):
-                    for b in range(bands):
+                for i in range(tiles):
+                    for j in range(t.count(s, i // bands)):
                         im2col(
                             x,
                             ws,
                             th * per,
                             t.width,
-                            ni,
-                            b * t.rows,
-                            T.min(t.rows, s.oh - b * t.rows),
-                            0,
+                            t.image(i // bands, j),
+                            t.row(i % bands),
+                            t.span(s, i % bands),
+                            j * t.run(s),
                             th * kb,
                             T.min(kb, k - th * kb),
                         )
-                        T.evaluate(
-                            _sgemm(
-                                NO_TRANS,
-                                TRANS,
-                                o,
-                                T.min(kb, k - th * kb),
-                                T.min(t.rows, s.oh - b * t.rows) * s.ow,
-                                T.address_of(dy[ni, 0, b * t.rows, 0]),
-                                p,
-                                T.address_of(ws[th * per]),
-                                t.width,
-                                T.Select(ni + b == 0, T.float32(0), T.float32(1)),
-                                T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
-                                k,
-                            )
+                        gather(
+                            dy,
+                            ws,
+                            th * per + kb * t.width,
+                            t.width,
+                            t.image(i // bands, j),
+                            j * t.run(s),
+                            t.row(i % bands),
+                            t.span(s, i % bands),
                         )
+                    T.evaluate(
+                        _sgemm(
+                            NO_TRANS,
+                            TRANS,
+                            o,
+                            T.min(kb, k - th * kb),
+                            t.columns(s, i // bands, i % bands),
+                            T.address_of(ws[th * per + kb * t.width]),
+                            t.width,
+                            T.address_of(ws[th * per]),
+                            t.width,
+                            T.Select(i == 0, T.float32(0), T.float32(1)),
+                            T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
+                            k,
+                        )
+                    )
 
-    return conv2d_weight_grad_gemm_rows
+    return conv2d_weight_grad_gemm
 
 
 def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each multiplying
-    its tiles' dy into its own columns and adding them back onto its own images: a band's taps
-    overlap the next band's rows, so an image is never split between threads."""
-    k, o, p = s.k, s.o, s.p
+    """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each gathering its
+    tiles' dy, multiplying them into its own columns and adding those back onto its own images:
+    a band's taps overlap the next band's rows, so an image is never split between threads."""
+    k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o)
     per = t.width * (k + o)  # one thread's workspace: columns, then the gathered dy
+    groups, bands = t.groups(s), t.bands(s)
+    share = -(-groups // threads)
     _, gather, _, col2im = _macros(s)
-    if t.images > 1:
-        groups = t.groups(s)
-        share = -(-groups // threads)
 
-        @T.prim_func(private=True)
-        def conv2d_input_grad_gemm(
-            dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-            wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-            dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-        ):
-            T.func_attr(_attrs(s))
-            ws = T.decl_buffer((threads * per,), "float32")
-            for th in T.parallel(threads):
-                for g in range(th * share, T.min((th + 1) * share, groups)):
-                    for j in range(T.min(t.images, s.n - g * t.images)):
-                        gather(dy, ws, th * per + k * t.width, t.width, g * t.images + j, j * p)
+    @T.prim_func(private=True)
+    def conv2d_input_grad_gemm(
+        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+        dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+    ):
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        for th in T.parallel(threads):
+            for g in range(th * share, T.min((th + 1) * share, groups)):
+                for j in range(t.count(s, g)):
+                    for q in T.vectorized(s.c * s.h * s.w):
+                        dx[t.image(g, j), q // (s.h * s.w), q // s.w % s.h, q % s.w] = T.float32(0)
+                for b in range(bands):
+                    for j in range(t.count(s, g)):
+                        gather(dy, ws, th * per + k * t.width, t.width, t.image(g, j), j * t.run(s), t.row(b), t.span(s, b))
                     T.evaluate(
                         _sgemm(
                             TRANS,
                             NO_TRANS,
                             k,
-                            T.min(t.images, s.n - g * t.images) * p,
+                            t.columns(s, g, b),
                             o,
                             wt.data,
                             k,
@@ -444,47 +432,10 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                             t.width,
                         )
                     )
-                    for j in range(T.min(t.images, s.n - g * t.images)):
-                        for q in T.vectorized(s.c * s.h * s.w):
-                            dx[g * t.images + j, q // (s.h * s.w), q // s.w % s.h, q % s.w] = T.float32(0)
-                        col2im(ws, th * per, t.width, dx, g * t.images + j, 0, s.oh, j * p)
+                    for j in range(t.count(s, g)):
+                        col2im(ws, th * per, t.width, dx, t.image(g, j), t.row(b), t.span(s, b), j * t.run(s))
 
-        return conv2d_input_grad_gemm
-
-    bands, share = t.bands(s), -(-s.n // threads)
-
-    @T.prim_func(private=True)
-    def conv2d_input_grad_gemm_rows(
-        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-        dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-    ):
-        T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
-        for th in T.parallel(threads):
-            for ni in range(th * share, T.min((th + 1) * share, s.n)):
-                for q in T.vectorized(s.c * s.h * s.w):
-                    dx[ni, q // (s.h * s.w), q // s.w % s.h, q % s.w] = T.float32(0)
-                for b in range(bands):
-                    T.evaluate(
-                        _sgemm(
-                            TRANS,
-                            NO_TRANS,
-                            k,
-                            T.min(t.rows, s.oh - b * t.rows) * s.ow,
-                            o,
-                            wt.data,
-                            k,
-                            T.address_of(dy[ni, 0, b * t.rows, 0]),
-                            p,
-                            T.float32(0),
-                            T.address_of(ws[th * per]),
-                            t.width,
-                        )
-                    )
-                    col2im(ws, th * per, t.width, dx, ni, b * t.rows, T.min(t.rows, s.oh - b * t.rows), 0)
-
-    return conv2d_input_grad_gemm_rows
+    return conv2d_input_grad_gemm
 
 
 def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int) -> relax.Expr:
