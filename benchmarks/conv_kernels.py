@@ -8,7 +8,8 @@ each batch: the three kernels planner compiles for it with `kernels: openblas` �
 gradient, input gradient (`planner/backend/gemm.py`) — each timed by TVM's time evaluator (best
 of 5 rounds) and given as GFLOP/s and as a share of numpy's float32 1024³ matmul, measured right
 before and after each kernel (the higher of the two: this shared host drifts). Printed as a
-Markdown table.
+Markdown table. (The pause after each numpy product matters: numpy's OpenBLAS threads spin
+after their work, and a kernel timed right after them ran up to 3x slower.)
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def numpy_peak() -> float:
     a = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
     a @ a
     best = min(_timed(lambda: a @ a) for _ in range(5))
+    # numpy's OpenBLAS threads spin for a while after a product: timed right away, the next
+    # kernel ran at a third of its speed beside them
+    time.sleep(0.5)
     return 2 * 1024**3 / best / 1e9
 
 

@@ -220,14 +220,16 @@ def _macros(s: Conv):
     @T.macro
     def gather(src, ws, base, ld, ni, off, y0, r):
         for ch in range(s.o):
-            for q in range(r * s.ow):
-                ws[base + ch * ld + off + q] = src[ni, ch, y0 + q // s.ow, q % s.ow]
+            for yi in range(r):
+                for xi in T.vectorized(s.ow):
+                    ws[base + ch * ld + off + yi * s.ow + xi] = src[ni, ch, y0 + yi, xi]
 
     @T.macro
     def scatter(ws, base, ld, dst, ni, off, y0, r):
         for ch in range(s.o):
-            for q in range(r * s.ow):
-                dst[ni, ch, y0 + q // s.ow, q % s.ow] = ws[base + ch * ld + off + q]
+            for yi in range(r):
+                for xi in T.vectorized(s.ow):
+                    dst[ni, ch, y0 + yi, xi] = ws[base + ch * ld + off + yi * s.ow + xi]
 
     @T.macro
     def col2im(ws, base, ld, dx, ni, y0, r, off):
