@@ -86,6 +86,7 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
         (2, 4, 7, 6, 3, 5, 3, (2, 2, 2, 2)),  # 5x5, stride 3
         (2, 8, 5, 7, 1, 3, 1, (1, 1, 1, 1)),  # one output channel
         (7, 4, 3, 3, 5, 3, 1, (1, 1, 1, 1)),  # many small images: tiles of several, a short last one
+        (1, 16, 48, 48, 8, 1, 1, (0, 0, 0, 0)),  # a large image (zeroed as one 36,864-lane vector, LLVM aborted)
     ],
 )
 @pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])

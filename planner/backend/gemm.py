@@ -412,9 +412,9 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
         ws = T.decl_buffer((threads * per,), "float32")
         for th in T.parallel(threads):
             for g in range(th * share, T.min((th + 1) * share, groups)):
-                for j in range(t.count(s, g)):
-                    for q in T.vectorized(s.c * s.h * s.w):
-                        dx[t.image(g, j), q // (s.h * s.w), q // s.w % s.h, q % s.w] = T.float32(0)
+                for j, ci, y in T.grid(t.count(s, g), s.c, s.h):  # (a whole image as one vector: LLVM aborts)
+                    for x in T.vectorized(s.w):
+                        dx[t.image(g, j), ci, y, x] = T.float32(0)
                 for b in range(bands):
                     for j in range(t.count(s, g)):
                         gather(dy, ws, th * per + k * t.width, t.width, t.image(g, j), j * t.run(s), t.row(b), t.span(s, b))
