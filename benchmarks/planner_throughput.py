@@ -2,6 +2,7 @@
 
     python benchmarks/planner_throughput.py [--trials 20] [--tune-trials 0]
     python benchmarks/planner_throughput.py --model mobilenet_v2-0.35@96 --trials 100 --cold-only
+    python benchmarks/planner_throughput.py ... --screen-steps 0   # every candidate fine-tuned fully
 
 Plans twice over one fresh cache directory: cold (empty compile and accuracy caches), then warm (a
 new study with the same seed over the same caches, so every candidate it proposes was compiled
@@ -36,12 +37,13 @@ def workload(name: str, directory: Path) -> dict:
     return {"model": model, "data": directory / "task.npz", "space": "sparse-update"}
 
 
-def run(out: Path, cache: Path, trials: int, tune_trials: int, inputs: dict) -> tuple[float, dict[str, float], int, int]:
+def run(out: Path, cache: Path, trials: int, inputs: dict) -> tuple[float, dict[str, float], int, int, int]:
     t0 = time.perf_counter()
-    result = planner.plan(out=out, trials=trials, cache_dir=cache, tune_trials=tune_trials, **inputs)
+    result = planner.plan(out=out, trials=trials, cache_dir=cache, **inputs)
     wall = time.perf_counter() - t0
     spent = {p: sum(t.seconds.get(p, 0.0) for t in result.trials) for p in PARTS}
-    return wall, spent, len(result.trials), sum(t.state == "FAIL" for t in result.trials)
+    screened = sum(t.screened_out for t in result.trials)
+    return wall, spent, len(result.trials), sum(t.state == "FAIL" for t in result.trials), screened
 
 
 def main() -> None:
@@ -50,18 +52,19 @@ def main() -> None:
     parser.add_argument("--tune-trials", type=int, default=0)
     parser.add_argument("--model", choices=["example", "mobilenet_v2-0.35@96"], default="example")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm-cache rerun")
+    parser.add_argument("--screen-steps", type=int, default=None, help="planner's --screen-steps (default: its own)")
     args = parser.parse_args()
-    print("| run | trials (failed) | wall s | trials/hour | compile | tune | measure | accuracy | other |")
+    print("| run | trials (failed, screened out) | wall s | trials/hour | compile | tune | measure | accuracy | other |")
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
-        inputs = workload(args.model, Path(tmp))
+        inputs = workload(args.model, Path(tmp)) | {"tune_trials": args.tune_trials, "screen_steps": args.screen_steps}
         for label in ("cold cache",) if args.cold_only else ("cold cache", "warm cache"):
-            wall, spent, n, failed = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, args.tune_trials, inputs)
+            wall, spent, n, failed, screened = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, inputs)
             other = max(0.0, wall - sum(spent.values()))
             shares = " | ".join(f"{spent[p]:.1f} s ({spent[p] / wall:.0%})" for p in PARTS)
             print(
-                f"| {label} | {n} ({failed}) | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
+                f"| {label} | {n} ({failed}, {screened}) | {wall:.1f} | {n / wall * 3600:,.0f} | {shares} | {other:.1f} s ({other / wall:.0%}) |",
                 flush=True,
             )
 

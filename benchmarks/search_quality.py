@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--screen-steps", type=int, default=None, help="planner's --screen-steps (default: its own)")
     args = parser.parse_args()
     fronts: dict[tuple[str, int], np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,6 +44,7 @@ def main() -> None:
                     sampler=name,
                     anchors=anchors,
                     cache_dir=cache,
+                    screen_steps=args.screen_steps,
                 )
                 fronts[sampler, seed] = np.array(
                     [(1 - t.accuracy.after, t.latency.median, t.memory.total) for t in result.trials if t.feasible]

@@ -127,6 +127,7 @@ def _check_settings(
     seed: int | None = None,
     accuracy_tolerance: float | None = None,
     accuracy_steps: int | None = None,
+    screen_steps: int | None = None,
     latency_repeats: int | None = None,
     tune_trials: int = 0,
     policy: str | None = None,
@@ -144,6 +145,11 @@ def _check_settings(
         raise BadInput(f"`accuracy_tolerance` must lie in 0..1, an accuracy a plan may give up (not {accuracy_tolerance:g})")
     if accuracy_steps is not None and accuracy_steps < 1:
         raise BadInput(f"`accuracy_steps` must be at least 1: accuracy is measured by fine-tuning (not {accuracy_steps})")
+    if screen_steps is not None and not 0 <= screen_steps < (accuracy_steps or DEFAULT_ACCURACY_STEPS):
+        raise BadInput(
+            f"`screen_steps` must lie in 0..{(accuracy_steps or DEFAULT_ACCURACY_STEPS) - 1}, fewer than "
+            f"`accuracy_steps` (0 fine-tunes every candidate for all of them; not {screen_steps})"
+        )
     if latency_repeats is not None and latency_repeats < 1:
         raise BadInput(f"`latency_repeats` must be at least 1 (not {latency_repeats})")
     if tune_trials < 0:
@@ -167,6 +173,7 @@ def plan(
     policy: Policy = "memory",
     accuracy_tolerance: float = 0.01,
     accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
+    screen_steps: int | None = None,
     latency_repeats: int = 10,
     tune_trials: int = 0,
     sampler: str = "tpe",
@@ -186,7 +193,10 @@ def plan(
             print(result.plan.choice.trainable)
 
     Each trial compiles a candidate's training step with TVM, times it on the target (here, or on
-    boards behind `tracker` under `key`), plans its memory and fine-tunes it for `accuracy_steps`.
+    boards behind `tracker` under `key`), plans its memory and fine-tunes it for `screen_steps`
+    (default: a quarter of `accuracy_steps`; 0: no screening), then on to `accuracy_steps` only if
+    no finished trial beats it by then (`planner.search.fidelity`; a screened-out trial is never
+    the plan).
     The plan is the feasible trial chosen by `policy` (`memory`: least peak memory among those
     within `accuracy_tolerance` of the best accuracy; `latency`; `accuracy`).
 
@@ -214,10 +224,13 @@ def plan(
         seed=seed,
         accuracy_tolerance=accuracy_tolerance,
         accuracy_steps=accuracy_steps,
+        screen_steps=screen_steps,
         latency_repeats=latency_repeats,
         tune_trials=tune_trials,
         policy=policy,
     )
+    if screen_steps is None:
+        screen_steps = accuracy_steps // 4
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
@@ -237,6 +250,7 @@ def plan(
             "target": hw.identity(),
             "space": sp.model_dump(mode="json"),
             "accuracy_steps": accuracy_steps,
+            "screen_steps": screen_steps,
             "tune_trials": tune_trials,
         }
         inputs = {
@@ -251,6 +265,7 @@ def plan(
             "sampler": sampler,
             "anchors": anchors,
             "accuracy_steps": accuracy_steps,
+            "screen_steps": screen_steps,
             "latency_repeats": latency_repeats,
             "tune_trials": tune_trials,
         }
@@ -259,7 +274,7 @@ def plan(
             st = open_study(
                 storage, study, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
             )
-            evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials)
+            evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials, screen_steps)
             records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial, on_start, stop)
         interrupted = stop is not None and stop.is_set()
         try:
@@ -339,6 +354,7 @@ def work(
         inputs["latency_repeats"],
         check_cache_dir(cache_dir or default_cache_dir()),
         inputs["tune_trials"],
+        inputs.get("screen_steps", 0),  # a study from before screening fine-tuned every candidate fully
     )
     with study_storage_writes(storage):  # a full disk under the journal: one line, not a traceback
         st = open_study(storage, study, None, config, inputs["sampler"], anchors)

@@ -236,6 +236,29 @@ def _count(v: object) -> bool:
 
 
 @dataclass(frozen=True)
+class Fidelity:
+    """How a trial's accuracy was measured in a multi-fidelity search (`planner.search.fidelity`):
+    its short screening fine-tune, and whether it was then trained on to the full step count."""
+
+    screen: AccuracyResult
+    promoted: bool
+    reason: str  # why it was (not) promoted, naming the trial that beat it
+
+    def to_json(self) -> dict:
+        return {"screen": self.screen.to_json(), "promoted": self.promoted, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, raw: object) -> Fidelity | None:
+        """What `to_json` wrote, or None when any part is missing or malformed."""
+        if not isinstance(raw, dict) or set(raw) != {"screen", "promoted", "reason"}:
+            return None
+        screen = AccuracyResult.from_json(raw["screen"]) if isinstance(raw["screen"], dict) else None
+        if screen is None or not isinstance(raw["promoted"], bool) or not isinstance(raw["reason"], str):
+            return None
+        return cls(screen, raw["promoted"], raw["reason"])
+
+
+@dataclass(frozen=True)
 class Measured:
     """A complete trial's candidate and its measurements, none of them missing (`TrialRecord.measured`)."""
 
@@ -264,6 +287,7 @@ class TrialRecord:
     over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
     worker: str | None = None  # host:pid of the process that ran it
     seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
+    fidelity: Fidelity | None = None  # its screening fine-tune, in a multi-fidelity search
 
     def __post_init__(self) -> None:
         self.state = TrialState(self.state)
@@ -271,6 +295,14 @@ class TrialRecord:
     @property
     def complete(self) -> bool:
         return self.state is TrialState.COMPLETE and self.accuracy is not None
+
+    @property
+    def screened_out(self) -> bool:
+        """Complete, within every budget, but its accuracy only measured by a short screening
+        fine-tune: another trial was better by then (`fidelity.reason` says which)."""
+        return (
+            self.complete and self.fidelity is not None and not self.fidelity.promoted and set(self.over_budget) == {"screened"}
+        )
 
     def measured(self) -> Measured:
         """The candidate and its accuracy, latency and memory, for a complete trial: it has all four
@@ -300,6 +332,7 @@ class TrialRecord:
             over_budget={k: v for k, v in constraints.items() if v > 0},
             worker=attrs.get("worker"),
             seed=attrs.get("seed"),
+            fidelity=Fidelity.from_json(attrs["fidelity"]) if "fidelity" in attrs else None,
         )
         rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
         return rec
@@ -325,6 +358,7 @@ class TrialRecord:
             "seconds": self.seconds,
             "worker": self.worker,
             "seed": self.seed,
+            "fidelity": self.fidelity.to_json() if self.fidelity else None,
         }
 
     @classmethod

@@ -65,7 +65,7 @@ def test_report_json_from_the_plan_and_from_the_study_agree(plans):
     assert from_plan["pareto"] == sorted(from_study["pareto"]) == [p.trial for p in result.plan.pareto]
     assert [t["number"] for t in from_plan["trials"]] == [t["number"] for t in from_study["trials"]]
     counts = from_plan["counts"]
-    assert counts["feasible"] + counts["infeasible"] + counts["fail"] == 6 and counts["infeasible"] >= 1
+    assert counts["feasible"] + counts["screened"] + counts["infeasible"] + counts["fail"] == 6 and counts["infeasible"] >= 1
     trains = {r["layer"]: r["mode"] for r in from_plan["layers"]}
     for entry in result.plan.choice.trainable:
         assert trains[entry.layer] == entry.mode

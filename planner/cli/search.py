@@ -44,6 +44,15 @@ def plan(
     accuracy_steps: Annotated[
         int, typer.Option(help="fine-tuning steps per candidate for its accuracy")
     ] = DEFAULT_ACCURACY_STEPS,
+    screen_steps: Annotated[
+        int | None,
+        typer.Option(
+            help="fine-tune every candidate this many steps first and go on to --accuracy-steps only when no "
+            "finished trial is better by then (more accurate, no slower, no larger); screened-out trials are "
+            "never the plan. 0: every candidate gets all steps [default: a quarter of --accuracy-steps]",
+            show_default=False,
+        ),
+    ] = None,
     tune_trials: TuneOpt = 0,
     sampler: Annotated[
         Literal["tpe", "random"],
@@ -84,6 +93,7 @@ def plan(
                 policy=select,
                 accuracy_tolerance=accuracy_tolerance,
                 accuracy_steps=accuracy_steps,
+                screen_steps=screen_steps,
                 tracker=tracker,
                 key=key,
                 on_trial=progress.trial,

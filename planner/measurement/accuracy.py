@@ -8,6 +8,7 @@ its sha256 (see `cachefile`) and is checked on read: an edited or damaged one is
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -22,8 +23,9 @@ from planner.inputs.model import Model
 from planner.types import AccuracyResult, Candidate
 
 
-def batches(n: int, batch_size: int, steps: int, seed: int | None):
-    """Index batches for `steps` steps: reshuffled each epoch, or in file order when seed is None.
+def batches(n: int, batch_size: int, steps: int | None, seed: int | None):
+    """Index batches for `steps` steps (None: without end): reshuffled each epoch, or in file
+    order when seed is None.
 
     In file order, step k uses samples [k*B, (k+1)*B) (wrapping around), the contract of
     `planner run --no-shuffle`.
@@ -31,7 +33,7 @@ def batches(n: int, batch_size: int, steps: int, seed: int | None):
     rng = np.random.default_rng(seed) if seed is not None else None
     order = np.arange(n)
     pos = n  # forces a (re)shuffle before the first batch
-    for k in range(steps):
+    for k in range(steps) if steps is not None else itertools.count():
         if rng is None:
             yield np.arange(k * batch_size, (k + 1) * batch_size) % n
             continue
@@ -52,29 +54,70 @@ def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | No
     return losses
 
 
+class FineTune:
+    """One candidate's fine-tune, measured after some steps and, if asked, trained on to more.
+
+    A search screens every candidate with a short fine-tune and trains only promising ones on to
+    the full count (`planner.search.fidelity`). Training on from the screened state costs the
+    difference, not a second run, and ends where a fresh run of the full count would: the same
+    seeded batches in the same order, and evaluating the val split changes no weight. Each step
+    count's result is cached on its own (by model, dataset, candidate, steps and seed; never by
+    target), so a cached full result needs no screen and a cached screen no session.
+    """
+
+    def __init__(
+        self, model: Model, data: Dataset, candidate: Candidate, compiled: CompiledStep, seed: int, cache_dir: Path
+    ) -> None:
+        self.model, self.data, self.candidate, self.compiled = model, data, candidate, compiled
+        self.seed, self.cache_dir = seed, cache_dir
+        self._session: TrainingSession | None = None
+
+    def _path(self, steps: int) -> tuple[Path, str]:
+        m, d, c = self.model, self.data, self.candidate
+        key = hashlib.sha256(
+            json.dumps([m.sha256, d.sha256, c.to_json(), steps, self.seed, code_id()], sort_keys=True).encode()
+        ).hexdigest()[:32]
+        return self.cache_dir / "accuracy" / f"{key}.json", key
+
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        self._session = TrainingSession(self.compiled.library, self.compiled.signature, self.model.initializers)
+        self._loss_before, self._before = self._session.evaluate(self.data.x_val, self.data.y_val)
+        self._batches = batches(len(self.data.y_train), self._session.sig.batch_size, None, self.seed)
+        self._losses: list[float] = []
+        self._seconds = time.perf_counter() - t0
+
+    def result(self, steps: int) -> AccuracyResult:
+        """Val accuracy before and after `steps` fine-tuning steps (cached across targets)."""
+        path, key = self._path(steps)
+        cached = cachefile.read_json(path, key)
+        if cached is not None and (result := AccuracyResult.from_json(cached)) is not None:
+            return result
+        if self._session is None or len(self._losses) > steps:
+            self._start()
+        assert self._session is not None
+        t0 = time.perf_counter()
+        session, data = self._session, self.data
+        # a diverged run cannot recover: it stops at the first non-finite loss, and stays stopped
+        while len(self._losses) < steps and (not self._losses or np.isfinite(self._losses[-1])):
+            i = next(self._batches)
+            self._losses.append(session.step(data.x_train[i], data.y_train[i]))
+        loss_after, after = session.evaluate(data.x_val, data.y_val)
+        self._seconds += time.perf_counter() - t0
+        # A diverged fine-tune is a measured result too — the candidate ruins the model — so the
+        # search can learn where that happens (the evaluator marks it infeasible) instead of
+        # ignoring a failed trial and proposing the same corner again.
+        diverged = None if np.isfinite(self._losses[-1]) else len(self._losses)
+        result = AccuracyResult(
+            self._before, after, self._loss_before, loss_after if diverged is None else None, steps, self._seconds, diverged
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cachefile.write_json(path, result.to_json(), key)
+        return result
+
+
 def measure_accuracy(
     model: Model, data: Dataset, candidate: Candidate, compiled: CompiledStep, steps: int, seed: int, cache_dir: Path
 ) -> AccuracyResult:
     """Val accuracy before and after `steps` fine-tuning steps (cached across targets)."""
-    key = hashlib.sha256(
-        json.dumps([model.sha256, data.sha256, candidate.to_json(), steps, seed, code_id()], sort_keys=True).encode()
-    ).hexdigest()[:32]
-    path = cache_dir / "accuracy" / f"{key}.json"
-    cached = cachefile.read_json(path, key)
-    if cached is not None and (result := AccuracyResult.from_json(cached)) is not None:
-        return result
-    t0 = time.perf_counter()
-    session = TrainingSession(compiled.library, compiled.signature, model.initializers)
-    loss_before, before = session.evaluate(data.x_val, data.y_val)
-    losses = finetune(session, data, steps, seed)
-    loss_after, after = session.evaluate(data.x_val, data.y_val)
-    # A diverged fine-tune is a measured result too — the candidate ruins the model — so the
-    # search can learn where that happens (the evaluator marks it infeasible) instead of
-    # ignoring a failed trial and proposing the same corner again.
-    diverged = None if np.isfinite(losses[-1]) else len(losses)
-    result = AccuracyResult(
-        before, after, loss_before, loss_after if diverged is None else None, steps, time.perf_counter() - t0, diverged
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cachefile.write_json(path, result.to_json(), key)
-    return result
+    return FineTune(model, data, candidate, compiled, seed, cache_dir).result(steps)

@@ -40,8 +40,11 @@ class ReportContent:
 
     @property
     def counts(self) -> dict[str, int]:
-        c = Counter("feasible" if t.feasible else "infeasible" if t.complete else t.state.lower() for t in self.trials)
-        return {k: c.get(k, 0) for k in ("feasible", "infeasible", "fail", "running")}
+        c = Counter(
+            "feasible" if t.feasible else "screened" if t.screened_out else "infeasible" if t.complete else t.state.lower()
+            for t in self.trials
+        )
+        return {k: c.get(k, 0) for k in ("feasible", "screened", "infeasible", "fail", "running")}
 
     def to_json(self) -> dict:
         return {

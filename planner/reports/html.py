@@ -17,7 +17,14 @@ from planner.reports.content import MEMORY_PARTS, ReportContent, updated
 from planner.types import TrialRecord, TrialState
 
 KIB = 1024
-COLORS = {"pareto": "#1f77b4", "feasible": "#9ecae1", "infeasible": "#ff7f0e", "fail": "#7f7f7f", "chosen": "#d62728"}
+COLORS = {
+    "pareto": "#1f77b4",
+    "feasible": "#9ecae1",
+    "screened": "#bcbd22",
+    "infeasible": "#ff7f0e",
+    "fail": "#7f7f7f",
+    "chosen": "#d62728",
+}
 MODE_COLORS = {"full": "#1f77b4", "weight": "#6baed6", "bias": "#9ecae1", "ratio": "#31a354"}
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 
@@ -34,12 +41,14 @@ def _hover(t: TrialRecord) -> str:
             f"batch {c.batch_size}×{c.grad_accum}, {c.optimizer} lr {c.lr:.3g}, {c.precision}, frozen {c.frozen_weights}"
         )
     if t.accuracy:
-        lines.append(f"val acc {t.accuracy.before:.3f} → {t.accuracy.after:.3f}")
+        lines.append(f"val acc {t.accuracy.before:.3f} → {t.accuracy.after:.3f} after {t.accuracy.steps} steps")
+    if t.fidelity:
+        lines.append(("trained on: " if t.fidelity.promoted else "screened out: ") + t.fidelity.reason)
     if t.latency:
         lines.append(f"step {t.latency.median:.2f} ms (p90 {t.latency.p90:.2f})")
     if t.memory:
         lines.append(f"peak {t.memory.total / KIB:,.1f} KiB")
-    if t.over_budget:
+    if t.over_budget and not t.screened_out:
         lines.append("infeasible: " + ", ".join(t.over_budget))
     if t.state is TrialState.PRUNED:
         lines.append("cut short by Ctrl-C; queued for the next run")
@@ -61,17 +70,25 @@ def _category(t: TrialRecord, content: ReportContent) -> str:
         return "chosen"
     if t.feasible:
         return "pareto" if t.number in content.pareto else "feasible"
-    return "infeasible" if t.complete else "fail"
+    return "screened" if t.screened_out else "infeasible" if t.complete else "fail"
 
 
 LABELS = {
     "chosen": "chosen plan",
     "pareto": "Pareto front (feasible)",
     "feasible": "feasible",
+    "screened": "screened out (short fine-tune only)",
     "infeasible": "infeasible (over a budget, or diverged)",
     "fail": "failed (no accuracy)",
 }
-SYMBOLS = {"chosen": "star", "pareto": "circle", "feasible": "circle-open", "infeasible": "x", "fail": "x-thin-open"}
+SYMBOLS = {
+    "chosen": "star",
+    "pareto": "circle",
+    "feasible": "circle-open",
+    "screened": "diamond-open",
+    "infeasible": "x",
+    "fail": "x-thin-open",
+}
 
 
 def pareto_figure(content: ReportContent) -> go.Figure:
@@ -88,7 +105,7 @@ def pareto_figure(content: ReportContent) -> go.Figure:
     hi = max(accs, default=1.0)
     pad = max(0.02, (hi - lo) * 0.08)
     floor = lo - pad  # where failed trials are drawn: below every measured accuracy
-    for cat in ("fail", "infeasible", "feasible", "pareto", "chosen"):
+    for cat in ("fail", "infeasible", "screened", "feasible", "pareto", "chosen"):
         group = [t for t in content.trials if _category(t, content) == cat]
         for col, metric in ((1, "latency"), (2, "memory")):
             pts = [t for t in group if _x(t, metric) is not None]
@@ -176,7 +193,7 @@ def history_figure(content: ReportContent) -> go.Figure:
     fig = go.Figure()
     accs = [t.measured().accuracy.after for t in trials if t.complete]
     floor = min(accs, default=0.0) - 0.03
-    for cat in ("fail", "infeasible", "feasible", "pareto", "chosen"):
+    for cat in ("fail", "infeasible", "screened", "feasible", "pareto", "chosen"):
         pts = [t for t in trials if _category(t, content) == cat]
         fig.add_trace(
             go.Scatter(
@@ -217,7 +234,9 @@ def _summary(content: ReportContent) -> str:
     c, m = content.choice, content.metrics
     counts = content.counts
     head = (
-        f"{len(content.trials)} trials: {counts['feasible']} feasible, {counts['infeasible']} infeasible, "
+        f"{len(content.trials)} trials: {counts['feasible']} feasible, "
+        + (f"{counts['screened']} screened out after a short fine-tune, " if counts["screened"] else "")
+        + f"{counts['infeasible']} infeasible, "
         f"{counts['fail']} failed" + (f", {counts['running']} running" if counts["running"] else "")
     )
     if c is None or m is None:

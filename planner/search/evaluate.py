@@ -23,8 +23,9 @@ from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
 from planner.measurement import measure_step
-from planner.measurement.accuracy import measure_accuracy
-from planner.types import Candidate
+from planner.measurement.accuracy import FineTune
+from planner.search.fidelity import ScreenPoint, beaten_by, margin
+from planner.types import AccuracyResult, Candidate, Fidelity
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class EvalSettings:
     latency_repeats: int
     cache_dir: Path
     tune_trials: int = 0  # MetaSchedule trials per candidate build for the target (0: default schedules)
+    screen_steps: int = 0  # fine-tune this many steps first, the rest only if promising (0: all steps at once)
 
 
 def _label(c: Candidate) -> str:
@@ -62,8 +64,12 @@ class Evaluator:
                 BuildOptions(tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards),
             )
 
-    def evaluate(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float]:
-        """Measure `candidate`; returns its budget constraints (feasible when all are <= 0).
+    def evaluate(
+        self, candidate: Candidate, record: Callable[[str, object], None], rivals: Callable[[], list[ScreenPoint]] = list
+    ) -> dict[str, float]:
+        """Measure `candidate`; returns its constraints (feasible when all are <= 0): the target's
+        budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`),
+        where `rivals()` gives the screening results it must not be beaten by to train on.
 
         Raises CandidateFailed (with the reason also recorded) when it cannot be built or run.
         """
@@ -98,9 +104,13 @@ class Evaluator:
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
             on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
-            acc = measure_accuracy(
-                self.model, self.data, candidate, on_host, settings.accuracy_steps, settings.seed, settings.cache_dir
-            )
+            run = FineTune(self.model, self.data, candidate, on_host, settings.seed, settings.cache_dir)
+            budgets = self._budgets(compiled, measured.latency.median)
+            fidelity = None
+            if settings.screen_steps:
+                fidelity = self._screen(run.result(settings.screen_steps), budgets, measured.latency.median, compiled, rivals)
+                record("fidelity", fidelity.to_json())
+            acc = run.result(settings.accuracy_steps) if fidelity is None or fidelity.promoted else fidelity.screen
             record("accuracy", acc.to_json())
             record("accuracy_s", time.perf_counter() - t0)
             log.debug(
@@ -126,11 +136,46 @@ class Evaluator:
             log.debug("%s: failed", _label(candidate), exc_info=True)
             record("fail_reason", reason)
             raise CandidateFailed(reason) from exc
-        constraints = {"ram_budget": compiled.memory.total - target.ram_budget_bytes}
-        # a fine-tune that diverged is measured but never deployable (1: violated, -1: met)
+        constraints = dict(budgets)
+        # a fine-tune that diverged is measured but never deployable (1: violated, -1: met) ...
         constraints["diverged"] = 1.0 if acc.diverged_at is not None else -1.0
-        if target.latency_budget_ms is not None:
-            constraints["latency_budget"] = measured.latency.median - target.latency_budget_ms
-        if target.flash_budget_bytes is not None:
-            constraints["flash_budget"] = compiled.library.stat().st_size - target.flash_budget_bytes
+        if fidelity is not None:  # ... nor one beaten at its screen (its accuracy is short of accuracy_steps)
+            beaten = not fidelity.promoted and all(v <= 0 for v in constraints.values())
+            constraints["screened"] = 1.0 if beaten else -1.0
         return constraints
+
+    def _budgets(self, compiled, latency_ms: float) -> dict[str, float]:
+        """How far over each of the target's budgets the candidate is (<= 0: within)."""
+        target = self.target
+        budgets = {"ram_budget": float(compiled.memory.total - target.ram_budget_bytes)}
+        if target.latency_budget_ms is not None:
+            budgets["latency_budget"] = latency_ms - target.latency_budget_ms
+        if target.flash_budget_bytes is not None:
+            budgets["flash_budget"] = float(compiled.library.stat().st_size - target.flash_budget_bytes)
+        return budgets
+
+    def _screen(
+        self,
+        screen: AccuracyResult,
+        budgets: dict[str, float],
+        latency_ms: float,
+        compiled,
+        rivals: Callable[[], list[ScreenPoint]],
+    ) -> Fidelity:
+        """Whether a candidate's screening fine-tune earns it the full `accuracy_steps`."""
+        steps = self.settings.screen_steps
+        if screen.diverged_at is not None:
+            return Fidelity(screen, False, f"diverged at step {screen.diverged_at} of its {steps}-step screen")
+        over = [k for k, v in budgets.items() if v > 0]
+        if over:
+            return Fidelity(screen, False, f"over {', '.join(over)}: fine-tuning longer cannot change that")
+        noise = margin(len(self.data.y_val))
+        rival = beaten_by(screen.after, latency_ms, float(compiled.memory.total), rivals(), noise)
+        if rival is not None:
+            return Fidelity(
+                screen,
+                False,
+                f"after {steps} steps trial {rival.trial} is more accurate ({rival.accuracy:.3f} vs {screen.after:.3f}, "
+                f"beyond the {noise:.3f} noise margin), no slower and no larger",
+            )
+        return Fidelity(screen, True, f"no finished trial beats its {steps}-step accuracy ({screen.after:.3f})")

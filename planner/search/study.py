@@ -32,8 +32,9 @@ from planner.inputs.spaces import SearchSpace
 from planner.inputs.targets import HardwareTarget
 from planner.measurement import capacity
 from planner.search.evaluate import EvalSettings, Evaluator
+from planner.search.fidelity import ScreenPoint
 from planner.search.urls import redact, scrubbed
-from planner.types import TrialRecord, TrialState
+from planner.types import Fidelity, TrialRecord, TrialState
 
 # heartbeats and metric names are "experimental" in Optuna; planner relies on them knowingly
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -308,7 +309,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
         trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
         candidate = space.sample(trial, evaluator.model)
         try:
-            constraints = evaluator.evaluate(candidate, trial.set_user_attr)
+            constraints = evaluator.evaluate(candidate, trial.set_user_attr, lambda: screen_points(trial.study))
         except EnvironmentFailure as exc:
             # the board, the disk or the cache failed, not the candidate: it is measured again by
             # the next run, and this one stops (the caller raises `exc`)
@@ -334,6 +335,19 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
         return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
 
     return objective
+
+
+def screen_points(study: optuna.Study) -> list[ScreenPoint]:
+    """The screening results of the study's finished trials (every process's) that met the
+    target's budgets and did not diverge: what a new candidate's short fine-tune is compared with."""
+    points = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        fidelity = Fidelity.from_json(t.user_attrs.get("fidelity"))
+        if fidelity is None or any(v > 0 for k, v in t.constraints.items() if k != "screened"):
+            continue
+        latency, memory = t.user_attrs["latency"]["median"], t.user_attrs["memory"]["total"]
+        points.append(ScreenPoint(t.number, fidelity.screen.after, float(latency), float(memory)))
+    return points
 
 
 def _stamp_trials(study: optuna.Study) -> None:

@@ -1,0 +1,47 @@
+"""Multi-fidelity accuracy: every candidate is fine-tuned briefly, only promising ones to the end.
+
+Fine-tuning is most of a trial's time once compiles are cached, and most candidates of a long
+study are plainly worse than ones already measured. So each candidate is first fine-tuned for
+`screen_steps` and compared with every finished trial's screening result; it trains on to the
+full `accuracy_steps` (from where it stopped: `FineTune`) only when no such trial beats it.
+Optuna's pruners decide one objective at a time and do not cover multi-objective studies, so
+this is planner's own policy, and each trial records what was decided and why (`Fidelity`).
+
+"Beats" is Pareto dominance with a noise margin on accuracy: a rival must be more accurate by
+more than `margin` (the standard error of a val accuracy near 0.5, so a difference of a sample
+or two on a small val split promotes rather than discards) and no slower and no larger. A
+screened-out trial keeps its short fine-tune's accuracy as its objective, so the sampler learns
+from it, and is never deployable: its accuracy was not measured at the step count a plan states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScreenPoint:
+    """A trial as the screening sees it: its short fine-tune's accuracy, its latency and memory."""
+
+    trial: int
+    accuracy: float
+    latency_ms: float
+    memory_bytes: float
+
+
+def margin(n_val: int) -> float:
+    """Accuracy differences within this are noise: the standard error of an accuracy of 0.5
+    measured on `n_val` samples."""
+    return 0.5 / math.sqrt(max(n_val, 1))
+
+
+def beaten_by(
+    accuracy: float, latency_ms: float, memory_bytes: float, rivals: list[ScreenPoint], noise: float
+) -> ScreenPoint | None:
+    """The most accurate rival that dominates a candidate's screening result (more accurate by
+    more than `noise`, no slower, no larger), or None when none does: then it is promising."""
+    better = [
+        r for r in rivals if r.accuracy > accuracy + noise and r.latency_ms <= latency_ms and r.memory_bytes <= memory_bytes
+    ]
+    return max(better, key=lambda r: r.accuracy, default=None)
