@@ -243,19 +243,26 @@ class Fidelity:
     screen: AccuracyResult
     promoted: bool
     reason: str  # why it was (not) promoted, naming the trial that beat it
+    against: tuple[int, ...] = ()  # the finished trials its screen was compared with
 
     def to_json(self) -> dict:
-        return {"screen": self.screen.to_json(), "promoted": self.promoted, "reason": self.reason}
+        return {"screen": self.screen.to_json(), "promoted": self.promoted, "reason": self.reason, "against": list(self.against)}
 
     @classmethod
     def from_json(cls, raw: object) -> Fidelity | None:
         """What `to_json` wrote, or None when any part is missing or malformed."""
-        if not isinstance(raw, dict) or set(raw) != {"screen", "promoted", "reason"}:
+        if not isinstance(raw, dict) or set(raw) != {"screen", "promoted", "reason", "against"}:
             return None
         screen = AccuracyResult.from_json(raw["screen"]) if isinstance(raw["screen"], dict) else None
-        if screen is None or not isinstance(raw["promoted"], bool) or not isinstance(raw["reason"], str):
+        against = raw["against"]
+        if (
+            screen is None
+            or not isinstance(raw["promoted"], bool)
+            or not isinstance(raw["reason"], str)
+            or not (isinstance(against, list) and all(_count(n) for n in against))
+        ):
             return None
-        return cls(screen, raw["promoted"], raw["reason"])
+        return cls(screen, raw["promoted"], raw["reason"], tuple(against))
 
 
 @dataclass(frozen=True)

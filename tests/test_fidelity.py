@@ -101,11 +101,13 @@ def test_every_candidate_is_screened_and_only_unbeaten_ones_train_on(screened):
     out = [t for t in done if not t.fidelity.promoted]
     assert promoted and out, "the test needs both a promoted and a screened-out trial"
     noise = margin(len(np.load(data)["y"]) // 5)
-    for t in done:  # one trial at a time: every earlier trial had finished when it was screened
-        earlier = [u for u in done if u.number < t.number and not (u.over_budget.keys() - {"screened"})]
+    within = [u.number for u in done if not (u.over_budget.keys() - {"screened"})]
+    for t in done:  # one trial at a time: every earlier one within the budgets was compared
+        assert list(t.fidelity.against) == [n for n in within if n < t.number]
         beats = [
             u
-            for u in earlier
+            for u in done
+            if u.number in t.fidelity.against
             if screen[u.number].after > screen[t.number].after + noise
             and u.latency.median <= t.latency.median
             and u.memory.total <= t.memory.total

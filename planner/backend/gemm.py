@@ -29,6 +29,7 @@ lowering planner uses without OpenBLAS.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -440,6 +441,14 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     return conv2d_input_grad_gemm
 
 
+@functools.cache
+def _built(kernel: Callable[[Conv, int], tvm.tirx.PrimFunc], s: Conv, threads: int, band_bytes: int) -> tvm.tirx.PrimFunc:
+    """`kernel(s, threads)`, made once per process (for the `BAND_BYTES` it was made with).
+    Parsing a kernel's TVMScript takes tens of milliseconds, and a study legalizes the same
+    convolutions for candidate after candidate: uncached, 5-9 s of each MobileNetV2 compile."""
+    return kernel(s, threads)
+
+
 def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int) -> relax.Expr:
     """`relax.nn.conv2d`: a layer's forward convolution, or TVM's weight gradient (x in a CNHW
     view convolved by dy in an IOHW view, dilated by the layer's stride), through OpenBLAS."""
@@ -450,7 +459,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, kh, kw = _ints(call.ty.shape)
         sh, sw = _ints(a.dilation)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(weight_grad_kernel(s, threads), "conv2d_weight_grad_gemm")
+        gv = bb.add_func(_built(weight_grad_kernel, s, threads, BAND_BYTES), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     if (
         _static(call, ("NCHW", "OIHW", "NCHW"))
@@ -462,7 +471,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, oh, ow = _ints(call.ty.shape)
         sh, sw = _ints(a.strides)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(forward_kernel(s, threads), "conv2d_gemm")
+        gv = bb.add_func(_built(forward_kernel, s, threads, BAND_BYTES), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
@@ -478,5 +487,5 @@ def conv2d_transpose(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowe
     _, _, h, w = _ints(call.ty.shape)
     sh, sw = _ints(a.strides)
     s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-    gv = bb.add_func(input_grad_kernel(s, threads), "conv2d_input_grad_gemm")
+    gv = bb.add_func(_built(input_grad_kernel, s, threads, BAND_BYTES), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)

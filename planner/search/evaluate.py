@@ -169,13 +169,16 @@ class Evaluator:
         over = [k for k, v in budgets.items() if v > 0]
         if over:
             return Fidelity(screen, False, f"over {', '.join(over)}: fine-tuning longer cannot change that")
-        noise = margin(len(self.data.y_val))
-        rival = beaten_by(screen.after, latency_ms, float(compiled.memory.total), rivals(), noise)
+        noise, points = margin(len(self.data.y_val)), rivals()
+        against = tuple(sorted(p.trial for p in points))
+        rival = beaten_by(screen.after, latency_ms, float(compiled.memory.total), points, noise)
         if rival is not None:
             return Fidelity(
                 screen,
                 False,
                 f"after {steps} steps trial {rival.trial} is more accurate ({rival.accuracy:.3f} vs {screen.after:.3f}, "
                 f"beyond the {noise:.3f} noise margin), no slower and no larger",
+                against,
             )
-        return Fidelity(screen, True, f"no finished trial beats its {steps}-step accuracy ({screen.after:.3f})")
+        why = f"none of the {len(points)} finished trials beats its {steps}-step accuracy ({screen.after:.3f})"
+        return Fidelity(screen, True, why, against)
