@@ -426,8 +426,10 @@ def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model,
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert "Traceback" not in err
+    # trial 1 fine-tunes; trial 2 (compiled meanwhile, on a second core) waits to be timed: both are cut
     cut = [t for t in study_trials(out) if t.state == optuna.trial.TrialState.PRUNED]
-    assert len(cut) == 1 and cut[0].number == 1 and "interrupted mid-trial" in cut[0].user_attrs["fail_reason"]
+    assert 1 in [t.number for t in cut] and {t.number for t in cut} <= {1, 2}
+    assert all("interrupted mid-trial" in t.user_attrs["fail_reason"] for t in cut)
     rerun = planner(*args)
     assert rerun.returncode == 0, rerun.stderr
     trials = study_trials(out)

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +67,19 @@ class FineTune:
     """
 
     def __init__(
-        self, model: Model, data: Dataset, candidate: Candidate, compiled: CompiledStep, seed: int, cache_dir: Path
+        self,
+        model: Model,
+        data: Dataset,
+        candidate: Candidate,
+        compiled: CompiledStep,
+        seed: int,
+        cache_dir: Path,
+        interrupted: Callable[[], bool] | None = None,
     ) -> None:
+        """`interrupted()`, checked before every step, stops the fine-tune with KeyboardInterrupt:
+        how a search running it in a worker thread is stopped at once (a second Ctrl-C)."""
         self.model, self.data, self.candidate, self.compiled = model, data, candidate, compiled
-        self.seed, self.cache_dir = seed, cache_dir
+        self.seed, self.cache_dir, self.interrupted = seed, cache_dir, interrupted
         self._session: TrainingSession | None = None
 
     def _path(self, steps: int) -> tuple[Path, str]:
@@ -100,6 +110,8 @@ class FineTune:
         session, data = self._session, self.data
         # a diverged run cannot recover: it stops at the first non-finite loss, and stays stopped
         while len(self._losses) < steps and (not self._losses or np.isfinite(self._losses[-1])):
+            if self.interrupted is not None and self.interrupted():
+                raise KeyboardInterrupt
             i = next(self._batches)
             self._losses.append(session.step(data.x_train[i], data.y_train[i]))
         loss_after, after = session.evaluate(data.x_val, data.y_val)

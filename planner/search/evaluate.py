@@ -42,6 +42,24 @@ class EvalSettings:
     screen_steps: int = 0  # fine-tune this many steps first, the rest only if promising (0: all steps at once)
 
 
+def _never() -> bool:
+    return False
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """How a search steers one evaluation; the defaults are a lone one (`planner measure`)."""
+
+    rivals: Callable[[], list[ScreenPoint]] = list  # finished trials' screens (multi-fidelity)
+    before_timing: Callable[[], None] = _nothing  # returns once the machine is this trial's alone
+    after_timing: Callable[[], None] = _nothing
+    interrupted: Callable[[], bool] = _never  # true: stop the fine-tune now (KeyboardInterrupt)
+
+
 def _label(c: Candidate) -> str:
     """A candidate in one short line, for the debug log."""
     return f"[{','.join(f'{n}:{m}' for n, m in c.trainable)} b{c.batch_size} {c.optimizer} {c.precision}]"
@@ -64,14 +82,12 @@ class Evaluator:
                 BuildOptions(tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards),
             )
 
-    def evaluate(
-        self, candidate: Candidate, record: Callable[[str, object], None], rivals: Callable[[], list[ScreenPoint]] = list
-    ) -> dict[str, float]:
+    def evaluate(self, candidate: Candidate, record: Callable[[str, object], None], hooks: Hooks = Hooks()) -> dict[str, float]:
         """Measure `candidate`; returns its constraints (feasible when all are <= 0): the target's
-        budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`),
-        where `rivals()` gives the screening results it must not be beaten by to train on.
+        budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`).
 
-        Raises CandidateFailed (with the reason also recorded) when it cannot be built or run.
+        Raises CandidateFailed (with the reason also recorded) when it cannot be built or run,
+        KeyboardInterrupt when `hooks.interrupted()` turns true mid fine-tune.
         """
         target, settings = self.target, self.settings
         record("candidate", candidate.to_json())
@@ -93,8 +109,12 @@ class Evaluator:
                 compiled.memory.total,
             )
             faults.point("trial-measure")
+            hooks.before_timing()
+            if hooks.interrupted():  # stopped at once while it waited: it is queued again
+                raise KeyboardInterrupt
             t0 = time.perf_counter()
             measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
+            hooks.after_timing()
             record("latency", measured.latency.to_json())
             record("board", measured.board)
             record("board_memory", measured.board_memory)
@@ -104,11 +124,13 @@ class Evaluator:
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
             on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
-            run = FineTune(self.model, self.data, candidate, on_host, settings.seed, settings.cache_dir)
+            run = FineTune(self.model, self.data, candidate, on_host, settings.seed, settings.cache_dir, hooks.interrupted)
             budgets = self._budgets(compiled, measured.latency.median)
             fidelity = None
             if settings.screen_steps:
-                fidelity = self._screen(run.result(settings.screen_steps), budgets, measured.latency.median, compiled, rivals)
+                fidelity = self._screen(
+                    run.result(settings.screen_steps), budgets, measured.latency.median, compiled, hooks.rivals
+                )
                 record("fidelity", fidelity.to_json())
             acc = run.result(settings.accuracy_steps) if fidelity is None or fidelity.promoted else fidelity.screen
             record("accuracy", acc.to_json())

@@ -11,13 +11,16 @@ Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -31,7 +34,7 @@ from planner.inputs.model import Model
 from planner.inputs.spaces import SearchSpace
 from planner.inputs.targets import HardwareTarget
 from planner.measurement import capacity
-from planner.search.evaluate import EvalSettings, Evaluator
+from planner.search.evaluate import EvalSettings, Evaluator, Hooks
 from planner.search.fidelity import ScreenPoint
 from planner.search.urls import redact, scrubbed
 from planner.types import Fidelity, TrialRecord, TrialState
@@ -51,6 +54,7 @@ class SearchSettings:
     timeout_s: float | None
     evaluation: EvalSettings
     own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
+    pipeline: bool = True  # on a local target with 2+ cores, compile the next trial during this one's fine-tune
 
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
@@ -294,22 +298,143 @@ class _Halt:
 ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it may be what breaks it
 
 
-def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt):
+def _keep_seed() -> None:
+    pass
+
+
+class _Pipeline:
+    """Two trials in flight on this machine, in a fixed order: trial k is sampled once trial k-1
+    has been timed, compiles while k-1 fine-tunes, and is timed once k-1 has ended, so a compile
+    overlaps the previous fine-tune but never a latency measurement (which always runs alone).
+
+    Trials are ordered by when this process started them (`attach`: creation order is trial-number
+    order), never by which thread gets where first, so a seeded study proposes the same candidates
+    every run: each is sampled knowing every earlier trial's result but its predecessor's, and
+    screened against every earlier trial."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._tickets: dict[int, int] = {}  # trial id -> its place in this process's order
+        self._timed: set[int] = set()
+        self._ended: set[int] = set()
+        self._exited: dict[int, float] = {}  # ticket -> when its objective ended
+        self._broken = False
+
+    @contextlib.contextmanager
+    def attach(self, study: optuna.Study):
+        """Give each trial this process starts (created, or popped from the queue) its ticket."""
+        storage = study._storage
+        create, set_state = storage.create_new_trial, storage.set_trial_state_values
+
+        def create_new_trial(study_id, template_trial=None):
+            with self._cond:  # held across the creation: tickets follow trial numbers
+                trial_id = create(study_id, template_trial)
+                self._tickets[trial_id] = len(self._tickets)
+            return trial_id
+
+        def set_trial_state_values(trial_id, state, values=None):
+            with self._cond:
+                popped = set_state(trial_id, state, values)
+                if popped and state == optuna.trial.TrialState.RUNNING:
+                    self._tickets[trial_id] = len(self._tickets)
+            return popped
+
+        storage.create_new_trial, storage.set_trial_state_values = create_new_trial, set_trial_state_values  # type: ignore[method-assign]
+        # Optuna reseeds the sampler at random for every trial when n_jobs > 1 (threads sampling at
+        # once); here one trial samples at a time, in order, so the study's seed is kept
+        study.sampler.reseed_rng = _keep_seed  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            storage.create_new_trial, storage.set_trial_state_values = create, set_state  # type: ignore[method-assign]
+            del study.sampler.reseed_rng
+            self.abort()
+
+    TELL_S = 60.0  # a trial left its objective this long ago and is still not told: its tell failed
+
+    def _after(self, trial_id: int, done: set[int]) -> None:
+        with self._cond:
+            ticket = self._tickets.get(trial_id, 0)
+
+            def ready() -> bool:
+                if self._broken or ticket == 0 or ticket - 1 in done:
+                    return True
+                left = self._exited.get(ticket - 1)  # (so its callbacks never ran: do not wait for ever)
+                return left is not None and time.monotonic() - left > self.TELL_S
+
+            while not self._cond.wait_for(ready, timeout=1.0):
+                pass
+
+    def before_sampling(self, trial_id: int) -> None:
+        self._after(trial_id, self._timed)
+
+    def before_timing(self, trial_id: int) -> None:
+        self._after(trial_id, self._ended)
+
+    def exited(self, trial_id: int) -> None:
+        """The trial's objective returned or raised: Optuna tells it next."""
+        with self._cond:
+            if trial_id in self._tickets:
+                self._exited[self._tickets[trial_id]] = time.monotonic()
+        self.timed(trial_id)
+
+    def timed(self, trial_id: int) -> None:
+        """The trial's latency is measured, or it will not be (it failed first, or it ended)."""
+        with self._cond:
+            if trial_id in self._tickets:
+                self._timed.add(self._tickets[trial_id])
+            self._cond.notify_all()
+
+    def ended(self, trial_id: int) -> None:
+        """The trial is told: the next may be timed and screened against it."""
+        with self._cond:
+            if trial_id in self._tickets:
+                self._timed.add(self._tickets[trial_id])
+                self._ended.add(self._tickets[trial_id])
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Nobody waits any more (the study stopped on an error)."""
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+
+def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: _Pipeline | None):
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
         try:
+            if pipeline is not None:
+                pipeline.before_sampling(trial._trial_id)
+                if halt():  # stopped while it waited its turn: it has not begun, nothing to queue again
+                    raise optuna.TrialPruned("the study stopped before this trial began")
             return _evaluate(trial)
+        except (optuna.TrialPruned, CandidateFailed):
+            raise  # Optuna ends the trial and runs the callbacks, which move the pipeline on
         except KeyboardInterrupt:
             # the second Ctrl-C, anywhere in the trial: stop now, the candidate is not to blame
             halt.hard = True
             _requeue(trial, trial.study, "interrupted mid-trial")
             raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
+        except BaseException:  # a bug: the study stops, and no trial may wait for this one
+            if pipeline is not None:
+                pipeline.abort()
+            raise
+        finally:
+            if pipeline is not None:
+                pipeline.exited(trial._trial_id)
 
     def _evaluate(trial: optuna.Trial) -> tuple[float, float, float]:
         trial.set_user_attr("worker", WORKER)  # which process ran it (a popped queued trial names another)
         trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
         candidate = space.sample(trial, evaluator.model)
         try:
-            constraints = evaluator.evaluate(candidate, trial.set_user_attr, lambda: screen_points(trial.study))
+            hooks = Hooks(rivals=lambda: screen_points(trial.study), interrupted=lambda: halt.hard)
+            if pipeline is not None:
+                tid = trial._trial_id
+                hooks = replace(
+                    hooks, before_timing=lambda: pipeline.before_timing(tid), after_timing=lambda: pipeline.timed(tid)
+                )
+            constraints = evaluator.evaluate(candidate, trial.set_user_attr, hooks)
         except EnvironmentFailure as exc:
             # the board, the disk or the cache failed, not the candidate: it is measured again by
             # the next run, and this one stops (the caller raises `exc`)
@@ -442,7 +567,9 @@ def run_study(
     `on_start(done, total)` and `on_trial(record, done, total)` report progress, `done` being the
     study's finished trials (every process's)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
-    n_jobs = capacity(target)  # one trial in flight per board
+    # one trial in flight per board; here, two in a fixed pipeline where a second core can compile
+    pipeline = _Pipeline() if target.runner == "local" and settings.pipeline and (os.cpu_count() or 1) > 1 else None
+    n_jobs = capacity(target) if pipeline is None else 2
     recover_dead_trials(study)  # a dead process on this host: queued again at once
     optuna.storages.fail_stale_trials(study)  # a silent heartbeat (another host): failed and queued again now
     done = _finished(study)
@@ -452,14 +579,16 @@ def run_study(
     log.debug("study '%s': %d finished trials, %d to run here, %d in parallel", study.study_name, done, max(remaining, 0), n_jobs)
     halt = _Halt(stop)
     if remaining > 0 and not halt():
-        callbacks = []
+        # first: the next trial is timed as soon as this one is told (a later callback may raise)
+        callbacks = [] if pipeline is None else [lambda s, t: pipeline.ended(t._trial_id)]
         if settings.own_trials is None:
             callbacks.append(lambda s, t: s.stop() if _finished(s) >= settings.trials else None)
         if on_trial is not None:
             callbacks.append(lambda s, t: on_trial(to_record(t), _finished(s), settings.trials))
         callbacks.append(lambda s, t: s.stop() if halt() else None)
-        study.optimize(
-            _objective(Evaluator(model, data, target, settings.evaluation), space, halt),
+        optimize = functools.partial(
+            study.optimize,
+            _objective(Evaluator(model, data, target, settings.evaluation), space, halt, pipeline),
             n_trials=remaining,
             timeout=settings.timeout_s,
             catch=(CandidateFailed,),
@@ -467,6 +596,11 @@ def run_study(
             callbacks=callbacks,
             gc_after_trial=False,
         )
+        if pipeline is None:
+            optimize()
+        else:
+            with pipeline.attach(study):
+                _in_background(optimize, halt)
     if halt.error is not None:
         raise type(halt.error)(
             f"{first_line(halt.error)}; the trial was queued again and the study holds {_finished(study)} finished "
@@ -475,6 +609,31 @@ def run_study(
     if halt.hard:
         raise KeyboardInterrupt
     return records(study)
+
+
+def _in_background(optimize: Callable[[], None], halt: _Halt) -> None:
+    """Run `optimize` in a thread of its own, so that a second Ctrl-C (KeyboardInterrupt, raised in
+    this, the main thread) reaches the trials in flight in Optuna's worker threads: it sets
+    `halt.hard`, their fine-tunes stop at the next step and queue their candidates again, and this
+    waits for them to end before the caller raises KeyboardInterrupt."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            optimize()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="planner-study")
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+    except KeyboardInterrupt:
+        halt.hard = True
+        thread.join()
+    if failure:
+        raise failure[0]
 
 
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)  # PRUNED: cut short by Ctrl-C
