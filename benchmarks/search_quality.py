@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--screen-steps", type=int, default=None, help="planner's --screen-steps (default: its own)")
+    parser.add_argument("--overlap", action="store_true", help="planner's --overlap: two trials in flight")
     args = parser.parse_args()
     fronts: dict[tuple[str, int], np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,6 +46,7 @@ def main() -> None:
                     anchors=anchors,
                     cache_dir=cache,
                     screen_steps=args.screen_steps,
+                    overlap=args.overlap,
                 )
                 fronts[sampler, seed] = np.array(
                     [(1 - t.accuracy.after, t.latency.median, t.memory.total) for t in result.trials if t.feasible]

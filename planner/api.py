@@ -174,6 +174,7 @@ def plan(
     accuracy_tolerance: float = 0.01,
     accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
     screen_steps: int | None = None,
+    overlap: bool = False,
     latency_repeats: int = 10,
     tune_trials: int = 0,
     sampler: str = "tpe",
@@ -196,7 +197,8 @@ def plan(
     boards behind `tracker` under `key`), plans its memory and fine-tunes it for `screen_steps`
     (default: a quarter of `accuracy_steps`; 0: no screening), then on to `accuracy_steps` only if
     no finished trial beats it by then (`planner.search.fidelity`; a screened-out trial is never
-    the plan).
+    the plan). `overlap` (a local target with 2+ cores) compiles the next candidate while this
+    one fine-tunes; latency is still timed alone, and a seeded study proposes the same candidates.
     The plan is the feasible trial chosen by `policy` (`memory`: least peak memory among those
     within `accuracy_tolerance` of the best accuracy; `latency`; `accuracy`).
 
@@ -275,7 +277,9 @@ def plan(
                 storage, study, seed, config, sampler, sp.anchors(m) if anchors and sampler == "tpe" else None, inputs
             )
             evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials, screen_steps)
-            records = run_study(st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation), on_trial, on_start, stop)
+            records = run_study(
+                st, m, dataset, hw, sp, SearchSettings(trials, timeout_s, evaluation, overlap=overlap), on_trial, on_start, stop
+            )
         interrupted = stop is not None and stop.is_set()
         try:
             chosen = select(records, policy, accuracy_tolerance)

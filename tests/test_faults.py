@@ -31,6 +31,7 @@ from onnx import numpy_helper
 
 from planner.digest import file_sha256
 from planner.plans.directory import COMMIT, MARKER, STAGED_PREFIX, read_plan, reading, replace_files
+from planner.search.study import NOT_BEGUN
 from planner.search.urls import redact, scrubbed
 from processes import planner
 
@@ -415,9 +416,10 @@ def test_sigterm_stops_like_ctrl_c_with_a_plan_and_no_trial_left_running(tiny_mo
     assert read_plan(out).study.n_trials == counted(trials) < 40
 
 
-def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model, tiny_data, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-trial", "overlap"])
+def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model, tiny_data, tmp_path, overlap):
     out = tmp_path / "p"
-    args = plan_args(tiny_model, tiny_data, out, "--trials", "3", "--accuracy-steps", "3000")
+    args = plan_args(tiny_model, tiny_data, out, "--trials", "3", "--accuracy-steps", "3000", *(["--overlap"] if overlap else []))
     proc = _start(args)
     _wait_for(proc, "ms median on", times=2)  # trial 1 is measured: its 3000-step fine-tune begins
     proc.send_signal(signal.SIGINT)
@@ -426,10 +428,13 @@ def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model,
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert "Traceback" not in err
-    # trial 1 fine-tunes; trial 2 (compiled meanwhile, on a second core) waits to be timed: both are cut
-    cut = [t for t in study_trials(out) if t.state == optuna.trial.TrialState.PRUNED]
-    assert 1 in [t.number for t in cut] and {t.number for t in cut} <= {1, 2}
+    # with --overlap, trial 2 is cut too: mid-trial (compiled on the second core, waiting to be
+    # timed), or before it began (still waiting its turn to be drawn: no candidate to measure again)
+    pruned = [t for t in study_trials(out) if t.state == optuna.trial.TrialState.PRUNED]
+    cut = [t for t in pruned if t.params]
+    assert 1 in [t.number for t in cut] and {t.number for t in pruned} <= ({1, 2} if overlap else {1})
     assert all("interrupted mid-trial" in t.user_attrs["fail_reason"] for t in cut)
+    assert all(t.user_attrs["fail_reason"] == NOT_BEGUN for t in pruned if not t.params)
     rerun = planner(*args)
     assert rerun.returncode == 0, rerun.stderr
     trials = study_trials(out)

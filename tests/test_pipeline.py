@@ -33,6 +33,7 @@ def _plan(tiny_model, task, out, **kw):
         accuracy_steps=60,
         screen_steps=15,
         latency_repeats=3,
+        overlap=True,
         **kw,
     )
 

@@ -53,6 +53,14 @@ def plan(
             show_default=False,
         ),
     ] = None,
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            help="two trials at a time on this machine (2+ cores): compile the next candidate while this one "
+            "fine-tunes (latency is still timed alone; same candidates for a seed). A candidate that crashes "
+            "planner then also cuts short the trial beside it"
+        ),
+    ] = False,
     tune_trials: TuneOpt = 0,
     sampler: Annotated[
         Literal["tpe", "random"],
@@ -94,6 +102,7 @@ def plan(
                 accuracy_tolerance=accuracy_tolerance,
                 accuracy_steps=accuracy_steps,
                 screen_steps=screen_steps,
+                overlap=overlap,
                 tracker=tracker,
                 key=key,
                 on_trial=progress.trial,

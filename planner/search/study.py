@@ -54,7 +54,10 @@ class SearchSettings:
     timeout_s: float | None
     evaluation: EvalSettings
     own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
-    pipeline: bool = True  # on a local target with 2+ cores, compile the next trial during this one's fine-tune
+    # on a local target with 2+ cores, compile the next trial during this one's fine-tune. Off by
+    # default: a candidate that crashes the process (a compiler abort) then takes the trial beside
+    # it down too, and the crash-retry rule (RETRIES) would blame and fail that innocent trial.
+    overlap: bool = False
 
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
@@ -298,6 +301,9 @@ class _Halt:
 ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it may be what breaks it
 
 
+NOT_BEGUN = "the study stopped before this trial began (no candidate drawn: nothing to measure again)"
+
+
 def _keep_seed() -> None:
     pass
 
@@ -406,7 +412,8 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
             if pipeline is not None:
                 pipeline.before_sampling(trial._trial_id)
                 if halt():  # stopped while it waited its turn: it has not begun, nothing to queue again
-                    raise optuna.TrialPruned("the study stopped before this trial began")
+                    trial.set_user_attr("fail_reason", NOT_BEGUN)
+                    raise optuna.TrialPruned(NOT_BEGUN)
             return _evaluate(trial)
         except (optuna.TrialPruned, CandidateFailed):
             raise  # Optuna ends the trial and runs the callbacks, which move the pipeline on
@@ -568,7 +575,7 @@ def run_study(
     study's finished trials (every process's)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
     # one trial in flight per board; here, two in a fixed pipeline where a second core can compile
-    pipeline = _Pipeline() if target.runner == "local" and settings.pipeline and (os.cpu_count() or 1) > 1 else None
+    pipeline = _Pipeline() if target.runner == "local" and settings.overlap and (os.cpu_count() or 1) > 1 else None
     n_jobs = capacity(target) if pipeline is None else 2
     recover_dead_trials(study)  # a dead process on this host: queued again at once
     optuna.storages.fail_stale_trials(study)  # a silent heartbeat (another host): failed and queued again now
