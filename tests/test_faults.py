@@ -103,6 +103,28 @@ def test_a_candidate_that_kills_its_process_twice_is_failed_not_retried_forever(
     assert counted(trials) == 2
 
 
+def test_with_overlap_a_kill_blames_neither_trial_in_flight_and_both_run_again_alone(tiny_model, tiny_data, tmp_path):
+    """Two trials in flight when the process dies: either candidate may have killed it. Neither uses
+    up its crash retry; each is queued to run alone, where a crash would be its own."""
+    out = tmp_path / "p"
+    args = plan_args(tiny_model, tiny_data, out, "--trials", "3", "--accuracy-steps", "3000", "--screen-steps", "0", "--overlap")
+    # trial 1 starts compiling while trial 0 fine-tunes its 3000 steps
+    killed = planner(*args, env={"PLANNER_KILL_AT": "trial-compile@2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    final = planner(*args)
+    assert final.returncode == 0, final.stderr
+    trials = study_trials(out)
+    cut = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED and t.params]
+    assert sorted(t.number for t in cut) == [0, 1]
+    assert all("beside another trial" in t.user_attrs["fail_reason"] for t in cut)
+    for t in cut:
+        (copy,) = [u for u in trials if u.user_attrs.get("requeued_from") == t.number]
+        assert copy.state == optuna.trial.TrialState.COMPLETE and copy.params == t.params
+        assert copy.user_attrs["alone"] and copy.user_attrs["retries"] == 0
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    assert counted(trials) == 3
+
+
 # --- kill -9 while the plan directory is written: the old plan whole, or the new one complete -----
 
 
@@ -419,9 +441,21 @@ def test_sigterm_stops_like_ctrl_c_with_a_plan_and_no_trial_left_running(tiny_mo
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-trial", "overlap"])
 def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model, tiny_data, tmp_path, overlap):
     out = tmp_path / "p"
-    args = plan_args(tiny_model, tiny_data, out, "--trials", "3", "--accuracy-steps", "3000", *(["--overlap"] if overlap else []))
+    # no screening: every fine-tune is the full, long one the signals must land in
+    args = plan_args(
+        tiny_model,
+        tiny_data,
+        out,
+        "--trials",
+        "3",
+        "--accuracy-steps",
+        "20000",
+        "--screen-steps",
+        "0",
+        *(["--overlap"] if overlap else []),
+    )
     proc = _start(args)
-    _wait_for(proc, "ms median on", times=2)  # trial 1 is measured: its 3000-step fine-tune begins
+    _wait_for(proc, "ms median on", times=2)  # trial 1 is measured: its long fine-tune begins (seconds)
     proc.send_signal(signal.SIGINT)
     _wait_for(proc, "stopping after the trials in flight")
     proc.send_signal(signal.SIGINT)
@@ -432,7 +466,8 @@ def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model,
     # timed), or before it began (still waiting its turn to be drawn: no candidate to measure again)
     pruned = [t for t in study_trials(out) if t.state == optuna.trial.TrialState.PRUNED]
     cut = [t for t in pruned if t.params]
-    assert 1 in [t.number for t in cut] and {t.number for t in pruned} <= ({1, 2} if overlap else {1})
+    states = [(t.number, t.state.name, t.user_attrs.get("fail_reason")) for t in study_trials(out)]
+    assert 1 in [t.number for t in cut] and {t.number for t in pruned} <= ({1, 2} if overlap else {1}), states
     assert all("interrupted mid-trial" in t.user_attrs["fail_reason"] for t in cut)
     assert all(t.user_attrs["fail_reason"] == NOT_BEGUN for t in pruned if not t.params)
     rerun = planner(*args)

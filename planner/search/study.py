@@ -11,8 +11,10 @@ Everything Optuna-specific stays here: callers get plain `TrialRecord`s.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import json
 import logging
 import os
 import socket
@@ -270,17 +272,19 @@ def _requeue(
     reason: str,
     crashed: bool = False,
     env_failures: int | None = None,
+    alone: bool = False,
 ) -> None:
     """Queue `trial`'s candidate again: the copy runs before anything new is sampled.
 
     The trial itself is then ended PRUNED (planner prunes nothing else), which never counts as
     finished, so the study still wants as many trials as before. `crashed` marks a process that
     died mid-trial, which may be the candidate's doing (a crash in its code): such a candidate is
-    queued again only RETRIES times, then it is a FAIL."""
+    queued again only RETRIES times, then it is a FAIL. `alone`: the copy runs with no other
+    trial in flight (`_Pipeline.run_alone`), so a crash of its process is its own."""
     retries = int(trial.user_attrs.get("retries", 0)) + crashed
     if isinstance(trial, optuna.Trial):  # a live trial, about to end PRUNED: say why
         trial.set_user_attr("fail_reason", f"{reason}; queued again")
-    attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries}
+    attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries, "alone": alone}
     attrs["env_failures"] = int(trial.user_attrs.get("env_failures", 0)) if env_failures is None else env_failures
     study.enqueue_trial(trial.params, user_attrs=attrs)
 
@@ -324,6 +328,7 @@ class _Pipeline:
         self._timed: set[int] = set()
         self._ended: set[int] = set()
         self._exited: dict[int, float] = {}  # ticket -> when its objective ended
+        self._alone: set[int] = set()  # tickets that run with no other trial in flight
         self._broken = False
 
     @contextlib.contextmanager
@@ -358,12 +363,13 @@ class _Pipeline:
 
     TELL_S = 60.0  # a trial left its objective this long ago and is still not told: its tell failed
 
-    def _after(self, trial_id: int, done: set[int]) -> None:
+    def _after(self, trial_id: int, done: Callable[[int], bool]) -> None:
+        """Wait until `done(ticket before)` (under the lock), or the pipeline is broken."""
         with self._cond:
             ticket = self._tickets.get(trial_id, 0)
 
             def ready() -> bool:
-                if self._broken or ticket == 0 or ticket - 1 in done:
+                if self._broken or ticket == 0 or done(ticket - 1):
                     return True
                 left = self._exited.get(ticket - 1)  # (so its callbacks never ran: do not wait for ever)
                 return left is not None and time.monotonic() - left > self.TELL_S
@@ -372,10 +378,20 @@ class _Pipeline:
                 pass
 
     def before_sampling(self, trial_id: int) -> None:
-        self._after(trial_id, self._timed)
+        # after a trial that runs alone, the next waits for its end, not its timing; a trial says
+        # so (run_alone) before it can be timed, so the test is made when it is timed or ended
+        self._after(trial_id, lambda t: t in self._ended or (t in self._timed and t not in self._alone))
+
+    def run_alone(self, trial_id: int) -> None:
+        """Returns once the trial before has ended; the next waits for this one's end (a candidate
+        suspected of crashing the process must not take another trial down with it)."""
+        with self._cond:
+            if trial_id in self._tickets:
+                self._alone.add(self._tickets[trial_id])
+        self.before_timing(trial_id)
 
     def before_timing(self, trial_id: int) -> None:
-        self._after(trial_id, self._ended)
+        self._after(trial_id, self._ended.__contains__)
 
     def exited(self, trial_id: int) -> None:
         """The trial's objective returned or raised: Optuna tells it next."""
@@ -411,6 +427,8 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
         try:
             if pipeline is not None:
                 pipeline.before_sampling(trial._trial_id)
+                if trial.user_attrs.get("alone"):
+                    pipeline.run_alone(trial._trial_id)
                 if halt():  # stopped while it waited its turn: it has not begun, nothing to queue again
                     trial.set_user_attr("fail_reason", NOT_BEGUN)
                     raise optuna.TrialPruned(NOT_BEGUN)
@@ -522,11 +540,16 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
     period), and queue their candidates again, so a rerun a second later measures them. A
     candidate whose process died RETRIES times already is a FAIL: it likely crashes planner.
 
+    A process that died with two candidates in flight (`--overlap`) cannot say which one killed
+    it: neither is blamed, and both are queued to run alone, where a second crash is the
+    candidate's own. A trial that had not drawn its candidate yet is only ended.
+
     Returns the numbers of the trials ended."""
     ended = []
     queued = {
         t.user_attrs.get("requeued_from") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
     }
+    dead: list[tuple[optuna.trial.FrozenTrial, str, str]] = []  # (trial, why, which process)
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         process = t.user_attrs.get("process")
         if isinstance(process, dict):
@@ -539,17 +562,25 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
             reason = "its process died mid-trial (a trial with no process record, started long ago)"
         else:
             continue  # another process's trial, a moment old
+        dead.append((t, reason, json.dumps(process, sort_keys=True) if isinstance(process, dict) else f"#{t.number}"))
+    in_flight = collections.Counter(key for t, _, key in dead if t.params)
+    for t, reason, key in dead:
         storage, tid = study._storage, t._trial_id
         crashes = int(t.user_attrs.get("retries", 0))
+        shared = in_flight[key] > 1
         try:
-            if crashes >= RETRIES:
+            if not t.params:  # it was waiting its turn to draw a candidate: nothing to measure again
+                storage.set_trial_user_attr(tid, "fail_reason", f"{reason} before drawing a candidate")
+                storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
+            elif crashes >= RETRIES and not shared:
                 storage.set_trial_user_attr(tid, "fail_reason", f"{reason}, again: the candidate may crash planner")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
             else:
-                storage.set_trial_user_attr(tid, "fail_reason", f"{reason}; queued again")
+                why = f"{reason} beside another trial; to run alone" if shared else reason
+                storage.set_trial_user_attr(tid, "fail_reason", f"{why}; queued again")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
                 if t.number not in queued:  # (its own process queued it, then died before ending it)
-                    _requeue(t, study, reason, crashed=True)
+                    _requeue(t, study, why, crashed=not shared, alone=shared)
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # another process got there first
         ended.append(t.number)
