@@ -452,7 +452,9 @@ def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model,
         "20000",
         "--screen-steps",
         "0",
-        *(["--overlap"] if overlap else []),
+        # another seed with --overlap: candidates the other case (in the same cache) fine-tuned
+        # fully on its rerun would be accuracy cache hits, done before the signals land
+        *(["--overlap", "--seed", "1"] if overlap else []),
     )
     proc = _start(args)
     _wait_for(proc, "ms median on", times=2)  # trial 1 is measured: its long fine-tune begins (seconds)
