@@ -174,7 +174,7 @@ def plan(
     accuracy_tolerance: float = 0.01,
     accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
     screen_steps: int | None = None,
-    overlap: bool = False,
+    overlap: bool = True,
     latency_repeats: int = 10,
     tune_trials: int = 0,
     sampler: str = "tpe",
@@ -323,6 +323,7 @@ def work(
     study: str = "planner",
     trials: int | None = None,
     cache_dir: Path | None = None,
+    overlap: bool = True,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
     stop: threading.Event | None = None,
@@ -336,6 +337,7 @@ def work(
     The model, data, target and space are the ones stored with the study (their hashes are
     checked); this worker's sampler draws with its own random seed, so workers do not propose
     the same candidates, while fine-tuning uses the study's seed, so accuracies stay comparable.
+    `overlap` as in `plan`.
     """
     from planner.backend.compile import check_cache_dir, default_cache_dir
     from planner.measurement import capacity
@@ -363,7 +365,7 @@ def work(
     with study_storage_writes(storage):  # a full disk under the journal: one line, not a traceback
         st = open_study(storage, study, None, config, inputs["sampler"], anchors)
         return run_study(
-            st, m, dataset, hw, sp, SearchSettings(inputs["trials"], None, evaluation, trials), on_trial, on_start, stop
+            st, m, dataset, hw, sp, SearchSettings(inputs["trials"], None, evaluation, trials, overlap), on_trial, on_start, stop
         )
 
 

@@ -8,9 +8,12 @@ every four multiply-adds multiply a zero (a tiny CNN's stride-2 layer: 58 MFLOP 
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 
 import tvm
+import tvm_ffi
 from tvm import relax, te, tirx
 
 from planner.backend import gemm
@@ -67,18 +70,99 @@ def conv2d_transpose_taps(bb: relax.BlockBuilder, call: relax.Call) -> relax.Exp
     return bb.call_te(compute, call.args[0], call.args[1], primfunc_name_hint="conv2d_transpose_taps")
 
 
+class _Remembered:
+    """One op's lowering, remembered across the modules of this process by what decides it (the
+    op, its attributes, its operands' types — or, for an operand that is not a variable, the
+    operand itself —, which operands are the same variable, its result type, and the `flavor`:
+    the target and whatever else chose among planner's lowerings) when it is one `call_tir` of
+    the call's own operands: a study legalizes ~1,500 ops per candidate, most of them ones every earlier
+    candidate had (~1 ms each through TE). A hit adds the remembered kernel and calls it on
+    this call's operands; anything else is lowered afresh. A hash match is confirmed by
+    structural equality before it is used."""
+
+    SIZE = 16384
+    memo: collections.OrderedDict[tuple, tuple[list, tirx.PrimFunc, str, list[int], relax.Call]] = collections.OrderedDict()
+    lock = threading.Lock()
+
+    def __init__(self, lower: Lowering, flavor: tuple) -> None:
+        self.lower, self.flavor = lower, flavor
+
+    def __call__(self, bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        witness = self._witness(call)
+        # which operands are one and the same variable: `x * x` lowers to a kernel of one input
+        aliases = tuple(next(j for j, b in enumerate(call.args) if b.same_as(a)) for a in call.args)
+        key = (call.op.name, *self.flavor, aliases, *(tvm_ffi.structural_hash(w) if w is not None else 0 for w in witness))
+        with self.lock:
+            found = self.memo.get(key)
+        if found is not None and all(_same(a, b) for a, b in zip(found[0], witness)):
+            _, func, name, picks, template = found
+            gv = bb.add_func(func, name)
+            args = relax.Tuple([call.args[i] for i in picks])
+            return relax.Call(template.op, [gv, args], template.attrs, template.ty_args)
+        out = self.lower(bb, call)
+        remembered = self._template(bb, call, out)
+        if remembered is not None:
+            with self.lock:
+                self.memo[key] = (witness, *remembered)
+                while len(self.memo) > self.SIZE:
+                    self.memo.popitem(last=False)
+        return out
+
+    @staticmethod
+    def _witness(call: relax.Call) -> list:
+        operands = [a.ty if isinstance(a, relax.Var) else a for a in call.args]
+        return [call.attrs, call.ty, *call.ty_args, *operands]
+
+    @staticmethod
+    def _template(bb: relax.BlockBuilder, call: relax.Call, out: relax.Expr):
+        if not (
+            isinstance(out, relax.Call)
+            and out.op.same_as(_CALL_TIR)
+            and len(out.args) == 2
+            and isinstance(out.args[0], relax.GlobalVar)
+            and isinstance(out.args[1], relax.Tuple)
+        ):
+            return None
+        picks = []
+        for field in out.args[1].fields:
+            index = next((i for i, a in enumerate(call.args) if a.same_as(field)), None)
+            if index is None or not isinstance(field, relax.Var):
+                return None  # an operand the lowering made: not this call's to replay
+            picks.append(index)
+        func = bb.get()[out.args[0]]
+        # the name the lowering asked for, without the number the builder added to make it unique
+        name = out.args[0].name_hint.rstrip("0123456789") or out.args[0].name_hint
+        return (func, name, picks, out) if isinstance(func, tirx.PrimFunc) else None
+
+
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and tvm_ffi.structural_equal(a, b))
+
+
 def legalize(target: tvm.target.Target, kernels: Kernels) -> tvm.transform.Pass:
-    """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ: with
-    `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`."""
+    """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ (with
+    `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`), every
+    lowering remembered across candidates (`_Remembered`)."""
     ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
+    threads = gemm.pool_threads(target)
+    flavor = (str(target), kernels.value, threads, gemm.BAND_BYTES)
     if kernels == Kernels.OPENBLAS:
         # loaded here too, not only where the step is loaded: a module built in-process (tests,
         # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
         load_openblas()
-        threads = gemm.pool_threads(target)
         tvms = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")
         ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads)
         ops["relax.nn.conv2d_transpose"] = functools.partial(
             gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads
         )
-    return relax.transform.LegalizeOps(ops)
+    return relax.transform.LegalizeOps({name: _Remembered(lower, flavor) for name, lower in (_registered() | ops).items()})
+
+
+@functools.cache
+def _registered() -> dict[str, Lowering]:
+    """Every Relax op's own lowering (its `FLegalize`)."""
+    found = ((name, tvm.ir.Op.get(name).get_attr("FLegalize")) for name in tvm.ir.Op.list_op_names())
+    return {name: lower for name, lower in found if name.startswith("relax.") and lower is not None}

@@ -29,6 +29,14 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="one line per 
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="no progress on stderr (it is off anyway when stderr is not a terminal)")
 ]
+OverlapOpt = Annotated[
+    bool,
+    typer.Option(
+        help="two trials at a time on this machine (2+ cores): compile the next candidate while this one "
+        "fine-tunes (latency is still timed alone; same candidates for a seed). A candidate that crashes "
+        "planner also cuts short the trial beside it: both run again, each alone"
+    ),
+]
 TuneOpt = Annotated[
     int,
     typer.Option(

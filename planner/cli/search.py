@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from planner.cli._app import KeyOpt, QuietOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._app import KeyOpt, OverlapOpt, QuietOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import INTERRUPTED, guard
 from planner.cli._output import note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
@@ -53,14 +53,7 @@ def plan(
             show_default=False,
         ),
     ] = None,
-    overlap: Annotated[
-        bool,
-        typer.Option(
-            help="two trials at a time on this machine (2+ cores): compile the next candidate while this one "
-            "fine-tunes (latency is still timed alone; same candidates for a seed). A candidate that crashes "
-            "planner then also cuts short the trial beside it"
-        ),
-    ] = False,
+    overlap: OverlapOpt = True,
     tune_trials: TuneOpt = 0,
     sampler: Annotated[
         Literal["tpe", "random"],
@@ -139,6 +132,7 @@ def worker(
     trials: Annotated[
         int | None, typer.Option(help="trials to run here [default: until the study holds the count it was created with]")
     ] = None,
+    overlap: OverlapOpt = True,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
     json_out: Annotated[
@@ -159,7 +153,13 @@ def worker(
     with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
         records = guard(
             lambda: api.work(
-                storage=storage, study=study, trials=trials, on_trial=progress.trial, on_start=progress.start, stop=stop
+                storage=storage,
+                study=study,
+                trials=trials,
+                overlap=overlap,
+                on_trial=progress.trial,
+                on_start=progress.start,
+                stop=stop,
             )
         )
     finished = sum(r.state.finished for r in records)

@@ -56,10 +56,10 @@ class SearchSettings:
     timeout_s: float | None
     evaluation: EvalSettings
     own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
-    # on a local target with 2+ cores, compile the next trial during this one's fine-tune. Off by
-    # default: a candidate that crashes the process (a compiler abort) then takes the trial beside
-    # it down too, and the crash-retry rule (RETRIES) would blame and fail that innocent trial.
-    overlap: bool = False
+    # on a local target with 2+ cores, compile the next trial during this one's fine-tune. A
+    # candidate that crashes the process (a compiler abort) then takes the trial beside it down
+    # too: neither is blamed, both run again alone (`recover_dead_trials`, `_retry_stale`)
+    overlap: bool = True
 
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
@@ -85,8 +85,8 @@ def open_storage(url: str | None) -> optuna.storages.BaseStorage:
     (default 10). When a trial has been silent for PLANNER_HEARTBEAT_GRACE_S seconds (default 30),
     its process was killed or its machine lost. The next process to start a trial on the study
     (a `planner plan` or `planner worker`) then marks it FAIL and queues a copy with the same
-    parameters, which Optuna runs before sampling anything new (`RetryHeartbeatStaleTrialCallback`;
-    once per trial, so a candidate that kills its process cannot kill every worker in turn).
+    parameters, which Optuna runs before sampling anything new (`_retry_stale`: once per
+    candidate, so a candidate that kills its process cannot kill every worker in turn).
 
     A journal file has no heartbeats in Optuna 5: a killed process's trial stays RUNNING there
     and is not retried (the study goes on without it).
@@ -98,10 +98,7 @@ def open_storage(url: str | None) -> optuna.storages.BaseStorage:
         if grace <= interval:
             raise BadInput(f"{GRACE_ENV} ({grace} s) must be longer than {HEARTBEAT_ENV} ({interval} s)")
         return optuna.storages.RDBStorage(
-            url,
-            heartbeat_interval=interval,
-            grace_period=grace,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES),
+            url, heartbeat_interval=interval, grace_period=grace, heartbeat_stale_trial_callback=_retry_stale
         )
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
 
@@ -287,6 +284,34 @@ def _requeue(
     attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries, "alone": alone}
     attrs["env_failures"] = int(trial.user_attrs.get("env_failures", 0)) if env_failures is None else env_failures
     study.enqueue_trial(trial.params, user_attrs=attrs)
+
+
+STALE = "its process stopped sending heartbeats (killed or lost)"
+
+
+def _retry_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Optuna's heartbeat-stale callback (see `open_storage`): `trial`, just failed by Optuna
+    because its process went silent on some host, is queued again as `recover_dead_trials`
+    queues a dead process's trial on this one. A candidate whose process died RETRIES times
+    already stays FAIL; one that died beside another candidate of the same process (two in
+    flight) is not blamed, and runs again alone. Its copy points back at it (`requeued_from`),
+    so `_finished` does not count it."""
+    shared = bool(trial.params) and any(
+        t.number != trial.number and t.params and t.user_attrs.get("process") == trial.user_attrs.get("process") and _silenced(t)
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL))
+    )
+    if int(trial.user_attrs.get("retries", 0)) >= RETRIES and not shared:
+        return  # it stays FAIL (`records` says why)
+    _requeue(trial, study, f"{STALE} beside another trial; to run alone" if shared else STALE, crashed=not shared, alone=shared)
+
+
+def _silenced(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether `trial`'s process is gone without a word from it: running still (about to be
+    failed as stale too: its heartbeats stopped with its process), or failed by Optuna for its
+    silence (a trial that failed on its own carries a reason)."""
+    if trial.state == optuna.trial.TrialState.RUNNING:
+        return True
+    return "fail_reason" not in trial.user_attrs and "fail_reason" not in trial.system_attrs
 
 
 class _Halt:
@@ -677,11 +702,17 @@ def _in_background(optimize: Callable[[], None], halt: _Halt) -> None:
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)  # PRUNED: cut short by Ctrl-C
 
 
+def _retried(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
+    """Trials queued again (`requeued_from`; `failed_trial`: a retry by Optuna's own callback, in
+    studies planner ran before it had `_retry_stale`)."""
+    return {n for t in trials for n in (t.user_attrs.get("requeued_from"), t.system_attrs.get("failed_trial")) if n is not None}
+
+
 def _finished(study: optuna.Study) -> int:
     """Finished trials, not counting one a dead process left that runs again as a retry (so a
     killed worker costs the study no candidate)."""
     trials = study.get_trials(deepcopy=False)
-    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    retried = _retried(trials)
     return sum(t.state in FINISHED and t.number not in retried for t in trials)
 
 
@@ -695,13 +726,16 @@ def records(study: optuna.Study) -> list[TrialRecord]:
     """Every trial as a record. A trial whose heartbeat stopped and that Optuna ran again is shown
     cut short (PRUNED, not counted), as `_finished` counts it: a dead process costs no trial."""
     trials = study.get_trials(deepcopy=False)
-    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    retried = _retried(trials)
+    why = {t.user_attrs.get("requeued_from"): t.user_attrs.get("requeue_reason") for t in trials}
     out = []
     for t in trials:
         rec = to_record(t)
         if rec.state is TrialState.FAIL and t.number in retried:
             rec.state = TrialState.PRUNED
-            rec.fail_reason = rec.fail_reason or "its process stopped sending heartbeats (killed or lost); queued again"
+            rec.fail_reason = rec.fail_reason or f"{why.get(t.number) or STALE}; queued again"
+        elif rec.state is TrialState.FAIL and rec.fail_reason is None and _silenced(t):
+            rec.fail_reason = f"{STALE}, again: the candidate may crash planner"
         out.append(rec)
     return out
 
