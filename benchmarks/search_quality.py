@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--screen-steps", type=int, default=None, help="planner's --screen-steps (default: its own)")
-    parser.add_argument("--no-overlap", dest="overlap", action="store_false", help="planner's --no-overlap: one trial at a time")
+    parser.add_argument("--overlap", action="store_true", help="planner's --overlap: two trials in flight")
     args = parser.parse_args()
     fronts: dict[tuple[str, int], np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -73,11 +73,12 @@ def test_kill_9_mid_trial_then_an_immediate_rerun_measures_exactly_the_missing_t
     phase, overlap, tiny_model, tiny_data, tmp_path
 ):
     out = tmp_path / "p"
-    args = plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS), *([] if overlap else ["--no-overlap"]))
+    args = plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS), *(["--overlap"] if overlap else []))
     killed = planner(*args, env={"PLANNER_KILL_AT": f"{phase}@2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     before = study_trials(out)
-    dead = [t for t in before if t.state == optuna.trial.TrialState.RUNNING and t.params]
+    # mid-trial: its candidate drawn (a trial killed while drawing one is only ended)
+    dead = [t for t in before if t.state == optuna.trial.TrialState.RUNNING and "candidate" in t.user_attrs]
     if overlap:  # trial 1 died mid-way, trial 0 maybe with it (its fine-tune beside trial 1's compile)
         assert 1 in [t.number for t in dead] and {t.number for t in dead} <= {0, 1, 2} and counted(before) <= 1
     else:  # trial 0 finished, trial 1 died mid-way
@@ -466,7 +467,7 @@ def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model,
         "0",
         # another seed with --overlap: candidates the other case (in the same cache) fine-tuned
         # fully on its rerun would be accuracy cache hits, done before the signals land
-        *(["--seed", "1"] if overlap else ["--no-overlap"]),
+        *(["--overlap", "--seed", "1"] if overlap else []),
     )
     proc = _start(args)
     _wait_for(proc, "ms median on", times=2)  # trial 1 is measured: its long fine-tune begins (seconds)

@@ -216,7 +216,7 @@ def test_a_worker_refuses_a_study_that_does_not_exist(tmp_path):
 
 
 def test_a_worker_on_another_host_killed_with_two_trials_in_flight_blames_neither(tiny_model, tiny_data, tmp_path, monkeypatch):
-    """A worker elsewhere runs two trials at a time (the default, overlap) and dies: only the
+    """A worker elsewhere runs two trials at a time (`--overlap`) and dies: only the
     heartbeat tells, and it cannot tell which candidate killed the process. Neither uses up its
     crash retry; each runs again alone, where a crash would be its own."""
     prefix = _on_another_host()
@@ -228,7 +228,7 @@ def test_a_worker_on_another_host_killed_with_two_trials_in_flight_blames_neithe
     api.plan(model=tiny_model, data=tiny_data, out=tmp_path / "plan", trials=1, **settings)
     # the worker's second trial starts compiling while its first fine-tunes 3000 steps: killed there
     env = {**_env(tmp_path), "PLANNER_KILL_AT": "trial-compile@2"}
-    worker = _planner("worker", "--storage", url, "--study", name, "--trials", "3", env=env, prefix=prefix)
+    worker = _planner("worker", "--storage", url, "--study", name, "--trials", "3", "--overlap", env=env, prefix=prefix)
     try:
         _, err = worker.communicate(timeout=300)
     finally:

@@ -131,7 +131,7 @@ class _ClampedTake(relax.PyExprMutator):
         return call
 
 
-_FOLDED = {"relax.isnan": np.isnan, "relax.where": np.where}
+_FOLDED: dict[str, Callable[..., np.ndarray]] = {"relax.isnan": np.isnan, "relax.where": np.where}
 
 
 @relax.expr_functor.mutator

@@ -80,7 +80,7 @@ class _Remembered:
     this call's operands; anything else is lowered afresh. A hash match is confirmed by
     structural equality before it is used."""
 
-    SIZE = 16384
+    SIZE = 4096  # kernels of the last few dozen candidates: what a study reuses most
     memo: collections.OrderedDict[tuple, tuple[list, tirx.PrimFunc, str, list[int], relax.Call]] = collections.OrderedDict()
     lock = threading.Lock()
 
@@ -94,6 +94,8 @@ class _Remembered:
         key = (call.op.name, *self.flavor, aliases, *(tvm_ffi.structural_hash(w) if w is not None else 0 for w in witness))
         with self.lock:
             found = self.memo.get(key)
+            if found is not None:
+                self.memo.move_to_end(key)  # least recently used first out
         if found is not None and all(_same(a, b) for a, b in zip(found[0], witness)):
             _, func, name, picks, template = found
             gv = bb.add_func(func, name)

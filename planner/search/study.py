@@ -58,8 +58,10 @@ class SearchSettings:
     own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
     # on a local target with 2+ cores, compile the next trial during this one's fine-tune. A
     # candidate that crashes the process (a compiler abort) then takes the trial beside it down
-    # too: neither is blamed, both run again alone (`recover_dead_trials`, `_retry_stale`)
-    overlap: bool = True
+    # too: neither is blamed, both run again alone (`recover_dead_trials`, `_retry_stale`). Off
+    # by default: with two trials in flight, a full disk under the study's storage ends the run
+    # with no trial and the error naming the plan, not the study (Optuna's threads)
+    overlap: bool = False
 
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
@@ -283,7 +285,7 @@ def _requeue(
         trial.set_user_attr("fail_reason", f"{reason}; queued again")
     attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries, "alone": alone}
     attrs["env_failures"] = int(trial.user_attrs.get("env_failures", 0)) if env_failures is None else env_failures
-    study.enqueue_trial(trial.params, user_attrs=attrs)
+    study.enqueue_trial(trial.params if _drawn(trial) else {}, user_attrs=attrs)  # (part of a candidate: none)
 
 
 STALE = "its process stopped sending heartbeats (killed or lost)"
@@ -296,13 +298,19 @@ def _retry_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     already stays FAIL; one that died beside another candidate of the same process (two in
     flight) is not blamed, and runs again alone. Its copy points back at it (`requeued_from`),
     so `_finished` does not count it."""
-    shared = bool(trial.params) and any(
-        t.number != trial.number and t.params and t.user_attrs.get("process") == trial.user_attrs.get("process") and _silenced(t)
+    shared = _drawn(trial) and any(
+        t.number != trial.number and _drawn(t) and t.user_attrs.get("process") == trial.user_attrs.get("process") and _silenced(t)
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL))
     )
     if int(trial.user_attrs.get("retries", 0)) >= RETRIES and not shared:
         return  # it stays FAIL (`records` says why)
     _requeue(trial, study, f"{STALE} beside another trial; to run alone" if shared else STALE, crashed=not shared, alone=shared)
+
+
+def _drawn(trial: optuna.trial.FrozenTrial | optuna.Trial) -> bool:
+    """Whether `trial` had drawn its whole candidate (the objective records it once sampled): a
+    process killed while the sampler was still drawing leaves only some of the parameters."""
+    return "candidate" in trial.user_attrs
 
 
 def _silenced(trial: optuna.trial.FrozenTrial) -> bool:
@@ -588,13 +596,13 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
         else:
             continue  # another process's trial, a moment old
         dead.append((t, reason, json.dumps(process, sort_keys=True) if isinstance(process, dict) else f"#{t.number}"))
-    in_flight = collections.Counter(key for t, _, key in dead if t.params)
+    in_flight = collections.Counter(key for t, _, key in dead if _drawn(t))
     for t, reason, key in dead:
         storage, tid = study._storage, t._trial_id
         crashes = int(t.user_attrs.get("retries", 0))
         shared = in_flight[key] > 1
         try:
-            if not t.params:  # it was waiting its turn to draw a candidate: nothing to measure again
+            if not _drawn(t):  # it was waiting its turn to draw a candidate (or drawing it): nothing to measure again
                 storage.set_trial_user_attr(tid, "fail_reason", f"{reason} before drawing a candidate")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
             elif crashes >= RETRIES and not shared:
