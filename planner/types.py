@@ -8,7 +8,7 @@ spaces and Optuna storages hold, and serialises as that string.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -391,8 +391,14 @@ class StepSignature:
     splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
     quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
     loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
-    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, initial fill value)
+    # (shape, dtype, initial fill value); the last is the learning rate the update multiplies by
+    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]
     n_classes: int
+
+    def with_lr(self, lr: float) -> StepSignature:
+        """The signature of the same step run with learning rate `lr` (its last optimizer state)."""
+        shape, dtype, _ = self.optim_states[-1]
+        return replace(self, optim_states=(*self.optim_states[:-1], (shape, dtype, lr)))
 
     @property
     def batch_size(self) -> int:

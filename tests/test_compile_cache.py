@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tvm
 
 from planner.backend import link
@@ -51,3 +52,30 @@ def test_a_candidate_compiles_only_kernels_no_earlier_candidate_had(tiny_model, 
     assert losses_a == losses_b
     for name, w in weights_b.items():
         np.testing.assert_array_equal(weights_a[name], w, err_msg=name)
+
+
+@pytest.mark.parametrize("optimizer, precision", [("sgd", "fp32"), ("momentum", "fp32"), ("adam", "fp32"), ("sgd", "fp16")])
+def test_a_candidate_differing_only_in_lr_reuses_the_step_and_trains_at_its_own_lr(tiny_model, tmp_path, optimizer, precision):
+    """The learning rate is an input of the step: a search's many lrs of one structure compile once,
+    and each trains at its own rate (a first update is proportional to lr for all three
+    optimizers; fp16's loss scale is divided out of it)."""
+    model = load_model(tiny_model)
+    names = [layer.name for layer in model.layers if layer.weight or layer.bias]
+    slow, fast = (Candidate(((names[-1], "full"),), 4, optimizer, lr, precision) for lr in (0.01, 0.04))
+    build = BuildOptions(HOST, tmp_path)
+    first = compile_candidate(model, slow, build)
+    objects = _objects(tmp_path)
+    again = compile_candidate(model, fast, build)
+    assert again.cached and again.directory == first.directory and _objects(tmp_path) == objects
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)
+    moved = []
+    for step in (first, again):
+        session = TrainingSession(step.library, step.signature, model.initializers)
+        session.step(x, y)
+        after = session.weights()
+        moved.append({n: after[n].astype(np.float64) - model.initializers[n] for n in step.signature.trainable})
+    for name, small in moved[0].items():
+        assert np.abs(small).max() > 0, name
+        np.testing.assert_allclose(moved[1][name], 4 * small, rtol=1e-3, atol=1e-7, err_msg=name)

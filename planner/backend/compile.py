@@ -22,7 +22,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import tvm
@@ -31,7 +31,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner import __version__, cachefile
 from planner.backend import gemm, link, tune
-from planner.backend.graph import STEP_FUNC, build_training_module
+from planner.backend.graph import STEP_FUNC, build_training_module, update_lr
 from planner.backend.inplace import in_place_candidates, update_in_place
 from planner.backend.kernels import legalize
 from planner.backend.libraries import PACKAGE, link_options
@@ -105,7 +105,7 @@ def cache_key(model: Model, candidate: Candidate, build: BuildOptions) -> str:
     blob = json.dumps(
         {
             "model": model.sha256,
-            "candidate": candidate.to_json(),
+            "candidate": {k: v for k, v in candidate.to_json().items() if k != "lr"},  # a step input
             "target": str(build.target),
             "toolchain": build.toolchain,
             "kernels": build.kernels,
@@ -172,7 +172,15 @@ class BuildOptions:
 
 
 def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
-    """The candidate's compiled step, from the cache when it is there (see `BuildOptions`)."""
+    """The candidate's compiled step, from the cache when it is there (see `BuildOptions`).
+
+    The learning rate is an input of the step (`StepSignature.with_lr`), not compiled in: a
+    candidate that differs from a cached one only in lr reuses its step."""
+    step = _compile_or_load(model, candidate, build)
+    return replace(step, signature=step.signature.with_lr(update_lr(candidate, step.signature.loss_scale)))
+
+
+def _compile_or_load(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
     cache_dir = build.cache_dir or default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, build)
     if (step := _cached(entry)) is not None:

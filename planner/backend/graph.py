@@ -4,7 +4,8 @@ The module holds two functions, both with the batch fixed to the candidate's bat
 
 - `train_step(x, *frozen, *trainable, *optim_states, labels) -> (loss, *new_trainable, *new_states)`:
   forward, mean cross-entropy, backward and the optimizer update as ONE function, so the whole step
-  is timed, planned for memory and shipped to a board as a unit;
+  is timed, planned for memory and shipped to a board as a unit. The last optimizer state is the
+  learning rate, returned unchanged: one compiled step serves every lr of a candidate;
 - `backbone(x, *frozen, *trainable) -> logits`: inference, for evaluation.
 
 Frozen parameters are passed as *inputs* of the backbone (`relax.training` only differentiates
@@ -215,7 +216,7 @@ class _Fp16AsBf16(relax.PyExprMutator):
                 return relax.Call(call.op, call.args, attrs, call.ty_args)
         return call
 
-    def visit_constant_(self, const: tvm.ir.Constant) -> relax.Expr:
+    def visit_generic_const_(self, const: tvm.ir.Constant) -> relax.Expr:
         if str(const.value.dtype) == "float16":
             return relax.const(const.value.numpy().astype("float32"), "bfloat16")
         return const
@@ -270,19 +271,58 @@ class _Adam(Adam):
         self.dtype: str = str(self.dtype)
 
 
-def make_optimizer(candidate: Candidate, loss_scale: float = 1.0) -> Optimizer:
+_LR = float("nan")  # the learning rate TVM's optimizers are built with: a mark `_runtime_lr` replaces
+
+
+def make_optimizer(candidate: Candidate) -> Optimizer:
     """`sgd`: plain SGD (no momentum, no weight decay); `momentum`: SGD with momentum 0.9; `adam`.
+
+    Built with the `_LR` mark for a learning rate: the step takes its rate at run time
+    (`update_lr`), so candidates that differ only in lr share one compiled step.
+    """
+    if candidate.optimizer == "sgd":
+        return SGD(_LR)
+    if candidate.optimizer == "momentum":
+        return MomentumSGD(_LR, momentum=0.9)
+    if candidate.optimizer == "adam":
+        return _Adam(_LR)
+    raise CandidateFailed(f"unknown optimizer {candidate.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+
+
+def update_lr(candidate: Candidate, loss_scale: float) -> float:
+    """The rate the step's update multiplies by, its last optimizer state (`StepSignature`).
 
     Gradients arrive multiplied by `loss_scale`. SGD and momentum are linear in the gradient, so
     dividing their learning rate undoes the scale exactly; Adam is invariant to it.
     """
-    if candidate.optimizer == "sgd":
-        return SGD(candidate.lr / loss_scale)
-    if candidate.optimizer == "momentum":
-        return MomentumSGD(candidate.lr / loss_scale, momentum=0.9)
-    if candidate.optimizer == "adam":
-        return _Adam(candidate.lr)
-    raise CandidateFailed(f"unknown optimizer {candidate.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+    return candidate.lr if candidate.optimizer == "adam" else candidate.lr / loss_scale
+
+
+@relax.expr_functor.mutator
+class _MarkedLr(relax.PyExprMutator):
+    """Every `_LR` constant becomes the variable `lr`; `replaced` counts them."""
+
+    def __init__(self, lr: relax.Var):
+        super().__init__()
+        self.lr, self.replaced = lr, 0
+
+    def visit_generic_const_(self, const: tvm.ir.Constant) -> relax.Expr:
+        value = const.value.numpy()
+        if value.shape != () or not np.isnan(value) or str(const.value.dtype) != str(self.lr.ty.dtype):
+            return const
+        self.replaced += 1
+        return self.lr
+
+
+def _runtime_lr(optim: relax.Function, dtype: str) -> tuple[relax.Function, relax.Var]:
+    """TVM's optimizer function (built with `_LR`) taking its learning rate as a fourth argument,
+    a scalar of the optimizer's dtype."""
+    lr = relax.Var("lr", relax.TensorType((), dtype))
+    marked = _MarkedLr(lr)
+    body = marked.visit_expr(optim.body)
+    if not marked.replaced:
+        raise CandidateFailed("the optimizer does not use its learning rate")
+    return relax.Function([*optim.params, lr], body, optim.ret_ty, optim.is_pure, optim.attrs), lr
 
 
 def _fill(tensor) -> float:
@@ -324,7 +364,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
     backbone, loss_scale = _low_precision(backbone, candidate.precision)
 
-    optimizer = make_optimizer(candidate, loss_scale)
+    optimizer = make_optimizer(candidate)
     labels = relax.TensorType((B,), LABEL_DTYPE)
     full = backbone[PREDICT_FUNC]
     prefix, differentiated = _frozen_prefix(full, len(trainable))
@@ -335,7 +375,9 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     except Exception as exc:  # TVM reports missing gradients etc. as generic errors
         raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
 
-    step, state_types = _fused_step(trainer, prefix, n_trainable=len(trainable), accum=candidate.grad_accum)
+    step, state_types, lr_type = _fused_step(
+        trainer, prefix, n_trainable=len(trainable), lr_dtype=str(optimizer.dtype), accum=candidate.grad_accum
+    )
     out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
     sig = StepSignature(
         input_name=model.input_name,
@@ -346,8 +388,9 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         splits={n: splits[n] for n in splits},
         quantized=quantized,
         loss_scale=loss_scale,
-        optim_states=tuple(
-            (tuple(int(d) for d in t.shape), str(t.dtype), _fill(init)) for t, init in zip(state_types, optimizer.state)
+        optim_states=(
+            *((tuple(int(d) for d in t.shape), str(t.dtype), _fill(init)) for t, init in zip(state_types, optimizer.state)),
+            ((), str(lr_type.dtype), update_lr(candidate, loss_scale)),
         ),
         n_classes=model.n_classes,
     )
@@ -501,9 +544,10 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
 
 
 def _fused_step(
-    trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, accum: int = 1
+    trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, lr_dtype: str, accum: int = 1
 ) -> tuple[relax.Function, list[relax.TensorType]]:
-    """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function.
+    """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
+    learning rate is the last optimizer state, returned as it came (`_runtime_lr`).
 
     Inlining lets fusion merge each weight-gradient kernel with its update, so many gradients
     are never materialised at all. With `accum` > 1 the step takes `accum` micro-batches at once
@@ -512,10 +556,8 @@ def _fused_step(
     activations of one micro-batch plus the gradient accumulators.
     """
     adjoint = trainer["backbone_loss_adjoint"]
-    optim = trainer["optimizer"]
+    optim, _ = _runtime_lr(trainer["optimizer"], lr_dtype)
     adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
-    optim_gv = trainer.get_global_var("optimizer")
-    relax.expr._update_type(optim_gv, optim.ty)  # SetupTrainer adds it without a type
     n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
     micro = [relax.Var(v.name, v.ty) for v in adjoint.params]
     x_ty = (prefix.params[0] if prefix is not None else micro[0]).ty
@@ -526,11 +568,13 @@ def _fused_step(
     weights = micro[n_inputs:-1]
     state_types = list(optim.params[2].ty.fields)
     states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
+    lr = relax.Var("lr", optim.params[3].ty)
     first_trainable = len(weights) - n_trainable
 
     bb = relax.BlockBuilder(trainer)
     prefix_gv = bb.add_func(prefix, "frozen_prefix") if prefix is not None else None
-    with bb.function(STEP_FUNC, [x, *weights, *states, y]):
+    optim_gv = bb.add_func(optim, "update")
+    with bb.function(STEP_FUNC, [x, *weights, *states, lr, y]):
         with bb.dataflow():
             loss, grads = None, None
             for i in range(accum):
@@ -551,15 +595,15 @@ def _fused_step(
                 loss = bb.emit(loss / relax.const(float(accum), "float32"))
                 grads = [bb.emit(g / relax.const(float(accum), g.ty.dtype)) for g in grads]
             old = relax.Tuple(weights[first_trainable:])
-            upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states)]))
+            upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states), lr]))
             new_params = bb.emit(relax.TupleGetItem(upd, 0))
             new_states = bb.emit(relax.TupleGetItem(upd, 1))
             outs = [loss]
             outs += [bb.emit(relax.TupleGetItem(new_params, i)) for i in range(n_trainable)]
-            outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))]
+            outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))] + [lr]
             result = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(result)
     step = bb.get()[STEP_FUNC]
-    inlined = {"backbone_loss_adjoint": adjoint, "optimizer": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
+    inlined = {"backbone_loss_adjoint": adjoint, "update": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
     step = step.inline_functions(inlined)
-    return step.with_attr("global_symbol", STEP_FUNC), state_types
+    return step.with_attr("global_symbol", STEP_FUNC), state_types, lr.ty
