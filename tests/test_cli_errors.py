@@ -536,6 +536,17 @@ def _(ctx):
 def _(ctx):
     """A plan and its study fit; then the disk fills up (another program) and the same command,
     asked for more trials, cannot store them: one line, the earlier plan untouched, the study kept."""
+    return _out_of_disk_on_a_rerun(ctx)
+
+
+@case("out of disk on a rerun, two trials in flight")
+def _(ctx):
+    """The same with `--overlap`: the trials that cannot be stored run in threads of their own,
+    and their failure is still the error (Optuna's own `n_jobs` dropped it)."""
+    return _out_of_disk_on_a_rerun(ctx, "--overlap")
+
+
+def _out_of_disk_on_a_rerun(ctx, *extra: str) -> Case:
     disk = ctx.fixture("tmpfs")("size=64m")
     if disk is None:
         pytest.skip("needs a tmpfs mount (root)")
@@ -559,7 +570,7 @@ def _(ctx):
                 assert now[name].read_bytes() == data, f"{name} changed"
 
     return Case(
-        ctx.plan("--trials", "3", "--accuracy-steps", "5"),
+        ctx.plan("--trials", "3", "--accuracy-steps", "5", *extra),
         f"cannot write the study storage into {out}: no space left on device (study.db); the trials finished so far stay in study.db",
         out=out,
         after=after,

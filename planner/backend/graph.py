@@ -545,7 +545,7 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
 
 def _fused_step(
     trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, lr_dtype: str, accum: int = 1
-) -> tuple[relax.Function, list[relax.TensorType]]:
+) -> tuple[relax.Function, list[relax.TensorType], relax.TensorType]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
     learning rate is the last optimizer state, returned as it came (`_runtime_lr`).
 

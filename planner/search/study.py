@@ -341,10 +341,6 @@ ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it m
 NOT_BEGUN = "the study stopped before this trial began (no candidate drawn: nothing to measure again)"
 
 
-def _keep_seed() -> None:
-    pass
-
-
 class _Pipeline:
     """Two trials in flight on this machine, in a fixed order: trial k is sampled once trial k-1
     has been timed, compiles while k-1 fine-tunes, and is timed once k-1 has ended, so a compile
@@ -384,14 +380,10 @@ class _Pipeline:
             return popped
 
         storage.create_new_trial, storage.set_trial_state_values = create_new_trial, set_trial_state_values  # type: ignore[method-assign]
-        # Optuna reseeds the sampler at random for every trial when n_jobs > 1 (threads sampling at
-        # once); here one trial samples at a time, in order, so the study's seed is kept
-        study.sampler.reseed_rng = _keep_seed  # type: ignore[method-assign]
         try:
             yield self
         finally:
             storage.create_new_trial, storage.set_trial_state_values = create, set_state  # type: ignore[method-assign]
-            del study.sampler.reseed_rng
             self.abort()
 
     TELL_S = 60.0  # a trial left its objective this long ago and is still not told: its tell failed
@@ -652,26 +644,22 @@ def run_study(
     if remaining > 0 and not halt():
         # first: the next trial is timed as soon as this one is told (a later callback may raise)
         callbacks = [] if pipeline is None else [lambda s, t: pipeline.ended(t._trial_id)]
-        if settings.own_trials is None:
-            callbacks.append(lambda s, t: s.stop() if _finished(s) >= settings.trials else None)
         if on_trial is not None:
             callbacks.append(lambda s, t: on_trial(to_record(t), _finished(s), settings.trials))
-        callbacks.append(lambda s, t: s.stop() if halt() else None)
-        optimize = functools.partial(
-            study.optimize,
-            _objective(Evaluator(model, data, target, settings.evaluation), space, halt, pipeline),
-            n_trials=remaining,
-            timeout=settings.timeout_s,
-            catch=(CandidateFailed,),
-            n_jobs=n_jobs,
-            callbacks=callbacks,
-            gc_after_trial=False,
+        deadline = None if settings.timeout_s is None else time.monotonic() + settings.timeout_s
+
+        def more() -> bool:
+            """Whether to start another trial (besides the `remaining` count)."""
+            if halt() or (deadline is not None and time.monotonic() > deadline):
+                return False
+            return settings.own_trials is not None or _finished(study) < settings.trials
+
+        objective = _objective(Evaluator(model, data, target, settings.evaluation), space, halt, pipeline)
+        run_one = functools.partial(
+            study.optimize, objective, n_trials=1, catch=(CandidateFailed,), callbacks=callbacks, gc_after_trial=False
         )
-        if pipeline is None:
-            optimize()
-        else:
-            with pipeline.attach(study):
-                _in_background(optimize, halt)
+        with pipeline.attach(study) if pipeline is not None else contextlib.nullcontext():
+            _in_threads(run_one, n_jobs, remaining, more, halt)
     if halt.error is not None:
         raise type(halt.error)(
             f"{first_line(halt.error)}; the trial was queued again and the study holds {_finished(study)} finished "
@@ -682,27 +670,44 @@ def run_study(
     return records(study)
 
 
-def _in_background(optimize: Callable[[], None], halt: _Halt) -> None:
-    """Run `optimize` in a thread of its own, so that a second Ctrl-C (KeyboardInterrupt, raised in
-    this, the main thread) reaches the trials in flight in Optuna's worker threads: it sets
-    `halt.hard`, their fine-tunes stop at the next step and queue their candidates again, and this
-    waits for them to end before the caller raises KeyboardInterrupt."""
+def _in_threads(run_one: Callable[[], None], n_jobs: int, trials: int, more: Callable[[], bool], halt: _Halt) -> None:
+    """Run `run_one` (one trial) `trials` times, `n_jobs` at once, while `more()` says to start
+    another; the first exception stops new trials and is raised once those in flight end.
+
+    Not Optuna's `n_jobs`: it drops the exception of every trial still running when the last one
+    has been submitted, so a storage out of disk ended a two-trial run as if all went well. The
+    trials run in threads, never the main one, so a second Ctrl-C (KeyboardInterrupt, raised in
+    the main thread) reaches those in flight: it sets `halt.hard`, their fine-tunes stop at the
+    next step and queue their candidates again, and this waits for them to end before the caller
+    raises KeyboardInterrupt."""
+    lock = threading.Lock()
+    left = [trials]
     failure: list[BaseException] = []
 
-    def run() -> None:
-        try:
-            optimize()
-        except BaseException as exc:
-            failure.append(exc)
+    def work() -> None:
+        while True:
+            try:
+                with lock:
+                    if failure or left[0] <= 0 or not more():
+                        return
+                    left[0] -= 1
+                run_one()
+            except BaseException as exc:
+                with lock:
+                    failure.append(exc)
+                return
 
-    thread = threading.Thread(target=run, name="planner-study")
-    thread.start()
+    threads = [threading.Thread(target=work, name=f"planner-trials-{i}") for i in range(n_jobs)]
+    for thread in threads:
+        thread.start()
     try:
-        while thread.is_alive():
-            thread.join(0.2)
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)
     except KeyboardInterrupt:
         halt.hard = True
-        thread.join()
+        for thread in threads:
+            thread.join()
     if failure:
         raise failure[0]
 
