@@ -3,7 +3,7 @@
     python benchmarks/planner_throughput.py [--trials 20] [--tune-trials 0]
     python benchmarks/planner_throughput.py --model mobilenet_v2-0.35@96 --trials 100 --cold-only
     python benchmarks/planner_throughput.py ... --screen-steps 0   # every candidate fine-tuned fully
-    python benchmarks/planner_throughput.py ... --overlap          # compile beside the previous fine-tune
+    python benchmarks/planner_throughput.py ... --no-overlap       # one trial at a time (no compile beside a fine-tune)
 
 Plans twice over one fresh cache directory: cold (empty compile and accuracy caches), then warm (a
 new study with the same seed over the same caches, so every candidate it proposes was compiled
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["example", "mobilenet_v2-0.35@96"], default="example")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm-cache rerun")
     parser.add_argument("--screen-steps", type=int, default=None, help="planner's --screen-steps (default: its own)")
-    parser.add_argument("--overlap", action="store_true", help="planner's --overlap: two trials in flight")
+    parser.add_argument("--no-overlap", action="store_true", help="planner's --no-overlap: one trial at a time")
     args = parser.parse_args()
     print("| run | trials (failed, screened out) | wall s | trials/hour | compile | tune | measure | accuracy | other |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -63,7 +63,7 @@ def main() -> None:
         inputs = workload(args.model, Path(tmp)) | {
             "tune_trials": args.tune_trials,
             "screen_steps": args.screen_steps,
-            "overlap": args.overlap,
+            "overlap": not args.no_overlap,
         }
         for label in ("cold cache",) if args.cold_only else ("cold cache", "warm cache"):
             wall, spent, n, failed, screened = run(Path(tmp) / label.replace(" ", "-"), cache, args.trials, inputs)

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--screen-steps", type=int, default=None, help="planner's --screen-steps (default: its own)")
-    parser.add_argument("--overlap", action="store_true", help="planner's --overlap: two trials in flight")
+    parser.add_argument("--no-overlap", action="store_true", help="planner's --no-overlap: one trial at a time")
     args = parser.parse_args()
     fronts: dict[tuple[str, int], np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,7 +46,7 @@ def main() -> None:
                     anchors=anchors,
                     cache_dir=cache,
                     screen_steps=args.screen_steps,
-                    overlap=args.overlap,
+                    overlap=not args.no_overlap,
                 )
                 fronts[sampler, seed] = np.array(
                     [(1 - t.accuracy.after, t.latency.median, t.memory.total) for t in result.trials if t.feasible]

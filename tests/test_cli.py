@@ -142,6 +142,7 @@ def test_a_trial_whose_linker_the_ctrl_c_killed_is_measured_again_on_resume(tiny
         "3",
         "--accuracy-steps",
         "20",
+        "--no-overlap",  # one trial in flight: the one the Ctrl-C cuts short
         "-v",
     ]
     env_cache = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}  # cold: the first trial links

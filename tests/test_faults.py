@@ -73,7 +73,7 @@ def test_kill_9_mid_trial_then_an_immediate_rerun_measures_exactly_the_missing_t
     phase, overlap, tiny_model, tiny_data, tmp_path
 ):
     out = tmp_path / "p"
-    args = plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS), *(["--overlap"] if overlap else []))
+    args = plan_args(tiny_model, tiny_data, out, "--trials", str(TRIALS), "--overlap" if overlap else "--no-overlap")
     killed = planner(*args, env={"PLANNER_KILL_AT": f"{phase}@2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     before = study_trials(out)
@@ -274,7 +274,8 @@ SWAPS = {  # case -> (the file changed, how)
 
 @pytest.fixture(scope="module")
 def other_plan(a_plan, tiny_model, tiny_data):
-    """A second plan of the same model whose step differs (another lr) but has the same signature."""
+    """A second plan of the same model whose step differs (its updates copied, not in place) but has
+    the same signature. (Another lr alone would not do: the rate is an input, the library the same.)"""
     scheme = a_plan.parent / "lr05.yaml"
     choice = read_plan(a_plan).choice
     layers = "\n".join(
@@ -283,6 +284,7 @@ def other_plan(a_plan, tiny_model, tiny_data):
     )
     scheme.write_text(
         f"trainable:\n{layers}\nbatch_size: {choice.batch_size}\noptimizer: {{name: {choice.optimizer.name}, lr: 0.5}}\n"
+        "updates: copy\n"
     )
     other = a_plan.parent / "other"
     res = planner(
@@ -467,7 +469,7 @@ def test_ctrl_c_twice_cuts_the_trial_short_and_the_rerun_measures_it(tiny_model,
         "0",
         # another seed with --overlap: candidates the other case (in the same cache) fine-tuned
         # fully on its rerun would be accuracy cache hits, done before the signals land
-        *(["--overlap", "--seed", "1"] if overlap else []),
+        *(["--overlap", "--seed", "1"] if overlap else ["--no-overlap"]),
     )
     proc = _start(args)
     _wait_for(proc, "ms median on", times=2)  # trial 1 is measured: its long fine-tune begins (seconds)

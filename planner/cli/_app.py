@@ -34,7 +34,7 @@ OverlapOpt = Annotated[
     typer.Option(
         help="two trials at a time on this machine (2+ cores): compile the next candidate while this one "
         "fine-tunes (latency is still timed alone; same candidates for a seed). A candidate that crashes "
-        "planner also cuts short the trial beside it: both run again, each alone"
+        "planner also cuts short the trial beside it: both run again, each alone. --no-overlap: one at a time"
     ),
 ]
 TuneOpt = Annotated[

@@ -53,7 +53,7 @@ def plan(
             show_default=False,
         ),
     ] = None,
-    overlap: OverlapOpt = False,
+    overlap: OverlapOpt = True,
     tune_trials: TuneOpt = 0,
     sampler: Annotated[
         Literal["tpe", "random"],
@@ -132,7 +132,7 @@ def worker(
     trials: Annotated[
         int | None, typer.Option(help="trials to run here [default: until the study holds the count it was created with]")
     ] = None,
-    overlap: OverlapOpt = False,
+    overlap: OverlapOpt = True,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
     json_out: Annotated[

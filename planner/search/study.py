@@ -58,10 +58,8 @@ class SearchSettings:
     own_trials: int | None = None  # a worker's `--trials N`: run exactly N here, whatever the total
     # on a local target with 2+ cores, compile the next trial during this one's fine-tune. A
     # candidate that crashes the process (a compiler abort) then takes the trial beside it down
-    # too: neither is blamed, both run again alone (`recover_dead_trials`, `_retry_stale`). Off
-    # by default: with two trials in flight, a full disk under the study's storage ends the run
-    # with no trial and the error naming the plan, not the study (Optuna's threads)
-    overlap: bool = False
+    # too: neither is blamed, both run again alone (`recover_dead_trials`, `_retry_stale`)
+    overlap: bool = True
 
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
@@ -681,33 +679,38 @@ def _in_threads(run_one: Callable[[], None], n_jobs: int, trials: int, more: Cal
     next step and queue their candidates again, and this waits for them to end before the caller
     raises KeyboardInterrupt."""
     lock = threading.Lock()
-    left = [trials]
+    left, running = [trials], [n_jobs]
     failure: list[BaseException] = []
+    # waited for with an Event, not Thread.join: a KeyboardInterrupt inside join can leave a
+    # running thread looking finished (CPython 3.11), and the process would exit mid-trial
+    ended = threading.Event()
 
     def work() -> None:
-        while True:
-            try:
+        try:
+            while True:
                 with lock:
                     if failure or left[0] <= 0 or not more():
                         return
                     left[0] -= 1
                 run_one()
-            except BaseException as exc:
-                with lock:
-                    failure.append(exc)
-                return
+        except BaseException as exc:
+            with lock:
+                failure.append(exc)
+        finally:
+            with lock:
+                running[0] -= 1
+                if not running[0]:
+                    ended.set()
 
-    threads = [threading.Thread(target=work, name=f"planner-trials-{i}") for i in range(n_jobs)]
-    for thread in threads:
-        thread.start()
+    for i in range(n_jobs):
+        threading.Thread(target=work, name=f"planner-trials-{i}").start()
     try:
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)
+        while not ended.wait(0.2):
+            pass
     except KeyboardInterrupt:
         halt.hard = True
-        for thread in threads:
-            thread.join()
+        while not ended.wait(0.2):
+            pass
     if failure:
         raise failure[0]
 
