@@ -22,12 +22,12 @@ def _objects(cache: Path) -> set[str]:
     return {p.name for p in link.objects_dir(cache, HOST).glob("*.o")}
 
 
-def _train(model, step) -> tuple[list[float], dict[str, np.ndarray]]:
+def _train(model, step, steps: int = 3) -> tuple[list[float], dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
     session = TrainingSession(step.library, step.signature, model.initializers)
     losses = [
         session.step(rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4))
-        for _ in range(3)
+        for _ in range(steps)
     ]
     return losses, session.weights()
 
@@ -68,13 +68,9 @@ def test_a_candidate_differing_only_in_lr_reuses_the_step_and_trains_at_its_own_
     again = compile_candidate(model, fast, build)
     assert again.cached and again.directory == first.directory and _objects(tmp_path) == objects
 
-    rng = np.random.default_rng(1)
-    x, y = rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)
     moved = []
     for step in (first, again):
-        session = TrainingSession(step.library, step.signature, model.initializers)
-        session.step(x, y)
-        after = session.weights()
+        after = _train(model, step, steps=1)[1]
         moved.append({n: after[n].astype(np.float64) - model.initializers[n] for n in step.signature.trainable})
     for name, small in moved[0].items():
         assert np.abs(small).max() > 0, name
