@@ -314,7 +314,7 @@ class _MarkedLr(relax.PyExprMutator):
         return self.lr
 
 
-def _runtime_lr(optim: relax.Function, dtype: str) -> tuple[relax.Function, relax.Var]:
+def _runtime_lr(optim: relax.Function, dtype: str) -> relax.Function:
     """TVM's optimizer function (built with `_LR`) taking its learning rate as a fourth argument,
     a scalar of the optimizer's dtype."""
     lr = relax.Var("lr", relax.TensorType((), dtype))
@@ -322,7 +322,7 @@ def _runtime_lr(optim: relax.Function, dtype: str) -> tuple[relax.Function, rela
     body = marked.visit_expr(optim.body)
     if not marked.replaced:
         raise CandidateFailed("the optimizer does not use its learning rate")
-    return relax.Function([*optim.params, lr], body, optim.ret_ty, optim.is_pure, optim.attrs), lr
+    return relax.Function([*optim.params, lr], body, optim.ret_ty, optim.is_pure, optim.attrs)
 
 
 def _fill(tensor) -> float:
@@ -375,9 +375,8 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     except Exception as exc:  # TVM reports missing gradients etc. as generic errors
         raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
 
-    step, state_types, lr_type = _fused_step(
-        trainer, prefix, n_trainable=len(trainable), lr_dtype=str(optimizer.dtype), accum=candidate.grad_accum
-    )
+    lr_dtype = str(optimizer.dtype)
+    step, state_types = _fused_step(trainer, prefix, n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum)
     out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
     sig = StepSignature(
         input_name=model.input_name,
@@ -390,7 +389,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         loss_scale=loss_scale,
         optim_states=(
             *((tuple(int(d) for d in t.shape), str(t.dtype), _fill(init)) for t, init in zip(state_types, optimizer.state)),
-            ((), str(lr_type.dtype), update_lr(candidate, loss_scale)),
+            ((), lr_dtype, update_lr(candidate, loss_scale)),
         ),
         n_classes=model.n_classes,
     )
@@ -545,7 +544,7 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
 
 def _fused_step(
     trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, lr_dtype: str, accum: int = 1
-) -> tuple[relax.Function, list[relax.TensorType], relax.TensorType]:
+) -> tuple[relax.Function, list[relax.TensorType]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
     learning rate is the last optimizer state, returned as it came (`_runtime_lr`).
 
@@ -556,7 +555,7 @@ def _fused_step(
     activations of one micro-batch plus the gradient accumulators.
     """
     adjoint = trainer["backbone_loss_adjoint"]
-    optim, _ = _runtime_lr(trainer["optimizer"], lr_dtype)
+    optim = _runtime_lr(trainer["optimizer"], lr_dtype)
     adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
     n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
     micro = [relax.Var(v.name, v.ty) for v in adjoint.params]
@@ -606,4 +605,4 @@ def _fused_step(
     step = bb.get()[STEP_FUNC]
     inlined = {"backbone_loss_adjoint": adjoint, "update": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
     step = step.inline_functions(inlined)
-    return step.with_attr("global_symbol", STEP_FUNC), state_types, lr.ty
+    return step.with_attr("global_symbol", STEP_FUNC), state_types
