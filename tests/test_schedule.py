@@ -490,10 +490,66 @@ def _sgd_at_batch_one(
             new_w[vi, vj] = w[vi, vj] - grad[vi, vj]
 
 
-@pytest.mark.parametrize("kernel", [_shift_right, _sgd_at_batch_one], ids=["let-in-a-vector", "reduction-over-one"])
+# -- elementwise kernels with a broadcast operand (`_broadcast_runs`), over runs of odd lengths ----
+
+
+def _bias_relu(n: int, c: int, h: int, w: int):
+    @T.prim_func(s_tir=True)
+    def kernel(x: T.Buffer((n, c, h, w), "float32"), bias: T.Buffer((c,), "float32"), y: T.Buffer((n, c, h, w), "float32")):
+        for i0, i1, i2, i3 in T.grid(n, c, h, w):
+            with T.sblock("bias_relu"):
+                v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                y[v0, v1, v2, v3] = T.max(x[v0, v1, v2, v3] + bias[v1], T.float32(0))
+
+    return kernel
+
+
+def _pool_gradient(n: int, c: int, h: int, w: int):
+    """A global average pool's gradient through the ReLU before it: one value per image and channel."""
+
+    @T.prim_func(s_tir=True)
+    def kernel(dy: T.Buffer((n, c), "float32"), x: T.Buffer((n, c, h, w), "float32"), dx: T.Buffer((n, c, h, w), "float32")):
+        for i0, i1, i2, i3 in T.grid(n, c, h, w):
+            with T.sblock("pool_gradient"):
+                v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                dx[v0, v1, v2, v3] = T.Select(T.float32(0) < x[v0, v1, v2, v3], dy[v0, v1] / T.float32(h * w), T.float32(0))
+
+    return kernel
+
+
+def _row_scale(n: int, c: int, h: int, w: int):
+    """A scale per image row (broadcast over a middle axis): only the last axis is a whole run."""
+
+    @T.prim_func(s_tir=True)
+    def kernel(x: T.Buffer((n, c, h, w), "float32"), s: T.Buffer((h,), "float32"), y: T.Buffer((n, c, h, w), "float32")):
+        for i0, i1, i2, i3 in T.grid(n, c, h, w):
+            with T.sblock("row_scale"):
+                v0, v1, v2, v3 = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                y[v0, v1, v2, v3] = x[v0, v1, v2, v3] * s[v2]
+
+    return kernel
+
+
+BROADCASTS = [
+    (make, shape)
+    for make in (_bias_relu, _pool_gradient, _row_scale)
+    for shape in ((2, 16, 28, 28), (3, 5, 14, 14), (1, 7, 7, 7), (2, 3, 1, 1), (1, 4, 9, 6))
+]
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [_shift_right, _sgd_at_batch_one, *(make(*shape) for make, shape in BROADCASTS)],
+    ids=[
+        "let-in-a-vector",
+        "reduction-over-one",
+        *(f"{make.__name__[1:]}-{'x'.join(map(str, shape))}" for make, shape in BROADCASTS),
+    ],
+)
 def test_scheduled_kernel_computes_what_the_unscheduled_one_does(kernel):
     """`_vectorizes_a_let` and `_inline` in `planner.schedule`: TVM miscompiles the first when it
-    is vectorised, and inlines the second's update into its unit-extent reduction wrongly."""
+    is vectorised, and inlines the second's update into its unit-extent reduction wrongly. The
+    broadcast kernels check `_broadcast_runs`'s split into parallel rows and vector runs."""
     rng = np.random.default_rng(0)
     args = [rng.standard_normal([int(d) for d in p.ty.shape]).astype(np.float32) for p in kernel.params]
     with HOST:
