@@ -1,9 +1,10 @@
 """planner's dense 3×3 convolution kernels, as a step calls them, against numpy's matmul peak.
 
     pip install -e '.[bench]'
-    python benchmarks/conv_kernels.py [--threads 2] [--batches 8 32]
+    python benchmarks/conv_kernels.py [--threads 2] [--batches 8 32] [--layers resnet18|resnet8]
 
-For each dense 3×3 convolution of torchvision's resnet18 at 64×64 (the issue-16 yardstick) and
+For each dense 3×3 convolution of torchvision's resnet18 at 64×64 (the issue-16 yardstick; or of
+the CIFAR ResNet-8, whose 16- and 32-channel layers are the thinnest products) and
 each batch: the three kernels planner compiles for it with `kernels: openblas` — forward, weight
 gradient, input gradient (`planner/backend/gemm.py`) — each timed by TVM's time evaluator (best
 of 5 rounds) and given as GFLOP/s and as a share of numpy's float32 1024³ matmul, measured right
@@ -21,16 +22,21 @@ import time
 
 import numpy as np
 
-# resnet18@64's dense 3×3 convolutions after the stem and max-pool: (C, O, input size, stride)
-LAYERS = [
-    (64, 64, 16, 1),
-    (64, 128, 16, 2),
-    (128, 128, 8, 1),
-    (128, 256, 8, 2),
-    (256, 256, 4, 1),
-    (256, 512, 4, 2),
-    (512, 512, 2, 1),
-]
+# dense 3×3 convolutions: (C, O, input size, stride)
+LAYERS = {
+    # resnet18@64's, after the stem and max-pool
+    "resnet18": [
+        (64, 64, 16, 1),
+        (64, 128, 16, 2),
+        (128, 128, 8, 1),
+        (128, 256, 8, 2),
+        (256, 256, 4, 1),
+        (256, 512, 4, 2),
+        (512, 512, 2, 1),
+    ],
+    # the CIFAR ResNet-8's (planner.zoo.resnet): few channels, where the products are thinnest
+    "resnet8": [(16, 16, 32, 1), (16, 32, 32, 2), (32, 32, 16, 1), (32, 64, 16, 2), (64, 64, 8, 1)],
+}
 
 
 def numpy_peak() -> float:
@@ -53,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--layers", choices=sorted(LAYERS), default="resnet18", help="whose 3×3 convolutions")
     args = parser.parse_args()
     env = {**os.environ, "TVM_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
     if os.environ.get("TVM_NUM_THREADS") != str(args.threads):  # TVM reads it once, at start-up
@@ -69,7 +76,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     shares = []
     for n in args.batches:
-        for c, o, size, stride in LAYERS:
+        for c, o, size, stride in LAYERS[args.layers]:
             out = (size + 2 - 3) // stride + 1
             s = gemm.Conv(n, c, size, size, o, 3, 3, out, out, stride, stride, 1, 1)
             cells = []

@@ -41,6 +41,7 @@ from tvm.script import tirx as T
 GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 BAND_BYTES = 1024 * 1024  # all threads' tiles: a quarter of this ran up to 2x slower on 4x4 and 2x2 maps
+PRIVATE_BYTES = 256 * 1024  # every thread's own copy of dW, in all: a weight gradient this small is split by tiles
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
@@ -136,6 +137,16 @@ class Tiles:
     def columns(self, s: Conv, g, b):
         """The tile's columns: several whole images, or one image's band (never both)."""
         return self.count(s, g) * self.span(s, b) * s.ow
+
+    @property
+    def single(self) -> bool:
+        """Whether a tile is one image's band: its output (or output gradient) is then a matrix
+        in place, channels `s.p` apart, and the product reads or writes it there, not a copy."""
+        return self.images == 1
+
+    def out(self, s: Conv, buf, g, b):
+        """Where the tile's outputs start in `buf` (n, o, oh, ow), for a `single` tile."""
+        return T.address_of(buf[self.image(g, 0), 0, self.row(b), 0])
 
 
 def _static(call: relax.Call, layouts: tuple[str, str, str]) -> bool:
@@ -261,6 +272,12 @@ def _macros(s: Conv):
     return im2col, gather, scatter, col2im
 
 
+@T.macro
+def _nothing(a0, a1, a2, a3, a4, a5, a6, a7):
+    """In place of `gather` or `scatter` when a `single` tile's product reads or writes in place."""
+    T.evaluate(0)
+
+
 def _sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc):
     return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), a, lda, b, ldb, beta, c, ldc)
 
@@ -271,11 +288,21 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     out image by image: one parallel region, no thread waits for another."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o)
-    per = t.width * (k + o)  # one thread's workspace: columns, then the product
+    per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the product
     bands = t.bands(s)
     tiles = t.groups(s) * bands
     share = -(-tiles // threads)
     im2col, _, scatter, _ = _macros(s)
+    if t.single:
+        scatter = _nothing
+
+        def product(y, ws, th, i):
+            return t.out(s, y, i // bands, i % bands), s.p
+
+    else:
+
+        def product(y, ws, th, i):
+            return T.address_of(ws[th * per + k * t.width]), t.width
 
     @T.prim_func(private=True)
     def conv2d_gemm(
@@ -312,8 +339,7 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                         T.address_of(ws[th * per]),
                         t.width,
                         T.float32(0),
-                        T.address_of(ws[th * per + k * t.width]),
-                        t.width,
+                        *product(y, ws, th, i),
                     )
                 )
                 for j in range(t.count(s, i // bands)):
@@ -332,17 +358,28 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
 
 
 def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """dW = Σ_n dy_n · col(x_n)ᵀ. Each thread owns a share of dW's columns (kernel taps × input
-    channels) over every tile: it builds only its rows of the columns, gathers the tile's dy
-    beside them, and accumulates into only its part of dW, so no two threads add into one weight
-    and none waits for another."""
+    """dW = Σ_n dy_n · col(x_n)ᵀ, in one of two ways so that no two threads add into one weight
+    and none waits for another while multiplying:
+
+    - a small dW (`PRIVATE_BYTES` for every thread's copy) is split by tiles: each thread builds
+      whole columns of its own tiles and accumulates into its own copy of dW; the copies are
+      summed at the end. Why: split by dW's columns (below), every thread gathers every tile's
+      dy and multiplies products half as wide; ResNet-8's 16-channel weight gradients ran there
+      at a quarter of numpy's speed, a fifth of the batch-32 step;
+    - a large one is split by its columns (kernel taps × input channels): each thread builds
+      only its rows of every tile's columns and accumulates into only its part of dW.
+
+    A `single` tile's dy is multiplied in place; several images side by side are gathered."""
     k, o = s.k, s.o
+    if threads > 1 and threads * o * k * 4 <= PRIVATE_BYTES:
+        return _weight_grad_by_tiles(s, threads)
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o)
-    per = t.width * (kb + o)  # one thread's workspace: its rows of the columns, then dy
+    per = t.width * (kb + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
     bands = t.bands(s)
     tiles = t.groups(s) * bands
     im2col, gather, _, _ = _macros(s)
+    gather, gradient = _output_gradient(s, t, gather, lambda th: th * per + kb * t.width)
 
     @T.prim_func(private=True)
     def conv2d_weight_grad_gemm(
@@ -385,8 +422,7 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                             o,
                             T.min(kb, k - th * kb),
                             t.columns(s, i // bands, i % bands),
-                            T.address_of(ws[th * per + kb * t.width]),
-                            t.width,
+                            *gradient(dy, ws, th, i // bands, i % bands),
                             T.address_of(ws[th * per]),
                             t.width,
                             T.Select(i == 0, T.float32(0), T.float32(1)),
@@ -398,16 +434,99 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     return conv2d_weight_grad_gemm
 
 
+def _output_gradient(s: Conv, t: Tiles, gather, at: Callable):
+    """How a product reads a tile's dy: in place for a `single` tile (no gather), else from the
+    copy `gather` makes at workspace offset `at(th)`. Returns (gather or `_nothing`, a function
+    of (dy, ws, th, g, b) giving the operand's address and leading dimension)."""
+    if t.single:
+        return _nothing, lambda dy, ws, th, g, b: (t.out(s, dy, g, b), s.p)
+    return gather, lambda dy, ws, th, g, b: (T.address_of(ws[at(th)]), t.width)
+
+
+def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
+    """`weight_grad_kernel` split by tiles: thread th takes a contiguous share of the tiles,
+    accumulates dy · colᵀ into its own dW at the end of its workspace, and a second parallel
+    loop sums the threads' copies into dw."""
+    k, o = s.k, s.o
+    t = Tiles.of(s, threads, k + o)
+    cols = t.width * (k + (0 if t.single else o))  # its tile's columns, then dy
+    per = cols + o * k  # ... then its own dW
+    bands = t.bands(s)
+    tiles = t.groups(s) * bands
+    share = -(-tiles // threads)
+    im2col, gather, _, _ = _macros(s)
+    gather, gradient = _output_gradient(s, t, gather, lambda th: th * per + k * t.width)
+
+    @T.prim_func(private=True)
+    def conv2d_weight_grad_gemm(
+        x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+    ):
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        flat = T.decl_buffer((o * k,), "float32", data=dw.data)
+        for th in T.parallel(threads):
+            for e in range(o * k):
+                ws[th * per + cols + e] = T.float32(0)
+            for i in range(th * share, T.min((th + 1) * share, tiles)):
+                for j in range(t.count(s, i // bands)):
+                    im2col(
+                        x,
+                        ws,
+                        th * per,
+                        t.width,
+                        t.image(i // bands, j),
+                        t.row(i % bands),
+                        t.span(s, i % bands),
+                        j * t.run(s),
+                        0,
+                        k,
+                    )
+                    gather(
+                        dy,
+                        ws,
+                        th * per + k * t.width,
+                        t.width,
+                        t.image(i // bands, j),
+                        j * t.run(s),
+                        t.row(i % bands),
+                        t.span(s, i % bands),
+                    )
+                T.evaluate(
+                    _sgemm(
+                        NO_TRANS,
+                        TRANS,
+                        o,
+                        k,
+                        t.columns(s, i // bands, i % bands),
+                        *gradient(dy, ws, th, i // bands, i % bands),
+                        T.address_of(ws[th * per]),
+                        t.width,
+                        T.float32(1),
+                        T.address_of(ws[th * per + cols]),
+                        k,
+                    )
+                )
+        for e in T.parallel(o * k):
+            flat[e] = ws[cols + e]
+            for th in range(1, threads):
+                flat[e] = flat[e] + ws[th * per + cols + e]
+
+    return conv2d_weight_grad_gemm
+
+
 def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each gathering its
     tiles' dy, multiplying them into its own columns and adding those back onto its own images:
     a band's taps overlap the next band's rows, so an image is never split between threads."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o)
-    per = t.width * (k + o)  # one thread's workspace: columns, then the gathered dy
+    per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the gathered dy
     groups, bands = t.groups(s), t.bands(s)
     share = -(-groups // threads)
     _, gather, _, col2im = _macros(s)
+    gather, gradient = _output_gradient(s, t, gather, lambda th: th * per + k * t.width)
 
     @T.prim_func(private=True)
     def conv2d_input_grad_gemm(
@@ -434,8 +553,7 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                             o,
                             wt.data,
                             k,
-                            T.address_of(ws[th * per + k * t.width]),
-                            t.width,
+                            *gradient(dy, ws, th, g, b),
                             T.float32(0),
                             T.address_of(ws[th * per]),
                             t.width,
@@ -448,8 +566,9 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
 
 
 @functools.cache
-def _built(kernel: Callable[[Conv, int], tvm.tirx.PrimFunc], s: Conv, threads: int, band_bytes: int) -> tvm.tirx.PrimFunc:
-    """`kernel(s, threads)`, made once per process (for the `BAND_BYTES` it was made with).
+def _built(kernel: Callable[[Conv, int], tvm.tirx.PrimFunc], s: Conv, threads: int, limits: tuple[int, int]) -> tvm.tirx.PrimFunc:
+    """`kernel(s, threads)`, made once per process (for the `BAND_BYTES` and `PRIVATE_BYTES` it
+    was made with, `limits`).
     Parsing a kernel's TVMScript takes tens of milliseconds, and a study legalizes the same
     convolutions for candidate after candidate: uncached, 5-9 s of each MobileNetV2 compile."""
     return kernel(s, threads)
@@ -465,7 +584,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, kh, kw = _ints(call.ty.shape)
         sh, sw = _ints(a.dilation)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(weight_grad_kernel, s, threads, BAND_BYTES), "conv2d_weight_grad_gemm")
+        gv = bb.add_func(_built(weight_grad_kernel, s, threads, (BAND_BYTES, PRIVATE_BYTES)), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     if (
         _static(call, ("NCHW", "OIHW", "NCHW"))
@@ -477,7 +596,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, oh, ow = _ints(call.ty.shape)
         sh, sw = _ints(a.strides)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(forward_kernel, s, threads, BAND_BYTES), "conv2d_gemm")
+        gv = bb.add_func(_built(forward_kernel, s, threads, (BAND_BYTES, PRIVATE_BYTES)), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
@@ -493,5 +612,5 @@ def conv2d_transpose(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowe
     _, _, h, w = _ints(call.ty.shape)
     sh, sw = _ints(a.strides)
     s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-    gv = bb.add_func(_built(input_grad_kernel, s, threads, BAND_BYTES), "conv2d_input_grad_gemm")
+    gv = bb.add_func(_built(input_grad_kernel, s, threads, (BAND_BYTES, PRIVATE_BYTES)), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
