@@ -376,10 +376,8 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o)
     per = t.width * (kb + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
-    bands = t.bands(s)
-    tiles = t.groups(s) * bands
-    im2col, gather, _, _ = _macros(s)
-    gather, gradient = _output_gradient(s, t, gather, lambda th: th * per + kb * t.width)
+    tiles = t.groups(s) * t.bands(s)
+    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width)
 
     @T.prim_func(private=True)
     def conv2d_weight_grad_gemm(
@@ -392,46 +390,51 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
         for th in T.parallel(threads):
             if th * kb < k:
                 for i in range(tiles):
-                    for j in range(t.count(s, i // bands)):
-                        im2col(
-                            x,
-                            ws,
-                            th * per,
-                            t.width,
-                            t.image(i // bands, j),
-                            t.row(i % bands),
-                            t.span(s, i % bands),
-                            j * t.run(s),
-                            th * kb,
-                            T.min(kb, k - th * kb),
-                        )
-                        gather(
-                            dy,
-                            ws,
-                            th * per + kb * t.width,
-                            t.width,
-                            t.image(i // bands, j),
-                            j * t.run(s),
-                            t.row(i % bands),
-                            t.span(s, i % bands),
-                        )
-                    T.evaluate(
-                        _sgemm(
-                            NO_TRANS,
-                            TRANS,
-                            o,
-                            T.min(kb, k - th * kb),
-                            t.columns(s, i // bands, i % bands),
-                            *gradient(dy, ws, th, i // bands, i % bands),
-                            T.address_of(ws[th * per]),
-                            t.width,
-                            T.Select(i == 0, T.float32(0), T.float32(1)),
-                            T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
-                            k,
-                        )
+                    tile(
+                        x,
+                        dy,
+                        ws,
+                        th,
+                        i,
+                        th * kb,
+                        T.min(kb, k - th * kb),
+                        T.Select(i == 0, T.float32(0), T.float32(1)),
+                        T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
                     )
 
     return conv2d_weight_grad_gemm
+
+
+def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable):
+    """A weight gradient's work on tile i for thread th: rows k0 .. k0 + kt of the tile's columns
+    at workspace offset `at(th)`, its dy (gathered at `dy_at(th)` unless `single`), and their
+    product added (`beta` 1, or 0: written) into `out`, rows `s.k` apart."""
+    bands = t.bands(s)
+    im2col, gather, _, _ = _macros(s)
+    gather, gradient = _output_gradient(s, t, gather, dy_at)
+
+    @T.macro
+    def tile(x, dy, ws, th, i, k0, kt, beta, out):
+        for j in range(t.count(s, i // bands)):
+            im2col(x, ws, at(th), t.width, t.image(i // bands, j), t.row(i % bands), t.span(s, i % bands), j * t.run(s), k0, kt)
+            gather(dy, ws, dy_at(th), t.width, t.image(i // bands, j), j * t.run(s), t.row(i % bands), t.span(s, i % bands))
+        T.evaluate(
+            _sgemm(
+                NO_TRANS,
+                TRANS,
+                s.o,
+                kt,
+                t.columns(s, i // bands, i % bands),
+                *gradient(dy, ws, th, i // bands, i % bands),
+                T.address_of(ws[at(th)]),
+                t.width,
+                beta,
+                out,
+                s.k,
+            )
+        )
+
+    return tile
 
 
 def _output_gradient(s: Conv, t: Tiles, gather, at: Callable):
@@ -451,11 +454,9 @@ def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     t = Tiles.of(s, threads, k + o)
     cols = t.width * (k + (0 if t.single else o))  # its tile's columns, then dy
     per = cols + o * k  # ... then its own dW
-    bands = t.bands(s)
-    tiles = t.groups(s) * bands
+    tiles = t.groups(s) * t.bands(s)
     share = -(-tiles // threads)
-    im2col, gather, _, _ = _macros(s)
-    gather, gradient = _output_gradient(s, t, gather, lambda th: th * per + k * t.width)
+    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + k * t.width)
 
     @T.prim_func(private=True)
     def conv2d_weight_grad_gemm(
@@ -470,44 +471,7 @@ def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
             for e in range(o * k):
                 ws[th * per + cols + e] = T.float32(0)
             for i in range(th * share, T.min((th + 1) * share, tiles)):
-                for j in range(t.count(s, i // bands)):
-                    im2col(
-                        x,
-                        ws,
-                        th * per,
-                        t.width,
-                        t.image(i // bands, j),
-                        t.row(i % bands),
-                        t.span(s, i % bands),
-                        j * t.run(s),
-                        0,
-                        k,
-                    )
-                    gather(
-                        dy,
-                        ws,
-                        th * per + k * t.width,
-                        t.width,
-                        t.image(i // bands, j),
-                        j * t.run(s),
-                        t.row(i % bands),
-                        t.span(s, i % bands),
-                    )
-                T.evaluate(
-                    _sgemm(
-                        NO_TRANS,
-                        TRANS,
-                        o,
-                        k,
-                        t.columns(s, i // bands, i % bands),
-                        *gradient(dy, ws, th, i // bands, i % bands),
-                        T.address_of(ws[th * per]),
-                        t.width,
-                        T.float32(1),
-                        T.address_of(ws[th * per + cols]),
-                        k,
-                    )
-                )
+                tile(x, dy, ws, th, i, 0, k, T.float32(1), T.address_of(ws[th * per + cols]))
         for e in T.parallel(o * k):
             flat[e] = ws[cols + e]
             for th in range(1, threads):
