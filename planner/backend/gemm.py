@@ -148,6 +148,11 @@ class Tiles:
         """Where the tile's outputs start in `buf` (n, o, oh, ow), for a `single` tile."""
         return T.address_of(buf[self.image(g, 0), 0, self.row(b), 0])
 
+    def ld(self, s: Conv) -> int:
+        """Floats between one channel's outputs and the next's as a product reads or writes them:
+        in place for a `single` tile, else in the workspace."""
+        return s.p if self.single else self.width
+
 
 def _static(call: relax.Call, layouts: tuple[str, str, str]) -> bool:
     """float32, ungrouped, in `layouts`, every shape known."""
@@ -297,12 +302,12 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
         scatter = _nothing
 
         def product(y, ws, th, i):
-            return t.out(s, y, i // bands, i % bands), s.p
+            return t.out(s, y, i // bands, i % bands)
 
     else:
 
         def product(y, ws, th, i):
-            return T.address_of(ws[th * per + k * t.width]), t.width
+            return T.address_of(ws[th * per + k * t.width])
 
     @T.prim_func(private=True)
     def conv2d_gemm(
@@ -339,7 +344,8 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                         T.address_of(ws[th * per]),
                         t.width,
                         T.float32(0),
-                        *product(y, ws, th, i),
+                        product(y, ws, th, i),
+                        t.ld(s),
                     )
                 )
                 for j in range(t.count(s, i // bands)):
@@ -425,7 +431,8 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable):
                 s.o,
                 kt,
                 t.columns(s, i // bands, i % bands),
-                *gradient(dy, ws, th, i // bands, i % bands),
+                gradient(dy, ws, th, i // bands, i % bands),
+                t.ld(s),
                 T.address_of(ws[at(th)]),
                 t.width,
                 beta,
@@ -440,10 +447,10 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable):
 def _output_gradient(s: Conv, t: Tiles, gather, at: Callable):
     """How a product reads a tile's dy: in place for a `single` tile (no gather), else from the
     copy `gather` makes at workspace offset `at(th)`. Returns (gather or `_nothing`, a function
-    of (dy, ws, th, g, b) giving the operand's address and leading dimension)."""
+    of (dy, ws, th, g, b) giving the operand's address; its leading dimension is `t.ld(s)`)."""
     if t.single:
-        return _nothing, lambda dy, ws, th, g, b: (t.out(s, dy, g, b), s.p)
-    return gather, lambda dy, ws, th, g, b: (T.address_of(ws[at(th)]), t.width)
+        return _nothing, lambda dy, ws, th, g, b: t.out(s, dy, g, b)
+    return gather, lambda dy, ws, th, g, b: T.address_of(ws[at(th)])
 
 
 def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
@@ -517,7 +524,8 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                             o,
                             wt.data,
                             k,
-                            *gradient(dy, ws, th, g, b),
+                            gradient(dy, ws, th, g, b),
+                            t.ld(s),
                             T.float32(0),
                             T.address_of(ws[th * per]),
                             t.width,
