@@ -92,19 +92,20 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
 @pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])
 @pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
 @pytest.mark.parametrize(
-    "private_bytes",
-    [gemm.PRIVATE_BYTES, pytest.param(0, marks=pytest.mark.slow)],
-    ids=["dw-per-thread", "dw-by-columns"],  # these small weight gradients are split by tiles unless 0
+    "dw_split",
+    [{"NARROW": 1 << 30, "MIN_PIXELS": 0}, pytest.param({"PRIVATE_BYTES": 0}, marks=pytest.mark.slow)],
+    ids=["dw-per-thread", "dw-by-columns"],  # every weight gradient here split by tiles, or none
 )
 def test_openblas_convolution_and_gradients_equal_tvms_lowering(
-    monkeypatch, n, c, h, w, o, k, stride, pad, band_bytes, cores, private_bytes
+    monkeypatch, n, c, h, w, o, k, stride, pad, band_bytes, cores, dw_split
 ):
     """Forward, weight gradient and input gradient through OpenBLAS equal TVM's own unscheduled
     lowering of the same gradient module; tiles of one image's band multiply their output (or
     output gradient) in place, tiles of several images a copy."""
     assert load_openblas() is not None
     monkeypatch.setattr(gemm, "BAND_BYTES", band_bytes)
-    monkeypatch.setattr(gemm, "PRIVATE_BYTES", private_bytes)
+    for name, value in dw_split.items():
+        monkeypatch.setattr(gemm, name, value)
     target = tvm.target.Target({"kind": "llvm", **({"num-cores": cores} if cores else {})})
     mod = _conv_and_gradients(n, c, h, w, o, k, stride, pad)
     mine = legalize(target, Kernels.OPENBLAS)(mod)

@@ -41,7 +41,9 @@ from tvm.script import tirx as T
 GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 BAND_BYTES = 1024 * 1024  # all threads' tiles: a quarter of this ran up to 2x slower on 4x4 and 2x2 maps
-PRIVATE_BYTES = 256 * 1024  # every thread's own copy of dW, in all: a weight gradient this small is split by tiles
+PRIVATE_BYTES = 256 * 1024  # every thread's own copy of dW, in all, when a weight gradient is split by tiles
+NARROW = 128  # dW columns per thread under which a weight gradient split by columns multiplies too thin a product
+MIN_PIXELS = 256  # output pixels per image from which that thin product costs measurably (16x16 maps)
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
@@ -367,17 +369,19 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     """dW = Σ_n dy_n · col(x_n)ᵀ, in one of two ways so that no two threads add into one weight
     and none waits for another while multiplying:
 
-    - a small dW (`PRIVATE_BYTES` for every thread's copy) is split by tiles: each thread builds
-      whole columns of its own tiles and accumulates into its own copy of dW; the copies are
-      summed at the end. Why: split by dW's columns (below), every thread gathers every tile's
-      dy and multiplies products half as wide; ResNet-8's 16-channel weight gradients ran there
-      at a quarter of numpy's speed, a fifth of the batch-32 step;
-    - a large one is split by its columns (kernel taps × input channels): each thread builds
-      only its rows of every tile's columns and accumulates into only its part of dW.
+    - split by its columns (kernel taps × input channels): each thread builds only its rows of
+      every tile's columns and accumulates into only its part of dW;
+    - split by tiles, where that split would leave each thread fewer than `NARROW` columns of
+      dW (16 input channels of a 3×3 layer on 2 threads: 72) on maps of `MIN_PIXELS` or more,
+      and every thread's own copy of dW fits in `PRIVATE_BYTES`: each thread builds
+      whole columns of its own tiles and accumulates into its own dW; the copies are summed at
+      the end. Why: ResNet-8's 16-channel weight gradients ran split by columns at a quarter of
+      numpy's speed, a fifth of its batch-32 step; by tiles 1.3–1.6× faster. On small maps and
+      wide dW it gained nothing measurable and costs the copies' memory (`_by_tiles`).
 
     A `single` tile's dy is multiplied in place; several images side by side are gathered."""
     k, o = s.k, s.o
-    if threads > 1 and threads * o * k * 4 <= PRIVATE_BYTES:
+    if _by_tiles(s, threads):
         return _weight_grad_by_tiles(s, threads)
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o)
@@ -409,6 +413,17 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                     )
 
     return conv2d_weight_grad_gemm
+
+
+def _by_tiles(s: Conv, threads: int) -> bool:
+    """Whether `weight_grad_kernel` splits dW by tiles (measured per shape, side by side with the
+    column split, in docs/benchmarks.md)."""
+    return threads > 1 and s.k // threads < NARROW and s.p >= MIN_PIXELS and threads * s.o * s.k * 4 <= PRIVATE_BYTES
+
+
+def limits() -> tuple[int, ...]:
+    """The module's tiling limits: a kernel made under other limits is another kernel."""
+    return (BAND_BYTES, PRIVATE_BYTES, NARROW, MIN_PIXELS)
 
 
 def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable):
@@ -538,9 +553,8 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
 
 
 @functools.cache
-def _built(kernel: Callable[[Conv, int], tvm.tirx.PrimFunc], s: Conv, threads: int, limits: tuple[int, int]) -> tvm.tirx.PrimFunc:
-    """`kernel(s, threads)`, made once per process (for the `BAND_BYTES` and `PRIVATE_BYTES` it
-    was made with, `limits`).
+def _built(kernel: Callable[[Conv, int], tvm.tirx.PrimFunc], s: Conv, threads: int, made: tuple[int, ...]) -> tvm.tirx.PrimFunc:
+    """`kernel(s, threads)`, made once per process (under the `limits()` it was made with).
     Parsing a kernel's TVMScript takes tens of milliseconds, and a study legalizes the same
     convolutions for candidate after candidate: uncached, 5-9 s of each MobileNetV2 compile."""
     return kernel(s, threads)
@@ -556,7 +570,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, kh, kw = _ints(call.ty.shape)
         sh, sw = _ints(a.dilation)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(weight_grad_kernel, s, threads, (BAND_BYTES, PRIVATE_BYTES)), "conv2d_weight_grad_gemm")
+        gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits()), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     if (
         _static(call, ("NCHW", "OIHW", "NCHW"))
@@ -568,7 +582,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, oh, ow = _ints(call.ty.shape)
         sh, sw = _ints(a.strides)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(forward_kernel, s, threads, (BAND_BYTES, PRIVATE_BYTES)), "conv2d_gemm")
+        gv = bb.add_func(_built(forward_kernel, s, threads, limits()), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
@@ -584,5 +598,5 @@ def conv2d_transpose(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowe
     _, _, h, w = _ints(call.ty.shape)
     sh, sw = _ints(a.strides)
     s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-    gv = bb.add_func(_built(input_grad_kernel, s, threads, (BAND_BYTES, PRIVATE_BYTES)), "conv2d_input_grad_gemm")
+    gv = bb.add_func(_built(input_grad_kernel, s, threads, limits()), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)

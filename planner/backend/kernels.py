@@ -150,7 +150,7 @@ def legalize(target: tvm.target.Target, kernels: Kernels) -> tvm.transform.Pass:
     lowering remembered across candidates (`_Remembered`)."""
     ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
     threads = gemm.pool_threads(target)
-    flavor = (str(target), kernels.value, threads, gemm.BAND_BYTES, gemm.PRIVATE_BYTES)
+    flavor = (str(target), kernels.value, threads, *gemm.limits())
     if kernels == Kernels.OPENBLAS:
         # loaded here too, not only where the step is loaded: a module built in-process (tests,
         # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
