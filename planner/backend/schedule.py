@@ -337,7 +337,7 @@ def _attempt(sch: s_tir.Schedule, plans: list[Callable[[s_tir.Schedule], object]
 class DefaultCPU(dlight.ScheduleRule):
     """Inline what can be inlined; reductions lane-tiled, else row by row (inside their epilogue
     when they have one), rows in parallel, outputs of a row as vectors; elementwise blocks flat,
-    in parallel.
+    in parallel, or by whole runs when an operand is broadcast over them (`_broadcast_runs`).
 
     Every plan runs on a copy of the schedule, the most ambitious first; a block no plan suits is
     left as TVM emitted it, so the rule never breaks a kernel.
