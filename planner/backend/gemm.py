@@ -300,16 +300,7 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     tiles = t.groups(s) * bands
     share = -(-tiles // threads)
     im2col, _, scatter, _ = _macros(s)
-    if t.single:
-        scatter = _nothing
-
-        def product(y, ws, th, i):
-            return t.out(s, y, i // bands, i % bands)
-
-    else:
-
-        def product(y, ws, th, i):
-            return T.address_of(ws[th * per + k * t.width])
+    scatter, product = _in_place(s, t, scatter, lambda th: th * per + k * t.width)
 
     @T.prim_func(private=True)
     def conv2d_gemm(
@@ -346,7 +337,7 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                         T.address_of(ws[th * per]),
                         t.width,
                         T.float32(0),
-                        product(y, ws, th, i),
+                        product(y, ws, th, i // bands, i % bands),
                         t.ld(s),
                     )
                 )
@@ -432,7 +423,7 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable):
     product added (`beta` 1, or 0: written) into `out`, rows `s.k` apart."""
     bands = t.bands(s)
     im2col, gather, _, _ = _macros(s)
-    gather, gradient = _output_gradient(s, t, gather, dy_at)
+    gather, gradient = _in_place(s, t, gather, dy_at)
 
     @T.macro
     def tile(x, dy, ws, th, i, k0, kt, beta, out):
@@ -459,13 +450,14 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable):
     return tile
 
 
-def _output_gradient(s: Conv, t: Tiles, gather, at: Callable):
-    """How a product reads a tile's dy: in place for a `single` tile (no gather), else from the
-    copy `gather` makes at workspace offset `at(th)`. Returns (gather or `_nothing`, a function
-    of (dy, ws, th, g, b) giving the operand's address; its leading dimension is `t.ld(s)`)."""
+def _in_place(s: Conv, t: Tiles, copy, at: Callable):
+    """How a product reads a tile's dy or writes its y: in place for a `single` tile (no copy),
+    else through the copy `copy` (gather or scatter) at workspace offset `at(th)`. Returns (copy
+    or `_nothing`, a function of (buf, ws, th, g, b) giving the operand's address; its leading
+    dimension is `t.ld(s)`)."""
     if t.single:
-        return _nothing, lambda dy, ws, th, g, b: t.out(s, dy, g, b)
-    return gather, lambda dy, ws, th, g, b: T.address_of(ws[at(th)])
+        return _nothing, lambda buf, ws, th, g, b: t.out(s, buf, g, b)
+    return copy, lambda buf, ws, th, g, b: T.address_of(ws[at(th)])
 
 
 def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
@@ -512,7 +504,7 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     groups, bands = t.groups(s), t.bands(s)
     share = -(-groups // threads)
     _, gather, _, col2im = _macros(s)
-    gather, gradient = _output_gradient(s, t, gather, lambda th: th * per + k * t.width)
+    gather, gradient = _in_place(s, t, gather, lambda th: th * per + k * t.width)
 
     @T.prim_func(private=True)
     def conv2d_input_grad_gemm(
