@@ -14,6 +14,7 @@ import resource
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,53 @@ def test_a_damaged_accuracy_result_is_measured_again(measured, damage):
         first.diverged_at,
     )
     assert measure() == again  # the fresh result is stored, and read back as is
+
+
+BEFORE_DAMAGE = {
+    "edited accuracy": lambda p: _edit_body(p, lambda b: b.update(accuracy=0.99 if b["accuracy"] != 0.99 else 0.5)),
+    "not JSON": lambda p: p.write_text("{"),
+    "accuracy out of range": lambda p: _rehash(p, lambda b: b.update(accuracy=1.5)),
+    "loss not a number": lambda p: _rehash(p, lambda b: b.update(loss="low")),
+    "a field missing": lambda p: _rehash(p, lambda b: b.pop("loss")),
+}
+
+
+@pytest.mark.parametrize("damage", BEFORE_DAMAGE)
+def test_a_damaged_accuracy_before_fine_tuning_is_measured_again(measured, damage):
+    """The untouched model's val accuracy is cached apart (one value for every candidate of a
+    precision): a damaged one is a miss, measured again, never reported."""
+    measure, first, path = measured
+    (before,) = (path.parent / "before").glob("*.json")
+    path.unlink()  # the candidate's own result: measured again, and it reads the before-value
+    BEFORE_DAMAGE[damage](before)
+    again = measure()
+    assert (again.before, again.loss_before, again.after) == (first.before, first.loss_before, first.after)
+
+
+def test_the_accuracy_before_fine_tuning_is_measured_once_per_precision_and_int8_weights(pristine, tiny_data, tmp_path):
+    """Candidates that differ only in what trains or their batch share the untouched model's val
+    accuracy; int8 frozen weights change the model, so they measure their own."""
+    model, _, _, _, _ = pristine
+    data = load_dataset(tiny_data, model)
+    cache = tmp_path / "cache"
+    base = _candidate(model)
+    first = [layer.name for layer in model.layers if layer.weight][0]
+    candidates = [
+        base,
+        replace(base, batch_size=2),
+        replace(base, trainable=((first, "full"),)),
+        replace(base, frozen_weights="int8"),
+    ]
+    results, own = [], []
+    for candidate in candidates:
+        step = compile_candidate(model, candidate, BuildOptions(HOST, cache))
+        results.append(measure_accuracy(model, data, candidate, step, 2, 0, cache))
+        own.append(TrainingSession(step.library, step.signature, model.initializers).evaluate(data.x_val, data.y_val))
+    assert len(list((cache / "accuracy" / "before").glob("*.json"))) == 2
+    assert all((r.loss_before, r.before) == (results[0].loss_before, results[0].before) for r in results[1:3])
+    for r, (loss, accuracy) in zip(results, own):  # each the value its own step computes, to rounding
+        assert r.before == accuracy and r.loss_before == pytest.approx(loss, rel=1e-5)
+    assert (results[3].loss_before, results[3].before) == own[3]  # int8: its own measurement
 
 
 def test_check_cache_dir_creates_a_missing_one(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,10 +93,31 @@ class FineTune:
     def _start(self) -> None:
         t0 = time.perf_counter()
         self._session = TrainingSession(self.compiled.library, self.compiled.signature, self.model.initializers)
-        self._loss_before, self._before = self._session.evaluate(self.data.x_val, self.data.y_val)
+        self._loss_before, self._before = self._measured_before(self._session)
         self._batches = batches(len(self.data.y_train), self._session.sig.batch_size, None, self.seed)
         self._losses: list[float] = []
         self._seconds = time.perf_counter() - t0
+
+    def _measured_before(self, session: TrainingSession) -> tuple[float, float]:
+        """Val loss and accuracy of the weights before fine-tuning, as this candidate's step
+        computes them. Which layers train does not change them, nor does the batch size beyond
+        the order of float sums; the precision and the weights stored int8 do. So they are
+        measured once per model, dataset, precision and int8 weights, and cached (a batch-1
+        candidate spent a quarter of its fine-tune evaluating the untouched model)."""
+        sig, m, d = session.sig, self.model, self.data
+        splits = sorted(sig.splits.items()) if sig.quantized else []  # where the int8 channels start
+        blob = [m.sha256, d.sha256, str(self.candidate.precision), sorted(sig.quantized.items()), splits, code_id()]
+        key = hashlib.sha256(json.dumps(blob).encode()).hexdigest()[:32]
+        path = self.cache_dir / "accuracy" / "before" / f"{key}.json"
+        cached = cachefile.read_json(path, key)
+        if cached is not None and set(cached) == {"loss", "accuracy"}:
+            loss, accuracy = cached["loss"], cached["accuracy"]
+            if all(isinstance(v, float) for v in (loss, accuracy)) and math.isfinite(loss) and 0.0 <= accuracy <= 1.0:
+                return loss, accuracy
+        loss, accuracy = session.evaluate(d.x_val, d.y_val)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cachefile.write_json(path, {"loss": loss, "accuracy": accuracy}, key)
+        return loss, accuracy
 
     def result(self, steps: int) -> AccuracyResult:
         """Val accuracy before and after `steps` fine-tuning steps (cached across targets)."""
