@@ -16,6 +16,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# One TVM pool thread per test process (planner would size pools to the cores): pytest-xdist runs
+# a process per core, and pools of spinning threads on shared cores slow every step many times
+# over. tests/test_threads.py checks planner's own sizing in processes of its own.
+os.environ.setdefault("TVM_NUM_THREADS", "1")
+
 from builders import blobs, free_port, tiny_cnn  # noqa: E402
 
 

@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+from tvm import relax
 
-from planner.backend import link
+from planner.backend import compile, link
 from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.graph import PREDICT_FUNC, STEP_FUNC, build_training_module
 from planner.backend.session import TrainingSession
 from planner.inputs.model import load_model
-from planner.types import Candidate
+from planner.types import Candidate, Kernels
 
 HOST = tvm.target.Target({"kind": "llvm"})
 
@@ -75,3 +77,28 @@ def test_a_candidate_differing_only_in_lr_reuses_the_step_and_trains_at_its_own_
     for name, small in moved[0].items():
         assert np.abs(small).max() > 0, name
         np.testing.assert_allclose(moved[1][name], 4 * small, rtol=1e-3, atol=1e-7, err_msg=name)
+
+
+def _kernels_called(mod: tvm.IRModule, func: str) -> set[str]:
+    call_tir, found = tvm.ir.Op.get("relax.call_tir"), set()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            found.add(link._symbol(mod[expr.args[0]]))
+
+    relax.analysis.post_order_visit(mod[func], visit)
+    return found
+
+
+@pytest.mark.parametrize("trained", [1, 2])
+def test_evaluating_a_candidate_needs_no_kernel_of_its_own(tiny_model, trained):
+    """The prediction function (every evaluation of the val split) runs the step's forward
+    kernels: compiling it costs nothing more. A BatchNorm's output once reached its ReLU through
+    a `(y, mean, var)[0]` tuple that fusion does not look through, and each such ReLU became a
+    kernel only the prediction function called."""
+    model = load_model(tiny_model)
+    names = [layer.name for layer in model.layers if layer.weight or layer.bias]
+    candidate = Candidate(trainable=tuple((n, "full") for n in names[-trained:]), batch_size=4, optimizer="sgd", lr=0.05)
+    mod, _ = build_training_module(model, candidate)
+    scheduled = compile._schedule(compile._fuse(mod, HOST, Kernels.OPENBLAS), HOST)
+    assert _kernels_called(scheduled, PREDICT_FUNC) <= _kernels_called(scheduled, STEP_FUNC)

@@ -15,9 +15,12 @@ from tvm import relax
 
 from planner.backend.graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
 from planner.backend.libraries import INSTALL_HINT, load_openblas, missing_library
+from planner.backend.threads import claim_cores
 from planner.backend.weights import from_step, to_step
 from planner.errors import EnvironmentFailure
 from planner.types import StepSignature
+
+claim_cores()  # before this process runs any step (see `planner.backend.threads`)
 
 
 def load_step(library: Path | str) -> tvm.runtime.Module:

@@ -20,6 +20,7 @@ import numpy as np
 from planner import cachefile
 from planner.backend.compile import CompiledStep, code_id
 from planner.backend.session import TrainingSession
+from planner.backend.threads import use_threads
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.types import AccuracyResult, Candidate
@@ -76,12 +77,21 @@ class FineTune:
         seed: int,
         cache_dir: Path,
         interrupted: Callable[[], bool] | None = None,
+        threads: Callable[[], int] | None = None,
     ) -> None:
         """`interrupted()`, checked before every step, stops the fine-tune with KeyboardInterrupt:
-        how a search running it in a worker thread is stopped at once (a second Ctrl-C)."""
+        how a search running it in a worker thread is stopped at once (a second Ctrl-C).
+        `threads()`, also asked before every step, is how many of the pool's threads it may use
+        now (0: all; None: as the pool is)."""
         self.model, self.data, self.candidate, self.compiled = model, data, candidate, compiled
-        self.seed, self.cache_dir, self.interrupted = seed, cache_dir, interrupted
+        self.seed, self.cache_dir, self.interrupted, self.threads = seed, cache_dir, interrupted, threads
         self._session: TrainingSession | None = None
+        self._using: int | None = None  # threads last set for this thread's pool
+
+    def _pace(self) -> None:
+        if self.threads is not None and (n := self.threads()) != self._using:
+            use_threads(n)
+            self._using = n
 
     def _path(self, steps: int) -> tuple[Path, str]:
         m, d, c = self.model, self.data, self.candidate
@@ -92,6 +102,7 @@ class FineTune:
 
     def _start(self) -> None:
         t0 = time.perf_counter()
+        self._pace()
         self._session = TrainingSession(self.compiled.library, self.compiled.signature, self.model.initializers)
         self._loss_before, self._before = self._measured_before(self._session)
         self._batches = batches(len(self.data.y_train), self._session.sig.batch_size, None, self.seed)
@@ -134,8 +145,10 @@ class FineTune:
         while len(self._losses) < steps and (not self._losses or np.isfinite(self._losses[-1])):
             if self.interrupted is not None and self.interrupted():
                 raise KeyboardInterrupt
+            self._pace()
             i = next(self._batches)
             self._losses.append(session.step(data.x_train[i], data.y_train[i]))
+        self._pace()
         loss_after, after = session.evaluate(data.x_val, data.y_val)
         self._seconds += time.perf_counter() - t0
         # A diverged fine-tune is a measured result too — the candidate ruins the model — so the

@@ -18,6 +18,7 @@ import tvm
 
 from planner import faults
 from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.threads import use_threads
 from planner.errors import CandidateFailed, EnvironmentFailure, disk_problem, last_line
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
@@ -58,6 +59,7 @@ class Hooks:
     before_timing: Callable[[], None] = _nothing  # returns once the machine is this trial's alone
     after_timing: Callable[[], None] = _nothing
     interrupted: Callable[[], bool] = _never  # true: stop the fine-tune now (KeyboardInterrupt)
+    fine_tune_threads: Callable[[], int] | None = None  # the fine-tune's pool threads now (0: all; None: as is)
 
 
 def _label(c: Candidate) -> str:
@@ -73,6 +75,10 @@ class Evaluator:
         self._board_target = target.tvm()
         self._host_target = tvm.target.Target(HOST_TARGET)
         self._compile_lock = threading.Lock()  # TVM compiles one candidate at a time
+
+    def compiling(self) -> bool:
+        """Whether a compile is running (in any thread of this evaluator)."""
+        return self._compile_lock.locked()
 
     def _build(self, candidate: Candidate, tvm_target, toolchain: str | None, tune_trials: int = 0):
         with self._compile_lock:  # tuning (if any) times its trials on the target's boards
@@ -113,6 +119,7 @@ class Evaluator:
             if hooks.interrupted():  # stopped at once while it waited: it is queued again
                 raise KeyboardInterrupt
             t0 = time.perf_counter()
+            use_threads(0)  # timed on every core, whatever this thread's last fine-tune used
             measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
             hooks.after_timing()
             record("latency", measured.latency.to_json())
@@ -124,7 +131,16 @@ class Evaluator:
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
             on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
-            run = FineTune(self.model, self.data, candidate, on_host, settings.seed, settings.cache_dir, hooks.interrupted)
+            run = FineTune(
+                self.model,
+                self.data,
+                candidate,
+                on_host,
+                settings.seed,
+                settings.cache_dir,
+                hooks.interrupted,
+                hooks.fine_tune_threads,
+            )
             budgets = self._budgets(compiled, measured.latency.median)
             fidelity = None
             if settings.screen_steps:

@@ -31,6 +31,7 @@ from typing import Literal
 import optuna
 import optuna.storages.journal
 
+from planner.backend.threads import physical_cores
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure, first_line
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
@@ -446,7 +447,16 @@ class _Pipeline:
             self._cond.notify_all()
 
 
-def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: _Pipeline | None):
+def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: _Pipeline | None, n_jobs: int):
+    share = max(1, physical_cores() // n_jobs)
+
+    def threads() -> int:
+        """A fine-tune's share of the cores: beside a compile (the pipeline's other trial) one,
+        else all; with trials on several boards, whose fine-tunes all run here, an even share."""
+        if pipeline is not None:
+            return 1 if evaluator.compiling() else 0
+        return share if n_jobs > 1 else 0
+
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
         try:
             if pipeline is not None:
@@ -477,7 +487,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
         trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
         candidate = space.sample(trial, evaluator.model)
         try:
-            hooks = Hooks(rivals=lambda: screen_points(trial.study), interrupted=lambda: halt.hard)
+            hooks = Hooks(rivals=lambda: screen_points(trial.study), interrupted=lambda: halt.hard, fine_tune_threads=threads)
             if pipeline is not None:
                 tid = trial._trial_id
                 hooks = replace(
@@ -653,7 +663,7 @@ def run_study(
                 return False
             return settings.own_trials is not None or _finished(study) < settings.trials
 
-        objective = _objective(Evaluator(model, data, target, settings.evaluation), space, halt, pipeline)
+        objective = _objective(Evaluator(model, data, target, settings.evaluation), space, halt, pipeline, n_jobs)
         run_one = functools.partial(
             study.optimize, objective, n_trials=1, catch=(CandidateFailed,), callbacks=callbacks, gc_after_trial=False
         )

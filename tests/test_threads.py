@@ -1,0 +1,77 @@
+"""How many threads a step runs on: the machine's cores unless the user says otherwise, and a
+search's fine-tune on one of them while a compile runs beside it. Each case runs in a process of
+its own: TVM sizes a thread's pool once, when the thread first runs a kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planner.backend.threads import physical_cores
+
+
+def _run(code: str, threads: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    if threads is not None:
+        env["TVM_NUM_THREADS"] = threads
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+POOL = """
+import threading, tvm
+import planner.backend.session  # what every run of a step imports first
+out = []
+t = threading.Thread(target=lambda: out.append(tvm.runtime.num_threads()))
+t.start(); t.join()
+print(out[0])
+"""
+
+
+def test_steps_run_on_every_physical_core_unless_the_user_says_otherwise():
+    """TVM alone halves an x86 machine's hardware threads (assuming two per core): on a machine
+    without SMT that left half the cores idle in every measured step."""
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+    assert _run(POOL, None) == str(physical_cores())
+    assert _run(POOL, "1") == "1"
+
+
+FINE_TUNE = """
+import sys, threading, tvm
+from pathlib import Path
+from planner.backend.compile import BuildOptions, compile_candidate
+from planner.inputs.data import load_dataset
+from planner.inputs.model import load_model
+from planner.measurement.accuracy import FineTune
+from planner.types import Candidate
+model_path, data_path, cache = sys.argv[1:4]
+model = load_model(model_path)
+data = load_dataset(data_path, model)
+head = [layer.name for layer in model.layers if layer.weight][-1]
+candidate = Candidate(trainable=((head, "full"),), batch_size=4, optimizer="sgd", lr=0.05)
+step = compile_candidate(model, candidate, BuildOptions(tvm.target.Target({"kind": "llvm"}), Path(cache)))
+compiling, seen = [True], []
+def fine_tune():  # one core while a compile runs beside it, then all of them
+    run = FineTune(model, data, candidate, step, 0, Path(cache), threads=lambda: 1 if compiling[0] else 0)
+    run.result(2)
+    seen.append(tvm.runtime.num_threads())
+    compiling[0] = False
+    run.result(6)
+    seen.append(tvm.runtime.num_threads())
+t = threading.Thread(target=fine_tune)
+t.start(); t.join()
+print(*seen)
+"""
+
+
+def test_a_fine_tune_uses_the_threads_it_is_given_step_by_step(tiny_model, tiny_data, tmp_path):
+    """A search's fine-tune asks before every step how many threads it may use: one while the
+    next candidate compiles beside it, all of them once it runs alone."""
+    if physical_cores() < 2:
+        pytest.skip("one core: nothing to share")
+    code = FINE_TUNE.replace("sys.argv[1:4]", repr([str(tiny_model), str(tiny_data), str(tmp_path / "cache")]))
+    assert _run(code, "2") == "1 2"
