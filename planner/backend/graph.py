@@ -513,14 +513,17 @@ def _undifferentiable(binding: relax.VarBinding) -> bool:
 
 def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Function | None, relax.Function]:
     """`func(x, *frozen, *trainable)` split where the trainable parameters first come in: the
-    prefix `(x, *frozen) -> (t1, …, tk)` computes every tensor that does not depend on a trainable
-    parameter and is used by one that does; the rest becomes `(t1, …, tk, *frozen, *trainable)`.
+    prefix `(x, *frozen) -> (t1, …, tk)` computes the tensors before the first op that depends on
+    a trainable parameter, in program order; the rest becomes `(t1, …, tk, *frozen, *trainable)`.
 
     Why: Relax's gradient pass asks every op between the input and the loss for its gradient, even
-    where no parameter lies upstream. A model with an op planner cannot differentiate (a Floor,
-    an argmax) can still train every layer after it, once the ops before the first trained layer
-    are outside the differentiated function. Returns (None, func) when the prefix needs no
-    splitting off (every op in it has a gradient: the step is then exactly what Relax builds).
+    where no parameter lies upstream. That was most of a compile's time for a sparse update
+    (MobileNetV2 training its last layers: 0.48 of 2.3 s, every op of the frozen backbone asked),
+    and a model with an op planner cannot differentiate (a Floor, an argmax) could not train the
+    layers after it. Program order keeps the step's order, so its memory plan, as it was. An op
+    without a gradient after the first trained layer that no trained layer feeds goes into the
+    prefix too: every tensor independent of the trainable parameters then is computed there.
+    Returns (None, func) when no op comes before the first trained layer.
     """
     blocks = func.body.blocks
     if len(blocks) != 1 or not all(isinstance(b, relax.VarBinding) for b in blocks[0].bindings):
@@ -532,9 +535,12 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
     for b in bindings:
         if any(v in depends for v in relax.analysis.free_vars(b.value)):
             depends.add(b.var)
-    before = [b for b in bindings if b.var not in depends]
-    after = [b for b in bindings if b.var in depends]
-    if not any(map(_undifferentiable, before)):  # the usual case: the step stays as Relax builds it
+    first = next((i for i, b in enumerate(bindings) if b.var in depends), len(bindings))
+    before, after = bindings[:first], bindings[first:]
+    if any(_undifferentiable(b) and b.var not in depends for b in after):
+        before = [b for b in bindings if b.var not in depends]
+        after = [b for b in bindings if b.var in depends]
+    if not before:
         return None, func
     used = {v for b in after for v in relax.analysis.free_vars(b.value)} | set(relax.analysis.free_vars(func.body.body))
     boundary = [v for v in [x, *(b.var for b in before)] if v in used]
