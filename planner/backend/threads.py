@@ -1,7 +1,7 @@
 """How many threads a step runs on in this process, and the calling thread's share of them.
 
 TVM sizes each thread's pool from TVM_NUM_THREADS, else from the hardware threads, halved on x86
-on the assumption of two per core. On a machine without SMT (this 2-vCPU host, many cloud and
+on the assumption of two per core. On a machine without SMT (many cloud VMs and
 edge x86 boxes) every step then ran on half the cores, while its kernels are split for all of
 them (`gemm.pool_threads`), and plans reported that half's latency. planner sets TVM_NUM_THREADS,
 where the user has not, to the physical cores this process may use, before any pool exists:
