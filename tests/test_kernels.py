@@ -87,14 +87,21 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
         (2, 8, 5, 7, 1, 3, 1, (1, 1, 1, 1)),  # one output channel
         (7, 4, 3, 3, 5, 3, 1, (1, 1, 1, 1)),  # many small images: tiles of several, a short last one
         (1, 16, 48, 48, 8, 1, 1, (0, 0, 0, 0)),  # a large image (zeroed as one 36,864-lane vector, LLVM aborted)
+        # stride 1 as wide as the image: the taps' columns are shifted runs of the image's rows
+        (2, 3, 6, 5, 4, 3, 1, (0, 2, 2, 0)),  # all padding left and below: shifts right by 0-2
+        (2, 3, 6, 5, 4, 3, 1, (2, 0, 0, 2)),  # all padding above and right: shifts left by 0-2
+        (1, 4, 9, 8, 3, 5, 1, (2, 2, 2, 2)),  # 5x5 same padding
+        (2, 3, 6, 7, 4, 3, 1, (0, 1, 0, 1)),  # fewer output rows than the image's
+        (2, 3, 5, 7, 4, 3, 1, (3, 1, 2, 1)),  # more: whole rows of padding
     ],
 )
 @pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])
 @pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
 @pytest.mark.parametrize(
     "dw_split",
-    [{"NARROW": 1 << 30, "MIN_PIXELS": 0}, pytest.param({"PRIVATE_BYTES": 0}, marks=pytest.mark.slow)],
-    ids=["dw-per-thread", "dw-by-columns"],  # every weight gradient here split by tiles, or none
+    [{"NARROW": 1 << 30, "MIN_PIXELS": 0}, {"NARROW": 0}, pytest.param({"PRIVATE_BYTES": 0}, marks=pytest.mark.slow)],
+    # every weight gradient here split by tiles, or none: by columns into dWᵀ, or into dW in place
+    ids=["dw-per-thread", "dw-by-columns", "dw-by-columns-in-place"],
 )
 def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     monkeypatch, n, c, h, w, o, k, stride, pad, band_bytes, cores, dw_split
