@@ -60,6 +60,7 @@ class Hooks:
     after_timing: Callable[[], None] = _nothing
     interrupted: Callable[[], bool] = _never  # true: stop the fine-tune now (KeyboardInterrupt)
     fine_tune_threads: Callable[[], int] | None = None  # the fine-tune's pool threads now (0: all; None: as is)
+    recipe: bool = False  # one of the space's hand-made recipes: never screened out (`Evaluator._screen`)
 
 
 def _label(c: Candidate) -> str:
@@ -145,7 +146,7 @@ class Evaluator:
             fidelity = None
             if settings.screen_steps:
                 fidelity = self._screen(
-                    run.result(settings.screen_steps), budgets, measured.latency.median, compiled, hooks.rivals
+                    run.result(settings.screen_steps), budgets, measured.latency.median, compiled, hooks.rivals, hooks.recipe
                 )
                 record("fidelity", fidelity.to_json())
             acc = run.result(settings.accuracy_steps) if fidelity is None or fidelity.promoted else fidelity.screen
@@ -199,8 +200,15 @@ class Evaluator:
         latency_ms: float,
         compiled,
         rivals: Callable[[], list[ScreenPoint]],
+        recipe: bool = False,
     ) -> Fidelity:
-        """Whether a candidate's screening fine-tune earns it the full `accuracy_steps`."""
+        """Whether a candidate's screening fine-tune earns it the full `accuracy_steps`.
+
+        A `recipe` (the space's hand-made schemes a study starts from) always does, within the
+        budgets: a plan is to be never worse than the recipe a user would otherwise copy, and a
+        short screen is unfair to exactly those that train many layers (after a quarter of the
+        steps, updating every layer was still at chance where the head alone had converged; in
+        full it was the more accurate)."""
         steps = self.settings.screen_steps
         if screen.diverged_at is not None:
             return Fidelity(screen, False, f"diverged at step {screen.diverged_at} of its {steps}-step screen")
@@ -209,6 +217,8 @@ class Evaluator:
             return Fidelity(screen, False, f"over {', '.join(over)}: fine-tuning longer cannot change that")
         noise, points = margin(len(self.data.y_val)), rivals()
         against = tuple(sorted(p.trial for p in points))
+        if recipe:
+            return Fidelity(screen, True, "one of the space's hand-made recipes: always fine-tuned in full", against)
         rival = beaten_by(screen.after, latency_ms, float(compiled.memory.total), points, noise)
         if rival is not None:
             return Fidelity(

@@ -122,6 +122,10 @@ class AnchoredSampler(optuna.samplers.BaseSampler):
     def _anchor(self, trial: optuna.trial.FrozenTrial) -> dict | None:
         return self._anchors[trial.number] if trial.number < len(self._anchors) else None
 
+    def fixes(self, number: int) -> bool:
+        """Whether trial `number` is one of the anchors."""
+        return number < len(self._anchors)
+
     def reseed_rng(self) -> None:
         self._base.reseed_rng()
 
@@ -487,7 +491,13 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
         trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
         candidate = space.sample(trial, evaluator.model)
         try:
-            hooks = Hooks(rivals=lambda: screen_points(trial.study), interrupted=lambda: halt.hard, fine_tune_threads=threads)
+            sampler = trial.study.sampler
+            hooks = Hooks(
+                rivals=lambda: screen_points(trial.study),
+                interrupted=lambda: halt.hard,
+                fine_tune_threads=threads,
+                recipe=isinstance(sampler, AnchoredSampler) and sampler.fixes(trial.number),
+            )
             if pipeline is not None:
                 tid = trial._trial_id
                 hooks = replace(
