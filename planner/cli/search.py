@@ -48,8 +48,9 @@ def plan(
         int | None,
         typer.Option(
             help="fine-tune every candidate this many steps first and go on to --accuracy-steps only when no "
-            "finished trial is better by then (more accurate, no slower, no larger); screened-out trials are "
-            "never the plan. 0: every candidate gets all steps [default: a quarter of --accuracy-steps]",
+            "finished trial is better by then (more accurate, no slower, no larger); the space's hand-made "
+            "recipes always get all steps, screened-out trials are never the plan. 0: every candidate gets all "
+            "steps [default: a quarter of --accuracy-steps]",
             show_default=False,
         ),
     ] = None,

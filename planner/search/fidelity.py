@@ -3,7 +3,8 @@
 Fine-tuning is most of a trial's time once compiles are cached, and most candidates of a long
 study are plainly worse than ones already measured. So each candidate is first fine-tuned for
 `screen_steps` and compared with every finished trial's screening result; it trains on to the
-full `accuracy_steps` (from where it stopped: `FineTune`) only when no such trial beats it.
+full `accuracy_steps` (from where it stopped: `FineTune`) only when no such trial beats it (the
+space's hand-made recipes always do: `Evaluator._screen`).
 Optuna's pruners decide one objective at a time and do not cover multi-objective studies, so
 this is planner's own policy, and each trial records what was decided and why (`Fidelity`).
 
