@@ -35,8 +35,11 @@ pytestmark = [
 
 
 def _board_env(cpu: str | None) -> dict[str, str]:
-    env = {**os.environ, "QEMU_LD_PREFIX": str(EMU / "root"), "PYTHONPATH": f"{EMU / 'site'}:{REPO}"}
-    env.pop("QEMU_CPU", None)
+    """The board's environment: this one's, less what belongs to this machine's CPU. The board is
+    another machine: an x86 OpenBLAS setting (`OPENBLAS_CORETYPE=Haswell`, set on some hosts)
+    would choose the AArch64 OpenBLAS's kernels too, not the board's CPU (`cpu`, QEMU's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_") and k != "QEMU_CPU"}
+    env |= {"QEMU_LD_PREFIX": str(EMU / "root"), "PYTHONPATH": f"{EMU / 'site'}:{REPO}"}
     return env | ({"QEMU_CPU": cpu} if cpu else {})
 
 

@@ -444,7 +444,7 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     tile_t = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width, transposed=True)
 
     @T.prim_func(private=True)
-    def conv2d_weight_grad_gemm(
+    def conv2d_weight_grad_gemm_t(
         x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
         dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
         dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
@@ -469,7 +469,7 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                 for oi, kk in T.grid(o, T.min(kb, k - th * kb)):
                     flat[oi * k + th * kb + kk] = ws[th * per + cols + kk * o + oi]
 
-    return conv2d_weight_grad_gemm
+    return conv2d_weight_grad_gemm_t
     return conv2d_weight_grad_gemm
 
 

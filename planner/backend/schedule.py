@@ -83,7 +83,7 @@ def _row_lanes(row: int | None, lanes: int) -> int:
     gradient over 28x28 maps took 207-316 us with 8 lanes, on every x86 target; 4 lanes that
     stay within a row load whole vectors. (Left serial for LLVM instead, the index simplifies
     and LLVM vectorises it with AVX2 or AVX-512, 22-44 us, but not with SSE or NEON: 744 us.)"""
-    if not _straddles(row, lanes):
+    if row is None or not _straddles(row, lanes):
         return lanes
     within = row & -row  # its largest power-of-two factor
     return within if within >= 4 else lanes
