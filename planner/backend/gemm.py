@@ -412,39 +412,30 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o)
     cols = t.width * (kb + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
-    if o * k * 4 > PRIVATE_BYTES:  # dW's columns, strided, accumulated where they belong
-        tile = _weight_grad_tile(s, t, lambda th: th * cols, lambda th: th * cols + kb * t.width)
+    # where dW fits a copy of its rows per thread (dWᵀ, `_weight_grad_tile`): accumulated there and
+    # written out at the end; else dW's columns, strided, accumulated where they belong
+    transposed = o * k * 4 <= PRIVATE_BYTES
+    per = cols + (kb * o if transposed else 0)
+    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width, transposed=transposed)
 
-        @T.prim_func(private=True)
-        def conv2d_weight_grad_gemm(
-            x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-            dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-            dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-        ):
-            T.func_attr(_attrs(s))
-            ws = T.decl_buffer((threads * cols,), "float32")
-            for th in T.parallel(threads):
-                if th * kb < k:
-                    for i in range(t.groups(s) * t.bands(s)):
-                        tile(
-                            x,
-                            dy,
-                            ws,
-                            th,
-                            i,
-                            th * kb,
-                            T.min(kb, k - th * kb),
-                            T.Select(i == 0, T.float32(0), T.float32(1)),
-                            T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw]),
-                        )
+    def out(ws, dw, th):
+        if transposed:
+            return T.address_of(ws[th * per + cols])
+        return T.address_of(dw[0, th * kb // (s.kh * s.kw), th * kb // s.kw % s.kh, th * kb % s.kw])
 
-        return conv2d_weight_grad_gemm
-    # dW small enough for a copy of its rows (dWᵀ) per thread: accumulated there, then written out
-    per = cols + kb * o
-    tile_t = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width, transposed=True)
+    @T.macro
+    def write_out(ws, flat, th):
+        for oi, kk in T.grid(o, T.min(kb, k - th * kb)):
+            flat[oi * k + th * kb + kk] = ws[th * per + cols + kk * o + oi]
+
+    @T.macro
+    def in_place(ws, flat, th):
+        T.evaluate(0)
+
+    finish = write_out if transposed else in_place
 
     @T.prim_func(private=True)
-    def conv2d_weight_grad_gemm_t(
+    def conv2d_weight_grad_gemm(
         x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
         dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
         dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
@@ -455,7 +446,7 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
         for th in T.parallel(threads):
             if th * kb < k:
                 for i in range(t.groups(s) * t.bands(s)):
-                    tile_t(
+                    tile(
                         x,
                         dy,
                         ws,
@@ -464,12 +455,10 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                         th * kb,
                         T.min(kb, k - th * kb),
                         T.Select(i == 0, T.float32(0), T.float32(1)),
-                        T.address_of(ws[th * per + cols]),
+                        out(ws, dw, th),
                     )
-                for oi, kk in T.grid(o, T.min(kb, k - th * kb)):
-                    flat[oi * k + th * kb + kk] = ws[th * per + cols + kk * o + oi]
+                finish(ws, flat, th)
 
-    return conv2d_weight_grad_gemm_t
     return conv2d_weight_grad_gemm
 
 
