@@ -483,53 +483,22 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, trans
     im2col, gather, _, _ = _macros(s)
     gather, gradient = _in_place(s, t, gather, dy_at)
 
-    @T.macro
-    def gather_tile(x, dy, ws, th, i, k0, kt):
-        for j in range(t.count(s, i // bands)):
-            im2col(x, ws, at(th), t.width, t.image(i // bands, j), t.row(i % bands), t.span(s, i % bands), j * t.run(s), k0, kt)
-            gather(dy, ws, dy_at(th), t.width, t.image(i // bands, j), j * t.run(s), t.row(i % bands), t.span(s, i % bands))
+    def product(dy, ws, th, i, kt, beta, out):
+        """dW's rows (dy · colᵀ, rows `s.k` apart) or dWᵀ's (col · dyᵀ, rows `s.o` apart)."""
+        g, b = i // bands, i % bands
+        cols = (T.address_of(ws[at(th)]), t.width)
+        dys = (gradient(dy, ws, th, g, b), t.ld(s))
+        first, second, m, n, ldc = (cols, dys, kt, s.o, s.o) if transposed else (dys, cols, s.o, kt, s.k)
+        return _sgemm(NO_TRANS, TRANS, m, n, t.columns(s, g, b), *first, *second, beta, out, ldc)
 
     @T.macro
     def tile(x, dy, ws, th, i, k0, kt, beta, out):
-        gather_tile(x, dy, ws, th, i, k0, kt)
-        T.evaluate(
-            _sgemm(
-                NO_TRANS,
-                TRANS,
-                s.o,
-                kt,
-                t.columns(s, i // bands, i % bands),
-                gradient(dy, ws, th, i // bands, i % bands),
-                t.ld(s),
-                T.address_of(ws[at(th)]),
-                t.width,
-                beta,
-                out,
-                s.k,
-            )
-        )
+        for j in range(t.count(s, i // bands)):
+            im2col(x, ws, at(th), t.width, t.image(i // bands, j), t.row(i % bands), t.span(s, i % bands), j * t.run(s), k0, kt)
+            gather(dy, ws, dy_at(th), t.width, t.image(i // bands, j), j * t.run(s), t.row(i % bands), t.span(s, i % bands))
+        T.evaluate(product(dy, ws, th, i, kt, beta, out))
 
-    @T.macro
-    def tile_transposed(x, dy, ws, th, i, k0, kt, beta, out):
-        gather_tile(x, dy, ws, th, i, k0, kt)
-        T.evaluate(
-            _sgemm(
-                NO_TRANS,
-                TRANS,
-                kt,
-                s.o,
-                t.columns(s, i // bands, i % bands),
-                T.address_of(ws[at(th)]),
-                t.width,
-                gradient(dy, ws, th, i // bands, i % bands),
-                t.ld(s),
-                beta,
-                out,
-                s.o,
-            )
-        )
-
-    return tile_transposed if transposed else tile
+    return tile
 
 
 def _in_place(s: Conv, t: Tiles, copy, at: Callable):
