@@ -68,11 +68,6 @@ def _vector_tail(sch: s_tir.Schedule, loop: Loop, cap: int, row: int | None = No
         sch.vectorize(sch.split(loop, factors=[None, lanes])[1])
 
 
-def _straddles(row: int | None, lanes: int) -> bool:
-    """Whether vectors of `lanes` over fused axes would cross the innermost axis (`row` long)."""
-    return row is not None and lanes > 1 and row % lanes != 0
-
-
 def _row_lanes(row: int | None, lanes: int) -> int:
     """Lanes for a vector over fused axes whose innermost is `row` long: `lanes`, or where those
     would straddle two rows, the widest power of two that divides the row (when it is 4 or more;
@@ -83,7 +78,7 @@ def _row_lanes(row: int | None, lanes: int) -> int:
     gradient over 28x28 maps took 207-316 us with 8 lanes, on every x86 target; 4 lanes that
     stay within a row load whole vectors. (Left serial for LLVM instead, the index simplifies
     and LLVM vectorises it with AVX2 or AVX-512, 22-44 us, but not with SSE or NEON: 744 us.)"""
-    if row is None or not _straddles(row, lanes):
+    if row is None or lanes == 1 or row % lanes == 0:  # no vector crosses a row's end
         return lanes
     within = row & -row  # its largest power-of-two factor
     return within if within >= 4 else lanes

@@ -120,7 +120,7 @@ class AnchoredSampler(optuna.samplers.BaseSampler):
         self._base, self._anchors = base, anchors
 
     def _anchor(self, trial: optuna.trial.FrozenTrial) -> dict | None:
-        return self._anchors[trial.number] if trial.number < len(self._anchors) else None
+        return self._anchors[trial.number] if self.fixes(trial.number) else None
 
     def fixes(self, number: int) -> bool:
         """Whether trial `number` is one of the anchors."""
