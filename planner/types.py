@@ -109,6 +109,15 @@ class Updates(StrEnum):
     COPY = "copy"
 
 
+class Recompute(StrEnum):
+    """Which activations the backward pass recomputes instead of keeping (`planner.backend.recompute`):
+    none, or those `auto` chooses to minimise the step's peak. A scheme may also list layers
+    whose inputs are kept (`Candidate.recompute` is then a tuple of layer names)."""
+
+    NONE = "none"
+    AUTO = "auto"
+
+
 # What candidates were before `updates` existed: a stored candidate without it updated by copy.
 LEGACY_UPDATES = Updates.COPY
 
@@ -131,6 +140,8 @@ class Candidate:
     grad_accum: int = 1  # micro-batches of `batch_size` per update: effective batch = product
     frozen_weights: FrozenWeights = FrozenWeights.FP32  # int8: frozen Conv/Gemm/MatMul weights quantized per channel
     updates: Updates = Updates.IN_PLACE  # in-place: each update right after its gradient, over the old weight
+    # none, auto, or the layers whose input activations are kept (every other one is recomputed)
+    recompute: Recompute | tuple[str, ...] = Recompute.NONE
 
     def __post_init__(self) -> None:
         convert = object.__setattr__
@@ -141,10 +152,18 @@ class Candidate:
         convert(self, "precision", Precision(self.precision))
         convert(self, "frozen_weights", FrozenWeights(self.frozen_weights))
         convert(self, "updates", Updates(self.updates))
+        if isinstance(self.recompute, str):
+            convert(self, "recompute", Recompute(self.recompute))
+        else:
+            convert(self, "recompute", tuple(map(str, self.recompute)))
+            if not self.recompute:
+                raise ValueError("recompute lists the layers whose inputs are kept (at least one), or is none or auto")
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["trainable"] = [[name, str(mode)] for name, mode in self.trainable]
+        if isinstance(self.recompute, tuple):
+            d["recompute"] = list(self.recompute)
         return {k: v.value if isinstance(v, StrEnum) else v for k, v in d.items()}
 
     @classmethod
@@ -158,6 +177,7 @@ class Candidate:
             grad_accum=int(d.get("grad_accum", 1)),
             frozen_weights=FrozenWeights(d.get("frozen_weights", FrozenWeights.FP32)),
             updates=Updates(d.get("updates", LEGACY_UPDATES)),
+            recompute=d.get("recompute", Recompute.NONE),
         )
 
     def key(self) -> str:
@@ -191,6 +211,9 @@ class MemoryBreakdown:
     optimizer_state: int
     frozen_params: int
     scratch: int = 0  # kernels' own workspace (TVM's workspace pool), held from first use on
+    # not a part of `total`: how many more bytes of activations and gradients the same step
+    # would hold at its peak without recomputation (negative: recomputation cost memory)
+    recompute_saved: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -394,6 +417,9 @@ class StepSignature:
     # (shape, dtype, initial fill value); the last is the learning rate the update multiplies by
     optim_states: tuple[tuple[tuple[int, ...], str, float], ...]
     n_classes: int
+    # layers whose input activation the backward pass keeps, when it recomputes the others
+    # (what `recompute: auto` chose); empty when the step keeps every activation it needs
+    kept: tuple[str, ...] = ()
 
     def with_lr(self, lr: float) -> StepSignature:
         """The signature of the same step run with learning rate `lr` (its last optimizer state)."""
@@ -422,6 +448,7 @@ class StepSignature:
             loss_scale=float(d.get("loss_scale", 1.0)),
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
+            kept=tuple(map(str, d.get("kept", ()))),
         )
 
 

@@ -50,12 +50,12 @@ print(in_use() - before)
 """
 
 
-@pytest.mark.parametrize("trainable", ["full", "last-3"])
-def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, tmp_path):
+@pytest.mark.parametrize("trainable, recompute", [("full", "none"), ("last-3", "none"), ("full", "auto")])
+def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, recompute, tmp_path):
     path = zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx")
     model = load_model(path)
     layers = model.layers if trainable == "full" else model.layers[-3:]
-    cand = Candidate(tuple((layer.name, "full") for layer in layers), batch_size=8, optimizer="sgd", lr=0.01)
+    cand = Candidate(tuple((layer.name, "full") for layer in layers), batch_size=8, optimizer="sgd", lr=0.01, recompute=recompute)
     step = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"})))
     sig = step.signature
     res = subprocess.run(

@@ -25,6 +25,7 @@ def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
             "grad_accum": 1,
             "frozen_weights": "fp32",
             "updates": "in-place",
+            "recompute": "none",
         }
     )
     cand = space.sample(trial, model)
@@ -44,6 +45,7 @@ def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
                 "grad_accum": 1,
                 "frozen_weights": "fp32",
                 "updates": "in-place",
+                "recompute": "none",
             }
         ),
         model,
@@ -64,6 +66,7 @@ def test_full_trains_everything(tiny_model):
                 "grad_accum": 1,
                 "frozen_weights": "fp32",
                 "updates": "in-place",
+                "recompute": "none",
             }
         ),
         model,
@@ -107,6 +110,7 @@ def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
         "grad_accum": 1,
         "frozen_weights": "fp32",
         "updates": "in-place",
+        "recompute": "none",
     }
     cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
     assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))

@@ -40,7 +40,7 @@ from planner.backend.schedule import default_schedule
 from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
-from planner.types import Candidate, Kernels, MemoryBreakdown, StepSignature
+from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSignature
 
 LIB_NAME = "train_step.so"
 META_NAME = "train_step.json"
@@ -277,6 +277,8 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
         requires = [PACKAGE] if gemm.calls_openblas(lowered) else []
     except Exception as exc:
         raise _failure(exc, "TVM compile", cache_dir, toolchain) from None
+    if candidate.recompute != Recompute.NONE:
+        memory = replace(memory, recompute_saved=_held(_baseline(model, candidate, build)) - _held(memory))
 
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
@@ -307,6 +309,17 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return _load(entry, meta, cached=False)
+
+
+def _held(memory: MemoryBreakdown) -> int:
+    """The bytes recomputation changes: activations and the gradients alive beside them."""
+    return memory.activations + memory.gradients
+
+
+def _baseline(model: Model, candidate: Candidate, build: BuildOptions) -> MemoryBreakdown:
+    """The planned memory of `candidate` without recomputation, compiled into the cache as any
+    candidate is (a search that proposes both pays for it once)."""
+    return _compile_or_load(model, replace(candidate, recompute=Recompute.NONE), build).memory
 
 
 def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:

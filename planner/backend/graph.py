@@ -27,10 +27,11 @@ from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
-from planner.backend.weights import head, int8, scale, scale_shape, tail
+from planner.backend import recompute
+from planner.backend.weights import head, int8, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
-from planner.types import Candidate, ModeKind, StepSignature
+from planner.types import Candidate, ModeKind, Recompute, StepSignature
 
 STEP_FUNC = "train_step"
 PREDICT_FUNC = "backbone"
@@ -374,12 +375,20 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     labels = relax.TensorType((B,), LABEL_DTYPE)
     full = backbone[PREDICT_FUNC]
     prefix, differentiated = _frozen_prefix(full, len(trainable))
-    try:
-        trainer = SetupTrainer(_ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
-            backbone if prefix is None else tvm.IRModule({PREDICT_FUNC: differentiated}, attrs=backbone.attrs)
-        )
-    except Exception as exc:  # TVM reports missing gradients etc. as generic errors
-        raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
+
+    def differentiate(func: relax.Function) -> tvm.IRModule:
+        try:
+            return SetupTrainer(_ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
+                tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs)
+            )
+        except Exception as exc:  # TVM reports missing gradients etc. as generic errors
+            raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
+
+    kept: tuple[str, ...] = ()
+    if candidate.recompute != Recompute.NONE:
+        n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)
+        differentiated, kept = _recomputing(model, candidate, differentiated, n_inputs, [*frozen, *trainable], differentiate)
+    trainer = differentiate(differentiated)
 
     lr_dtype = str(optimizer.dtype)
     step, state_types = _fused_step(trainer, prefix, n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum)
@@ -398,8 +407,57 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
             ((), lr_dtype, update_lr(candidate, loss_scale)),
         ),
         n_classes=model.n_classes,
+        kept=kept,
     )
     return out, sig
+
+
+def _recomputing(
+    model: Model,
+    candidate: Candidate,
+    func: relax.Function,
+    n_inputs: int,
+    stored: list[str],
+    differentiate: Callable[[relax.Function], tvm.IRModule],
+) -> tuple[relax.Function, tuple[str, ...]]:
+    """`func(*inputs, *weights)` (`stored`: the weights' names) with its inputs and the kept
+    activations marked for the gradient pass: the inputs of the layers `candidate.recompute`
+    lists, or those `recompute.choose` picks for `auto` (`differentiate`: the gradient pass).
+    Also returns the layers whose inputs are kept, in model order."""
+    layer_of = {p: layer.name for layer in model.layers for p in layer.param_shapes}
+    weights = func.params[n_inputs:]
+    owners = {v: layer_of[origin(n)] for v, n in zip(weights, stored) if origin(n) in layer_of}
+    inputs = recompute.layer_inputs(func, n_inputs, owners)
+    if candidate.recompute == Recompute.AUTO:
+        cuts = recompute.cut_points(func, n_inputs) & set(inputs.values())
+        chosen = set(recompute.choose(func, n_inputs, cuts, _saved(func, differentiate)))
+    else:
+        # a listed layer before the first trained one reads an activation the backward pass never needs
+        chosen = {inputs[model.layer(name).name] for name in candidate.recompute if model.layer(name).name in inputs}
+    layers = tuple(name for name, var in inputs.items() if var in chosen and var not in func.params[:n_inputs])
+    return _copy(func, kept=frozenset([*func.params[:n_inputs], *chosen])), layers
+
+
+def _copy(func: relax.Function, **options) -> relax.Function:
+    """`func` re-emitted by `_function` with `options`."""
+    params = [relax.Var(v.name, v.ty) for v in func.params]
+    bindings = list(func.body.blocks[0].bindings)
+    copy = _function(PREDICT_FUNC, params, bindings, func.body.body, dict(zip(func.params, params)), **options)
+    return copy.with_attr("global_symbol", PREDICT_FUNC)
+
+
+_FORWARD = "forward_"  # the names `_saved` gives the forward pass's bindings
+
+
+def _saved(func: relax.Function, differentiate: Callable[[relax.Function], tvm.IRModule]) -> set[relax.Var]:
+    """The bindings of `func` whose values its backward pass reads, found by differentiating a
+    copy whose bindings are numbered (the gradient pass keeps forward names, not variables)."""
+    adjoint = differentiate(_copy(func, numbered=_FORWARD))["backbone_loss_adjoint"]
+    forward = {f"{_FORWARD}{i}": b.var for i, b in enumerate(func.body.blocks[0].bindings)}
+    read = {
+        v.name for b in adjoint.body.blocks[0].bindings if b.var.name not in forward for v in relax.analysis.free_vars(b.value)
+    }
+    return {forward[n] for n in read if n in forward}
 
 
 def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
@@ -492,14 +550,31 @@ class _Renamed(relax.PyExprMutator):
         return self.mapping.get(var, var)
 
 
-def _function(name: str, params: list[relax.Var], bindings: list, output: relax.Expr, mapping: dict) -> relax.Function:
+def _function(
+    name: str,
+    params: list[relax.Var],
+    bindings: list,
+    output: relax.Expr,
+    mapping: dict,
+    kept: frozenset = frozenset(),
+    numbered: str | None = None,
+) -> relax.Function:
     """A dataflow function of `params` that re-emits `bindings` and returns `output`, the old
-    variables of the params (and of each binding) replaced through `mapping`."""
+    variables of the params (and of each binding) replaced through `mapping`. Old variables in
+    `kept` (params or bindings) are marked `start_checkpoint` and read through the mark (see
+    `planner.backend.recompute`); with `numbered`, the i-th binding is named `{numbered}{i}`."""
+
+    def mark(old: relax.Var, new: relax.Expr) -> relax.Expr:
+        return bb.emit(relax.op.grad.start_checkpoint(new), f"{old.name}_kept") if old in kept else new
+
     bb = relax.BlockBuilder()
     with bb.function(name, params):
         with bb.dataflow():
-            for binding in bindings:
-                mapping[binding.var] = bb.emit(_Renamed(mapping).visit_expr(binding.value), binding.var.name)
+            for old in [v for v in mapping if v in kept]:  # params
+                mapping[old] = mark(old, mapping[old])
+            for i, binding in enumerate(bindings):
+                var_name = binding.var.name if numbered is None else f"{numbered}{i}"
+                mapping[binding.var] = mark(binding.var, bb.emit(_Renamed(mapping).visit_expr(binding.value), var_name))
             out = bb.emit_output(_Renamed(mapping).visit_expr(output))
         bb.emit_func_output(out)
     return bb.get()[name]

@@ -17,6 +17,8 @@ wants: the returned weights are the same tensors, updated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
@@ -153,15 +155,14 @@ def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple
     builder = relax.BlockBuilder(mod)  # gives the new kernels' GlobalVars their types
     moving = moves | {g for at in moves for g in getters.get(at, [])} | {last}
     order = [b for i, b in enumerate(bindings) if i not in moving]
+    reads = _reads(mod, bindings)
     for at in sorted(plans):
         call = bindings[at].value
         args = list(call.args[1].fields)
         overwritten = {args[i] for i in plans[at].values()}
         needs = set(relax.analysis.free_vars(call)) & set(index)
         # earliest point where its inputs exist and no other binding will still read the old values
-        after = max(
-            [i for i, b in enumerate(order) if b.var in needs or overwritten & set(relax.analysis.free_vars(b.value))], default=-1
-        )
+        after = max([i for i, b in enumerate(order) if b.var in needs or overwritten & reads(b)], default=-1)
         ks = plans[at]
         outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
         indices = [ks.get(k, -1) for k in range(len(outs))]
@@ -175,7 +176,7 @@ def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple
         order[after + 1 : after + 1] = moved
     if last is not None:
         order.append(bindings[last])
-    if not _safe(order, step.params):
+    if not _safe(order, step.params, reads):
         return mod, 0
     block = relax.DataflowBlock(order)
     mod = builder.get()
@@ -183,13 +184,36 @@ def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple
     return relax.transform.DeadCodeElimination([STEP_FUNC, *_others(mod)])(mod), sum(map(len, plans.values()))
 
 
-def _safe(order: list[relax.Binding], params) -> bool:
-    """Every value defined before it is read, and no old value read after it was overwritten."""
+def _reads(mod: tvm.IRModule, bindings: list[relax.Binding]) -> Callable[[relax.Binding], set[relax.Var]]:
+    """A binding's reads, a view counted as a read of the tensor it views.
+
+    Why: lowering turns a kernel that only reshapes (a BatchNorm scale expanded to (C, 1, 1),
+    a squeeze) into a view of its input's buffer (`RewriteDataflowReshape`). A kernel reading
+    the view after the viewed weight was overwritten would read the new weight; with
+    recomputation, a backward pass reads such views of weights it has already updated.
+    """
+    viewed: dict[relax.Var, relax.Var] = {}
+    for b in bindings:
+        value = b.value
+        if _is_call_tir(value) and len(value.args[1].fields) == 1:
+            (source,) = value.args[1].fields
+            if isinstance(source, relax.Var) and relax.analysis.has_reshape_pattern(mod[value.args[0]]):
+                viewed[b.var] = viewed.get(source, source)
+
+    def reads(b: relax.Binding) -> set[relax.Var]:
+        found = set(relax.analysis.free_vars(b.value))
+        return found | {viewed[v] for v in found if v in viewed}
+
+    return reads
+
+
+def _safe(order: list[relax.Binding], params, reads: Callable[[relax.Binding], set[relax.Var]]) -> bool:
+    """Every value defined before it is read, and no old value read (itself or through a view)
+    after it was overwritten."""
     defined = set(params)
     overwritten: set[relax.Var] = set()
     for b in order:
-        reads = set(relax.analysis.free_vars(b.value))
-        if reads & overwritten or not reads <= defined:
+        if reads(b) & overwritten or not set(relax.analysis.free_vars(b.value)) <= defined:
             return False
         defined.add(b.var)
         value = b.value

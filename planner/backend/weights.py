@@ -37,6 +37,14 @@ def scale(name: str) -> str:
     return f"{name}@scale"
 
 
+def origin(stored: str) -> str:
+    """The initializer a step input stands for (`c.w@head` -> `c.w`)."""
+    for part in ("@head", "@tail", "@int8", "@scale"):
+        if stored.endswith(part):
+            return stored[: -len(part)]
+    return stored
+
+
 def scale_shape(shape: Sequence[int], axis: int) -> tuple[int, ...]:
     """One scale per output channel, shaped to broadcast against the weight."""
     return tuple(d if i == axis else 1 for i, d in enumerate(shape))

@@ -8,6 +8,7 @@ trainable:
 precision: fp32                    # fp32 | fp16 | bf16
 frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
 updates: in-place                  # in-place (default) | copy (new weights in new buffers)
+recompute: auto                    # none (default) | auto | [layer, …]: activations kept, the rest recomputed
 batch_size: 8
 grad_accum: 1
 optimizer: {name: sgd, lr: 0.05}   # sgd (plain) | momentum | adam
@@ -23,7 +24,7 @@ from planner.errors import BadInput
 from planner.inputs.model import Model
 from planner.inputs.spaces import FIXED_BATCH_HINT
 from planner.inputs.specs import load_spec
-from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Updates
+from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Recompute, Updates
 
 
 class _Strict(BaseModel):
@@ -60,6 +61,7 @@ class Scheme(_Strict):
     precision: Precision = Precision.FP32
     frozen_weights: FrozenWeights = FrozenWeights.FP32
     updates: Updates = Updates.IN_PLACE
+    recompute: Recompute | list[str] = Recompute.NONE
     batch_size: int = Field(gt=0)
     grad_accum: int = Field(default=1, ge=1)
     optimizer: OptimizerEntry
@@ -104,6 +106,11 @@ class Scheme(_Strict):
             if problem:
                 raise BadInput(f"scheme {self.name}: cannot train layer '{name}': {problem}")
         order = [layer.name for layer in model.layers]
+        recompute: Recompute | tuple[str, ...] = Recompute(self.recompute) if isinstance(self.recompute, str) else ()
+        if isinstance(self.recompute, list):
+            if not self.recompute:
+                raise BadInput(f"scheme {self.name}: `recompute` lists the layers whose inputs are kept; say `none` to keep all")
+            recompute = tuple(model.layer(name).name for name in self.recompute)
         return Candidate(
             trainable=tuple(sorted(modes.items(), key=lambda kv: order.index(kv[0]))),
             batch_size=self.batch_size,
@@ -113,6 +120,7 @@ class Scheme(_Strict):
             grad_accum=self.grad_accum,
             frozen_weights=self.frozen_weights,
             updates=self.updates,
+            recompute=recompute,
         )
 
 

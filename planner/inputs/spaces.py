@@ -17,7 +17,7 @@ from planner.errors import BadInput, UnsupportedOp
 from planner.inputs.model import Model
 from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
-from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Updates
+from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Recompute, Updates
 
 SPACES_DIR = shipped("search_spaces")
 FIXED_BATCH_HINT = (
@@ -70,8 +70,9 @@ class SearchSpace(_Strict):
     precision: list[Precision] = [Precision.FP32]
     frozen_weights: list[FrozenWeights] = [FrozenWeights.FP32]
     updates: list[Updates] = [Updates.IN_PLACE]
+    recompute: list[Recompute] = [Recompute.NONE]
 
-    @field_validator("precision", "frozen_weights", "updates")
+    @field_validator("precision", "frozen_weights", "updates", "recompute")
     @classmethod
     def _nonempty(cls, v: list[str]) -> list[str]:
         if not v:
@@ -235,6 +236,7 @@ class SearchSpace(_Strict):
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
             frozen_weights=FrozenWeights(trial.suggest_categorical("frozen_weights", [str(v) for v in self.frozen_weights])),
             updates=Updates(trial.suggest_categorical("updates", [str(v) for v in self.updates])),
+            recompute=Recompute(trial.suggest_categorical("recompute", [str(v) for v in self.recompute])),
         )
 
 

@@ -15,7 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import BadInput
 from planner.inputs.targets import HardwareTarget
-from planner.types import LEGACY_UPDATES, Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, StepSignature, Updates
+from planner.types import (
+    LEGACY_UPDATES,
+    Candidate,
+    FrozenWeights,
+    Mode,
+    ModeKind,
+    Optimizer,
+    Precision,
+    Recompute,
+    StepSignature,
+    Updates,
+)
 
 SCHEMA_VERSION: Final = 2  # 2: `files`, the sha256 of every file a run loads
 Policy = Literal["memory", "latency", "accuracy"]
@@ -80,6 +91,9 @@ class Choice(_Part):
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per update")
     frozen_weights: FrozenWeights = FrozenWeights.FP32
     updates: Updates = LEGACY_UPDATES
+    recompute: Recompute | list[str] = Field(
+        default=Recompute.NONE, description="none, auto, or the layers whose input activations the backward pass keeps"
+    )
     optimizer: OptimizerChoice
 
     @classmethod
@@ -95,6 +109,7 @@ class Choice(_Part):
             grad_accum=candidate.grad_accum,
             frozen_weights=candidate.frozen_weights,
             updates=candidate.updates,
+            recompute=list(candidate.recompute) if isinstance(candidate.recompute, tuple) else candidate.recompute,
             optimizer=OptimizerChoice(name=candidate.optimizer, lr=candidate.lr),
         )
 
@@ -109,6 +124,7 @@ class Choice(_Part):
             precision=self.precision,
             frozen_weights=self.frozen_weights,
             updates=self.updates,
+            recompute=self.recompute if isinstance(self.recompute, str) else tuple(self.recompute),
         )
 
 
@@ -134,6 +150,9 @@ class MemoryMetric(_Part):
     optimizer_state: int
     frozen_params: int
     scratch: int = 0
+    recompute_saved: int = Field(
+        default=0, description="not part of total: the bytes the same step would hold more at its peak without recomputation"
+    )
 
 
 class AccuracyMetric(_Part):

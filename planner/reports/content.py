@@ -101,6 +101,15 @@ def updated(row: dict) -> str:
     return f"— (not trainable: {row['excluded']})" if row.get("excluded") else "—"
 
 
+def recompute_note(choice: dict, memory: dict, kept: tuple[str, ...] | list[str]) -> str:
+    """One sentence on a recomputing step: what it keeps and the memory that saved."""
+    saved = memory.get("recompute_saved", 0)
+    keeps = f"the inputs of {', '.join(kept)}" if kept else "only the step's inputs"
+    effect = f"{saved:,} bytes less at the peak" if saved >= 0 else f"{-saved:,} bytes more at the peak"
+    how = "chosen by `auto`" if choice.get("recompute") == "auto" else "as the scheme lists"
+    return f"Recomputation ({how}): the backward pass keeps {keeps} and recomputes the other activations; {effect} than keeping them all."
+
+
 def from_plan_dir(plan_dir: str | Path) -> ReportContent:
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
-from planner.reports.content import MEMORY_PARTS, ReportContent, updated
+from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
 from planner.types import TrialRecord, TrialState
 
 KIB = 1024
@@ -270,6 +270,11 @@ def _summary(content: ReportContent) -> str:
             ("val accuracy", f"{acc['before']:.3f} → <b>{acc['after']:.3f}</b> after {acc['steps']} steps"),
             ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms"),
             ("peak memory", f"<b>{mem['total'] / KIB:,.1f} KiB</b>" + (f" of a {ram / KIB:,.0f} KiB budget" if ram else "")),
+            *(
+                [("recomputation", escape(recompute_note(c, mem, content.plan.signature.kept if content.plan else ())))]
+                if c.get("recompute", "none") != "none"
+                else []
+            ),
         ]
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from planner.reports.content import MEMORY_PARTS, ReportContent, updated
+from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
 from planner.types import TrialState
 
 
@@ -68,6 +68,8 @@ def render(content: ReportContent) -> str:
         for part in MEMORY_PARTS:
             lines.append(f"| {part} | {mem.get(part, 0):,} | {mem.get(part, 0) / mem['total']:.0%} |")
         lines.append(f"| **total** | **{mem['total']:,}** | |")
+        if c is not None and c.get("recompute", "none") != "none":
+            lines += ["", recompute_note(c, mem, content.plan.signature.kept if content.plan else ())]
     lines += [
         "",
         "## Pareto front (feasible trials)",
