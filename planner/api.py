@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from planner.inputs.defaults import (
 from planner.inputs.model import Model, load_model
 from planner.inputs.schemes import load_scheme
 from planner.inputs.spaces import load_space
-from planner.inputs.targets import HardwareTarget, load_target
+from planner.inputs.targets import HardwareTarget, budget_label, load_target, parse_bytes
 from planner.plans.directory import (
     MODEL_FILE,
     REPORT_HTML,
@@ -181,6 +181,7 @@ def plan(
     anchors: bool = True,
     tracker: str | None = None,
     key: str | None = None,
+    budgets: Sequence[int | str] | None = None,
     cache_dir: Path | None = None,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
@@ -211,6 +212,11 @@ def plan(
       more; the result then says `interrupted`.
     - `sampler`: `tpe` (default, starting from the space's hand-made schemes unless `anchors`
       is False) or `random`.
+    - `budgets`: RAM budgets (bytes, or sizes like "256KiB"; default: the target's
+      `ram_budgets`), a plan for each from the same trials: `out/<budget>/` (e.g. `out/256KiB/`),
+      each a whole plan directory, so a device takes the one that fits the memory it has. The
+      study keeps the trials within the largest; `out` itself holds its plan, and its report
+      draws accuracy against memory with every budget marked.
 
     Inputs (and the boards, for an RPC target) are checked before anything is written.
     """
@@ -237,6 +243,9 @@ def plan(
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
     hw = resolve_target(target, tracker=tracker, key=key)
+    family = _budget_family(budgets, hw)
+    if family:  # the study keeps what fits the largest; each budget picks among those
+        hw = hw.model_copy(update={"ram_budget_bytes": family[-1]})
     sp = load_space(str(space) if space else None).for_target(hw.precisions).for_model(m)
     layer_names = sp.layer_names(m)
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
@@ -287,28 +296,67 @@ def plan(
             if interrupted:
                 return PlanResult(None, out, records, interrupted=True)
             raise
-        compiled = compile_candidate(
-            m, chosen.measured().candidate, BuildOptions.for_target(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
-        )
-        result = assemble(
-            m,
-            dataset,
-            hw,
-            records,
-            chosen,
-            set(pareto_numbers(st)),
-            compiled,
-            selection={
-                "policy": policy,
-                "accuracy_tolerance": accuracy_tolerance,
-                "layers_searched": layer_names,
-                "layers_excluded": [{"layer": n, "reason": r} for n, r in sp.excluded_layers(m).items()],
-            },
-            study={"storage": redact(storage) if storage else None, "name": study},
-            accuracy_seed=seed,
-            tune_trials=tune_trials,
-        )
-        return PlanResult(_write(out, result, compiled, m, records), out, records, interrupted)
+        build = BuildOptions.for_target(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
+        selection = {
+            "policy": policy,
+            "accuracy_tolerance": accuracy_tolerance,
+            "layers_searched": layer_names,
+            "layers_excluded": [{"layer": n, "reason": r} for n, r in sp.excluded_layers(m).items()],
+        }
+        pareto = set(pareto_numbers(st))
+        study_info = {"storage": redact(storage) if storage else None, "name": study}
+
+        def write(where: Path, within: HardwareTarget, judged: list[TrialRecord], picked: TrialRecord, extra: dict) -> Plan:
+            compiled = compile_candidate(m, picked.measured().candidate, build)
+            written = assemble(
+                m, dataset, within, judged, picked, pareto, compiled, {**selection, **extra}, study_info, seed, tune_trials
+            )
+            return _write(where, written, compiled, m, judged)
+
+        # each budget's directory first: plan.json in `out`, written last, names them all
+        family_plans = []
+        for budget in family[:-1]:
+            within = hw.model_copy(update={"ram_budget_bytes": budget})
+            judged = [_within(t, budget) for t in records]
+            picked = _select_or_none(judged, policy, accuracy_tolerance)
+            label = budget_label(budget)
+            if picked is not None:
+                write(out / label, within, judged, picked, {})
+            family_plans.append({"budget_bytes": budget, "directory": label, "trial": None if picked is None else picked.number})
+        if family:
+            label = budget_label(family[-1])
+            write(out / label, hw, records, chosen, {})
+            family_plans.append({"budget_bytes": family[-1], "directory": label, "trial": chosen.number})
+        return PlanResult(write(out, hw, records, chosen, {"budgets": family_plans}), out, records, interrupted)
+
+
+def _budget_family(budgets: Sequence[int | str] | None, target: HardwareTarget) -> list[int]:
+    """The RAM budgets to plan for, ascending: those given, else the target's own list."""
+    if budgets is None:
+        return list(target.ram_budgets)
+    try:
+        family = sorted({parse_bytes(b) for b in budgets})
+    except ValueError as exc:
+        raise BadInput(f"`budgets`: {exc}") from None
+    if not family or family[0] <= 0:
+        raise BadInput("`budgets` lists RAM budgets of more than 0 bytes, e.g. 256KiB,1MiB,4MiB")
+    return family
+
+
+def _within(trial: TrialRecord, budget: int) -> TrialRecord:
+    """`trial` judged against a smaller RAM budget than the study's."""
+    over = trial.memory is not None and trial.memory.total > budget
+    if not over:
+        return trial
+    assert trial.memory is not None, "a trial over a budget has its memory measured"
+    return replace(trial, feasible=False, over_budget={**trial.over_budget, "ram_budget": float(trial.memory.total - budget)})
+
+
+def _select_or_none(trials: list[TrialRecord], policy: Policy, tolerance: float) -> TrialRecord | None:
+    try:
+        return select(trials, policy, tolerance)
+    except NoFeasiblePlan:
+        return None
 
 
 def _where(name_or_path: str) -> str:

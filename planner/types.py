@@ -29,24 +29,29 @@ class TrialState(StrEnum):
 
 
 class ModeKind(StrEnum):
-    """How a layer trains: not at all, its bias, its weight, both, or a share of its output channels."""
+    """How a layer trains: not at all, its bias, its weight, both, a share of its output
+    channels, or through a low-rank adapter beside its frozen weight (LoRA)."""
 
     FROZEN = "frozen"
     BIAS = "bias"
     WEIGHT = "weight"
     FULL = "full"
     RATIO = "ratio"
+    LORA = "lora"
 
 
 @dataclass(frozen=True, eq=False)
 class Mode:
-    """A layer's update mode; `ratio` carries the share of output channels (the first ones) updated.
+    """A layer's update mode; `ratio` carries the share of output channels (the first ones)
+    updated, `lora` the rank of its adapter.
 
-    Written as `full`, `bias`, `weight` or `ratio:R` in plans, trial records and cache keys, and,
-    like the enumerations here, equal to that string (`Mode.parse("ratio:0.25") == "ratio:0.25"`)."""
+    Written as `full`, `bias`, `weight`, `ratio:R` or `lora:R` in plans, trial records and cache
+    keys, and, like the enumerations here, equal to that string (`Mode.parse("ratio:0.25") ==
+    "ratio:0.25"`)."""
 
     kind: ModeKind
     ratio: float | None = None
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ModeKind(self.kind))
@@ -54,17 +59,25 @@ class Mode:
             raise ValueError("a ratio goes with mode `ratio`, and only with it")
         if self.ratio is not None and not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must lie in (0, 1] (not {self.ratio:g})")
+        if (self.kind is ModeKind.LORA) != (self.rank is not None):
+            raise ValueError("a rank goes with mode `lora`, and only with it")
+        if self.rank is not None and (isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank < 1):
+            raise ValueError(f"a LoRA rank is a whole number from 1 (not {self.rank})")
 
     @classmethod
     def parse(cls, text: str | Mode) -> Mode:
-        """`full`, `bias`, `weight`, `frozen` or `ratio:R`."""
+        """`full`, `bias`, `weight`, `frozen`, `ratio:R` or `lora:R`."""
         if isinstance(text, Mode):
             return text
-        kind, _, ratio = str(text).partition(":")
-        return cls(ModeKind(kind), float(ratio) if ratio else None)
+        kind, _, value = str(text).partition(":")
+        if kind == ModeKind.LORA:
+            return cls(ModeKind.LORA, rank=int(value) if value else None)
+        return cls(ModeKind(kind), float(value) if value else None)
 
     def __str__(self) -> str:
-        return f"ratio:{self.ratio:g}" if self.kind is ModeKind.RATIO else self.kind.value
+        if self.kind is ModeKind.RATIO:
+            return f"ratio:{self.ratio:g}"
+        return f"lora:{self.rank}" if self.kind is ModeKind.LORA else self.kind.value
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (Mode, str)):
@@ -412,6 +425,7 @@ class StepSignature:
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
     splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
+    adapters: dict[str, tuple[int, int]]  # LoRA-trained weight -> (output-channel axis, rank)
     quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
     loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
     # (shape, dtype, initial fill value); the last is the learning rate the update multiplies by
@@ -444,6 +458,7 @@ class StepSignature:
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
             splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
+            adapters={k: (int(a), int(r)) for k, (a, r) in d.get("adapters", {}).items()},
             quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
             loss_scale=float(d.get("loss_scale", 1.0)),
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),

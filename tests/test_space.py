@@ -87,6 +87,8 @@ def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
         assert all(mode.ratio in (None, *space.ratios) for _, mode in cand.trainable)
         # channel ratios only where a weight has output channels (never on BatchNormalization)
         assert all(model.layer(n).out_axis is not None for n, mode in cand.trainable if mode.kind == "ratio")
+        # LoRA ranks from the space, and only those the layer's weight takes
+        assert all(mode.rank in space.ranks and mode.rank <= model.layer(n).max_rank for n, mode in cand.trainable if mode.rank)
 
 
 def test_a_space_without_a_training_mode_is_refused(tmp_path):

@@ -17,6 +17,7 @@ differentiation: frozen and trainable BN layers both use running statistics (sca
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import tvm
@@ -28,7 +29,7 @@ from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
 from planner.backend import recompute
-from planner.backend.weights import head, int8, origin, scale, scale_shape, tail
+from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
 from planner.types import Candidate, ModeKind, Recompute, StepSignature
@@ -337,10 +338,16 @@ def _fill(tensor) -> float:
 def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
     """The candidate's training module (unlegalized) and the signature of its step."""
     grads.register()
-    trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)}
+    adapters = _adapters(model, candidate)
+    trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode) if p not in adapters}
     splits = _channel_splits(model, candidate)
     names = list(model.initializers)
-    trainable = [head(n) if n in splits else n for n in names if n in trainable_set]
+    trainable = [
+        stored
+        for n in names
+        for stored in ((head(n),) if n in splits else (lora_a(n), lora_b(n)) if n in adapters else (n,))
+        if n in trainable_set or n in adapters
+    ]
     quantized = _quantized_weights(model, candidate, [n for n in names if n not in trainable_set])
     frozen = [stored for n in names if n not in trainable_set for stored in ((int8(n), scale(n)) if n in quantized else (n,))] + [
         tail(n) for n in names if n in splits
@@ -353,8 +360,8 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         raise CandidateFailed(f"model has a fixed batch size {model.fixed_batch}; cannot use batch {B}")
     func = _imported(model, B)
     x, *pvars = func.params
-    if splits or quantized:
-        func = _with_stored_weights(func, names, splits, quantized)
+    if splits or quantized or adapters:
+        func = _with_stored_weights(func, names, splits, quantized, adapters)
         x, *pvars = func.params
         names = [x.name for x in pvars]
     by_name = dict(zip(names, pvars))
@@ -400,6 +407,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         frozen=tuple(frozen),
         trainable=tuple(trainable),
         splits={n: splits[n] for n in splits},
+        adapters=adapters,
         quantized=quantized,
         loss_scale=loss_scale,
         optim_states=(
@@ -477,6 +485,20 @@ def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, 
     return splits
 
 
+def _adapters(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
+    """weight -> (output-channel axis, rank) for every `lora:r` layer."""
+    adapters = {}
+    for name, mode in candidate.trainable:
+        if mode.kind is not ModeKind.LORA:
+            continue
+        layer = model.layer(name)
+        assert mode.rank is not None, "a `lora` mode carries its rank (`Mode`)"
+        if mode.rank > layer.max_rank or layer.weight is None or layer.out_axis is None:
+            raise CandidateFailed(f"layer '{name}' ({layer.op}) takes LoRA adapters up to rank {layer.max_rank}, not {mode.rank}")
+        adapters[layer.weight] = (layer.out_axis, mode.rank)
+    return adapters
+
+
 def _quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
     """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
     if candidate.frozen_weights == "fp32":
@@ -502,37 +524,78 @@ class _RebuildAtUse(relax.PyExprMutator):
 
 
 def _with_stored_weights(
-    func: relax.Function, names: list[str], splits: dict[str, tuple[int, int]], quantized: dict[str, int]
+    func: relax.Function,
+    names: list[str],
+    splits: dict[str, tuple[int, int]],
+    quantized: dict[str, int],
+    adapters: dict[str, tuple[int, int]],
 ) -> relax.Function:
-    """`func(x, *initializers)` taking each weight the way `planner.storage` stores it.
+    """`func(x, *initializers)` taking each weight the way `planner.backend.weights` stores it.
 
     A split weight is taken as head and tail, concatenated where it is used, so only the head —
     the first k output channels — can receive a gradient and optimizer state: a sparse update of
     that layer. A quantized weight is taken as int8 values and fp32 scales, dequantized where it
-    is used.
+    is used. A weight with an adapter is taken with its factors B and A, and B·A is added to it
+    where it is used: the gradient reaches the factors only.
     """
     x, *pvars = func.params
     new_params: list[relax.Var] = [x]
     rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
     for name, var in zip(names, pvars):
         shape = [int(d) for d in var.ty.shape]
+        dtype = var.ty.dtype
+        base: Callable[[], relax.Expr]
         if name in splits:
             axis, k = splits[name]
             h_shape, t_shape = list(shape), list(shape)
             h_shape[axis], t_shape[axis] = k, shape[axis] - k
-            h = relax.Var(head(name), relax.TensorType(h_shape, var.ty.dtype))
-            t = relax.Var(tail(name), relax.TensorType(t_shape, var.ty.dtype))
+            h = relax.Var(head(name), relax.TensorType(h_shape, dtype))
+            t = relax.Var(tail(name), relax.TensorType(t_shape, dtype))
             new_params += [h, t]
-            rebuild[var] = lambda h=h, t=t, axis=axis: relax.op.concat([h, t], axis=axis)
+            base = partial(relax.op.concat, [h, t], axis=axis)
         elif name in quantized:
             q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
-            s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, quantized[name]), var.ty.dtype))
+            s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, quantized[name]), dtype))
             new_params += [q, s]
-            rebuild[var] = lambda q=q, s=s, dtype=var.ty.dtype: relax.op.astype(q, dtype) * s
+            base = partial(_dequantized, q, s, dtype)
         else:
             new_params.append(var)
+            base = partial(_itself, var)
+        if name in adapters:
+            axis, rank = adapters[name]
+            b_shape, a_shape = adapter_shapes(shape, axis, rank)
+            a = relax.Var(lora_a(name), relax.TensorType(a_shape, dtype))
+            b = relax.Var(lora_b(name), relax.TensorType(b_shape, dtype))
+            new_params += [a, b]
+            rebuild[var] = partial(_adapted, base, b, a, shape, axis)
+        elif name in splits or name in quantized:
+            rebuild[var] = base
     body = _RebuildAtUse(rebuild).visit_expr(func.body)
     return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
+def _itself(var: relax.Var) -> relax.Expr:
+    return var
+
+
+def _dequantized(q: relax.Var, s: relax.Var, dtype: str) -> relax.Expr:
+    return relax.op.astype(q, dtype) * s
+
+
+def _adapted(base: Callable[[], relax.Expr], b: relax.Var, a: relax.Var, shape: list[int], axis: int) -> relax.Expr:
+    """The weight with its adapter's B·A added."""
+    return base() + _delta(b, a, shape, axis)
+
+
+def _delta(b: relax.Expr, a: relax.Expr, shape: list[int], axis: int) -> relax.Expr:
+    """B·A laid out as the weight (`weights.adapter_delta` in Relax)."""
+    others = [d for i, d in enumerate(shape) if i != axis]
+    product = relax.op.reshape(relax.op.matmul(b, a), [shape[axis], *others])
+    if axis == 0:
+        return product
+    order = list(range(1, len(shape)))
+    order.insert(axis, 0)
+    return relax.op.permute_dims(product, order)
 
 
 @relax.expr_functor.mutator

@@ -44,7 +44,7 @@ class TrainingSession:
         lib = load_step(library) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         self._set_input = self.vm.module["set_input"]
-        weights = to_step(weights, sig.splits, sig.quantized)
+        weights = to_step(weights, sig.splits, sig.quantized, sig.adapters)
         missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]
         if missing:
             raise KeyError(f"weights lack {', '.join(missing)}")
@@ -98,4 +98,4 @@ class TrainingSession:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""
         names = (*self.sig.frozen, *self.sig.trainable)
         parts = {n: t.numpy() for n, t in zip(names, (*self.frozen, *self.trainable))}
-        return from_step(parts, self.sig.splits, self.sig.quantized)
+        return from_step(parts, self.sig.splits, self.sig.quantized, self.sig.adapters)

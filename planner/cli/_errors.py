@@ -36,6 +36,7 @@ FLAGS = {
     "policy": "--select",
     "host": "--host",
     "allow_remote": "--allow-remote",
+    "budgets": "--budgets",
 }
 _PARAM = re.compile(r"`([a-z_]+)`")
 INTERRUPTED = 130

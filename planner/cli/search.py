@@ -64,6 +64,15 @@ def plan(
     ] = "tpe",
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
+    budgets: Annotated[
+        str | None,
+        typer.Option(
+            help="RAM budgets, comma-separated (e.g. 256KiB,1MiB,4MiB): a plan for each from the same trials, "
+            "in OUT/<budget>/, so a device takes the one that fits; the study keeps the trials within the "
+            "largest, and the report marks every budget [default: the target's ram_budgets, if it lists any]",
+            show_default=False,
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
@@ -104,6 +113,7 @@ def plan(
                 stop=stop,
                 tune_trials=tune_trials,
                 sampler=sampler,
+                budgets=None if budgets is None else [b for b in budgets.split(",") if b.strip()],
             )
         )
     if result.interrupted:

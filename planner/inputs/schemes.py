@@ -2,8 +2,9 @@
 
 trainable:
   - layer: b2.dw          # ONNX node name
-    mode: ratio           # full | bias | weight | ratio
+    mode: ratio           # full | bias | weight | ratio | lora
     ratio: 0.25           # ratio: the first quarter of the output channels train
+  - {layer: q, mode: lora, rank: 4}   # a rank-4 adapter beside the frozen weight, merged into it by `run`
   - params: [classifier.weight, classifier.bias]
 precision: fp32                    # fp32 | fp16 | bf16
 frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
@@ -37,6 +38,7 @@ class Entry(_Strict):
     layer: str | None = None
     mode: ModeKind = ModeKind.FULL
     ratio: float | None = Field(default=None, gt=0, le=1)
+    rank: int | None = Field(default=None, ge=1)
     params: list[str] | None = None
 
     @model_validator(mode="after")
@@ -47,6 +49,8 @@ class Entry(_Strict):
             raise ValueError("a frozen layer is left out of `trainable`")
         if (self.mode is ModeKind.RATIO) != (self.ratio is not None):
             raise ValueError("`mode: ratio` goes with `ratio: R` (the share of output channels updated), and only with it")
+        if (self.mode is ModeKind.LORA) != (self.rank is not None):
+            raise ValueError("`mode: lora` goes with `rank: R` (the adapter's rank), and only with it")
         return self
 
 
@@ -75,11 +79,16 @@ class Scheme(_Strict):
                 layer = model.layer(entry.layer)
                 if not layer.params_for(entry.mode):
                     raise BadInput(f"scheme {self.name}: layer '{layer.name}' has no parameters for mode {entry.mode}")
-                if entry.mode is ModeKind.RATIO and layer.out_axis is None:
+                if entry.mode in (ModeKind.RATIO, ModeKind.LORA) and layer.out_axis is None:
                     raise BadInput(
-                        f"scheme {self.name}: ratio updates need a Conv, Gemm or MatMul layer; '{layer.name}' is {layer.op}"
+                        f"scheme {self.name}: {entry.mode} updates need a Conv, Gemm or MatMul layer; '{layer.name}' is {layer.op}"
                     )
-                modes[layer.name] = Mode(entry.mode, entry.ratio)
+                if entry.rank is not None and entry.rank > layer.max_rank:
+                    raise BadInput(
+                        f"scheme {self.name}: a rank-{entry.rank} adapter does not fit layer '{layer.name}' "
+                        f"(weight {list(layer.param_shapes[layer.weight or ''])})"
+                    )
+                modes[layer.name] = Mode(entry.mode, entry.ratio, entry.rank)
                 continue
             params = entry.params
             assert params is not None, "an entry names a layer or params (`Entry._one_kind`)"

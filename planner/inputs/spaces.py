@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.errors import BadInput, UnsupportedOp
 from planner.inputs.model import Model
@@ -63,6 +63,7 @@ class SearchSpace(_Strict):
     layers: list[str] | None = None
     modes: list[ModeKind] = [ModeKind.FROZEN, ModeKind.BIAS, ModeKind.FULL]
     ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
+    ranks: list[int] = [4, 8]  # for mode `lora`: adapter ranks (those a layer's weight takes)
     batch_size: list[int] = [8, 16, 32]
     grad_accum: list[int] = [1]
     optimizer: list[Optimizer] = [Optimizer.SGD]
@@ -139,7 +140,20 @@ class SearchSpace(_Strict):
     @classmethod
     def _some_mode(cls, v: list[str]) -> list[str]:
         if not [m for m in v if m != "frozen"]:
-            raise ValueError("modes must include bias, full or ratio")
+            raise ValueError("modes must include bias, weight, full, ratio or lora")
+        return v
+
+    @model_validator(mode="after")
+    def _uniform_mode(self) -> SearchSpace:
+        if self.strategy in ("last-k", "all") and not set(self.modes) & {"bias", "weight", "full"}:
+            raise ValueError(f"strategy {self.strategy} trains its layers in one mode: bias, weight or full")
+        return self
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, v: list[int]) -> list[int]:
+        if not v or any(r < 1 for r in v):
+            raise ValueError("ranks must be a non-empty list of whole numbers from 1")
         return v
 
     @field_validator("ratios")
@@ -152,11 +166,8 @@ class SearchSpace(_Strict):
     def _allowed(self, model: Model, name: str) -> list[str]:
         """The space's modes a layer can take (no bias-only for a bias-free layer, …)."""
         layer = model.layer(name)
-        return [
-            str(m)
-            for m in self.modes
-            if m == "frozen" or (layer.out_axis is not None if m == "ratio" else bool(layer.params_for(m)))
-        ]
+        fits = {"ratio": layer.out_axis is not None, "lora": layer.max_rank >= min(self.ranks)}
+        return [str(m) for m in self.modes if m == "frozen" or fits.get(m, bool(layer.params_for(m)))]
 
     def anchors(self, model: Model) -> list[dict[str, object]]:
         """The hand-made schemes this space contains, as Optuna parameters a study starts from.
@@ -220,9 +231,13 @@ class SearchSpace(_Strict):
                     modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
                 if modes[n] == "ratio":
                     modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"
+                elif modes[n] == "lora":
+                    ranks = [r for r in self.ranks if r <= model.layer(n).max_rank]
+                    modes[n] = f"lora:{int(trial.suggest_categorical(f'rank:{n}', ranks))}"
         else:
             k = int(trial.suggest_int("last_k", 1, len(names))) if self.strategy == "last-k" else len(names)
-            mode = str(trial.suggest_categorical("mode", [str(m) for m in self.modes if m not in ("frozen", "ratio")]))
+            # one mode for every layer: those that need no per-layer parameter (a ratio, a rank)
+            mode = str(trial.suggest_categorical("mode", [str(m) for m in self.modes if m not in ("frozen", "ratio", "lora")]))
             modes = {n: mode for n in names[len(names) - k :]}
         # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
         trainable = tuple((n, Mode.parse(m)) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))

@@ -6,6 +6,7 @@ Targets are YAML files (`hw_targets/NAME.yaml`, or a user's path), validated her
     tvm_target: {kind: llvm, mtriple: aarch64-linux-gnu, mcpu: cortex-a72}
     toolchain: aarch64-linux-gnu-g++        # cross compiler for export; omit for the host's
     ram_budget_bytes: 1GiB                  # memory the training step may use
+    ram_budgets: [256MiB, 512MiB]           # optional: a plan for each, too (`planner plan` writes OUT/<budget>/)
     latency_budget_ms: 200                  # optional
     flash_budget_bytes: 64MiB               # optional: the compiled step must fit
     precisions: [fp32]
@@ -30,6 +31,14 @@ from planner.types import Kernels
 
 TARGETS_DIR = shipped("hw_targets")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def budget_label(nbytes: int) -> str:
+    """A size as a directory name people read: `256KiB`, `1.5MiB` -> `1536KiB`, `1000B`."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return f"{nbytes}B"
 
 
 def parse_bytes(value: int | str) -> int:
@@ -73,6 +82,7 @@ class HardwareTarget(BaseModel):
     tvm_target: dict[str, Any]
     toolchain: str | None = None
     ram_budget_bytes: int = Field(gt=0)
+    ram_budgets: list[int] = []
     latency_budget_ms: float | None = Field(default=None, gt=0)
     flash_budget_bytes: int | None = Field(default=None, gt=0)
     precisions: list[Literal["fp32", "fp16", "bf16"]] = ["fp32"]
@@ -94,6 +104,14 @@ class HardwareTarget(BaseModel):
     @classmethod
     def _bytes(cls, v: int | str | None) -> int | None:
         return None if v is None else parse_bytes(v)
+
+    @field_validator("ram_budgets", mode="before")
+    @classmethod
+    def _budgets(cls, v: list[int | str]) -> list[int]:
+        budgets = [parse_bytes(b) for b in v]
+        if any(b <= 0 for b in budgets):
+            raise ValueError("every RAM budget must be more than 0 bytes")
+        return sorted(set(budgets))
 
     @model_validator(mode="after")
     def _runner(self) -> HardwareTarget:

@@ -71,10 +71,11 @@ class LayerUpdate(_Part):
     params: list[str]
     mode: ModeKind
     ratio: float | None = Field(default=None, gt=0, le=1, description="mode ratio: share of output channels trained")
+    rank: int | None = Field(default=None, ge=1, description="mode lora: the adapter's rank")
 
     @property
     def update_mode(self) -> Mode:
-        return Mode(self.mode, self.ratio)
+        return Mode(self.mode, self.ratio, self.rank)
 
 
 class OptimizerChoice(_Part):
@@ -101,7 +102,7 @@ class Choice(_Part):
         """`candidate` with each trained layer's parameters (`params`: layer -> names)."""
         return cls(
             trainable=[
-                LayerUpdate(layer=name, params=list(params[name]), mode=mode.kind, ratio=mode.ratio)
+                LayerUpdate(layer=name, params=list(params[name]), mode=mode.kind, ratio=mode.ratio, rank=mode.rank)
                 for name, mode in candidate.trainable
             ],
             precision=candidate.precision,
@@ -203,6 +204,14 @@ class ExcludedLayer(_Part):
     reason: str
 
 
+class BudgetPlan(_Part):
+    """One memory budget of a `planner plan --budgets` family and the plan chosen for it."""
+
+    budget_bytes: int = Field(gt=0)
+    directory: str = Field(description="the budget's plan directory, relative to this one")
+    trial: int | None = Field(description="the trial chosen within the budget; None: no feasible trial fits")
+
+
 class Selection(_Part):
     """Why this trial: the policy (or `scheme`, for `planner measure`) and what it chose from."""
 
@@ -215,6 +224,7 @@ class Selection(_Part):
     scheme: str | None = Field(default=None, description="policy scheme: the scheme file measured")
     feasible: bool | None = Field(default=None, description="policy scheme: whether it fits the budgets")
     over_budget: dict[str, float] = Field(default={}, description="policy scheme: budget -> how far over")
+    budgets: list[BudgetPlan] = Field(default=[], description="a plan per RAM budget, chosen from the same trials")
 
 
 class Step(_Part):

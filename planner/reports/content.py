@@ -34,9 +34,14 @@ class ReportContent:
     chosen: int | None  # the deployed (or, for a bare study, the would-be) trial
     choice: dict | None  # what the chosen trial trains, as plan.json's "choice"
     metrics: dict | None  # the chosen trial's numbers, as plan.json's "metrics"
-    layers: list[dict]  # per layer: name, op, param_bytes, mode, ratio, params
+    layers: list[dict]  # per layer: name, op, param_bytes, mode, ratio, rank, params
     provenance: dict  # how every number was measured; versions; the study
     plan: Plan | None = None
+
+    @property
+    def budgets(self) -> list[dict]:
+        """The plan per RAM budget (`planner plan --budgets`): budget_bytes, directory, trial."""
+        return [] if self.plan is None else [b.model_dump() for b in self.plan.selection.budgets]
 
     @property
     def counts(self) -> dict[str, int]:
@@ -86,6 +91,7 @@ def _layer_map(model: Model, choice: dict | None) -> list[dict]:
                 "param_bytes": layer.param_bytes,
                 "mode": t["mode"] if t else frozen,
                 "ratio": t.get("ratio") if t else None,
+                "rank": t.get("rank") if t else None,
                 "params": t["params"] if t else [],
                 "precision": precision if t else None,
                 "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can

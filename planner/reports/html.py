@@ -14,7 +14,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
-from planner.types import TrialRecord, TrialState
+from planner.types import Measured, TrialRecord, TrialState
 
 KIB = 1024
 COLORS = {
@@ -25,7 +25,7 @@ COLORS = {
     "fail": "#7f7f7f",
     "chosen": "#d62728",
 }
-MODE_COLORS = {"full": "#1f77b4", "weight": "#6baed6", "bias": "#9ecae1", "ratio": "#31a354"}
+MODE_COLORS = {"full": "#1f77b4", "weight": "#6baed6", "bias": "#9ecae1", "ratio": "#31a354", "lora": "#e6550d"}
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 
 
@@ -152,13 +152,40 @@ def pareto_figure(content: ReportContent) -> go.Figure:
         fig.add_vline(x=budget, line_dash="dash", line_color="#d62728", annotation_text="latency budget", row=1, col=1)
     ram = content.target.get("ram_budget_bytes")
     mems = [t.memory.total for t in content.trials if t.memory]
-    if ram and mems and ram <= 1.5 * max(mems):  # a budget far off the chart would squash the points
+    family = content.budgets
+    if family:  # a plan per budget: each budget's line, and the accuracy-vs-memory frontier it cuts
+        staircase = _frontier([t.measured() for t in content.trials if t.feasible])
+        fig.add_trace(
+            go.Scatter(
+                x=[m.memory.total / KIB for m in staircase],
+                y=[m.accuracy.after for m in staircase],
+                mode="lines",
+                line={"shape": "hv", "color": "#2ca02c", "width": 2},
+                name="most accurate within each memory",
+                hoverinfo="skip",
+            ),
+            row=1,
+            col=2,
+        )
+        for b in family:
+            text = f"{b['directory']}: trial {b['trial']}" if b["trial"] is not None else f"{b['directory']}: none fits"
+            fig.add_vline(x=b["budget_bytes"] / KIB, line_dash="dash", line_color="#d62728", annotation_text=text, row=1, col=2)
+    elif ram and mems and ram <= 1.5 * max(mems):  # a budget far off the chart would squash the points
         fig.add_vline(x=ram / KIB, line_dash="dash", line_color="#d62728", annotation_text="RAM budget", row=1, col=2)
     fig.update_xaxes(title_text="median step latency (ms)", row=1, col=1)
     fig.update_xaxes(title_text="peak memory (KiB)", row=1, col=2)
     fig.update_yaxes(title_text="val accuracy after fine-tuning", range=[floor - pad / 2, hi + pad / 2], row=1, col=1)
     fig.update_layout(height=460, margin={"t": 40, "b": 50, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.18})
     return fig
+
+
+def _frontier(measured: list[Measured]) -> list[Measured]:
+    """The trials no smaller trial beats in accuracy, by peak memory: what each budget can have."""
+    front: list[Measured] = []
+    for m in sorted(measured, key=lambda m: (m.memory.total, -m.accuracy.after)):
+        if not front or m.accuracy.after > front[-1].accuracy.after:
+            front.append(m)
+    return front
 
 
 def memory_figure(content: ReportContent) -> go.Figure:
@@ -255,7 +282,10 @@ def _summary(content: ReportContent) -> str:
         origin = f"Trial {content.chosen} is what <code>planner plan</code> would choose; no plan is written yet."
     lat, mem, acc = m["step_latency_ms"], m["peak_memory_bytes"], m["accuracy"]
     ram = content.target.get("ram_budget_bytes")
-    trains = ", ".join(f"{t['layer']}:{t['mode']}" + (f" {t['ratio']:g}" if t.get("ratio") else "") for t in c["trainable"])
+    trains = ", ".join(
+        f"{t['layer']}:{t['mode']}" + (f" {t['ratio']:g}" if t.get("ratio") else f" rank {t['rank']}" if t.get("rank") else "")
+        for t in c["trainable"]
+    )
     return f"<p>{escape(head)}. {origin}</p>" + _table(
         [
             ("trains", escape(trains) or "—"),
@@ -290,7 +320,7 @@ def _layers(content: ReportContent) -> str:
     for r in content.layers:
         mode = r["mode"]
         color = MODE_COLORS.get(mode, "#e5e5e5")
-        label = f"ratio {r['ratio']:g}" if mode == "ratio" else mode
+        label = f"ratio {r['ratio']:g}" if mode == "ratio" else f"lora rank {r['rank']}" if mode == "lora" else mode
         width = 100 * r["param_bytes"] / biggest
         out.append(
             f"<tr><td>{escape(r['layer'])}</td><td>{escape(r['op'])}</td>"

@@ -13,6 +13,8 @@ def _kib(n: float) -> str:
 
 
 def _mode(entry: dict) -> str:
+    if entry["mode"] == "lora":
+        return f"lora rank {entry['rank']}"
     return f"ratio {entry['ratio']:g}" if entry["mode"] == "ratio" else entry["mode"]
 
 
@@ -70,6 +72,26 @@ def render(content: ReportContent) -> str:
         lines.append(f"| **total** | **{mem['total']:,}** | |")
         if c is not None and c.get("recompute", "none") != "none":
             lines += ["", recompute_note(c, mem, content.plan.signature.kept if content.plan else ())]
+    if content.budgets:
+        lines += [
+            "",
+            "## A plan per memory budget",
+            "",
+            "From the same trials; each directory is a whole plan (`planner run DIR/<budget>`).",
+            "",
+            "| RAM budget | plan | trial | peak memory | val acc | latency ms (median) |",
+            "|---|---|---|---|---|---|",
+        ]
+        by_number = {t.number: t for t in content.trials}
+        for b in content.budgets:
+            if b["trial"] is None:
+                lines.append(f"| {_kib(b['budget_bytes'])} | — | no trial fits | | | |")
+                continue
+            measured = by_number[b["trial"]].measured()
+            lines.append(
+                f"| {_kib(b['budget_bytes'])} | `{b['directory']}/` | {b['trial']} | {_kib(measured.memory.total)} | "
+                f"{measured.accuracy.after:.3f} | {measured.latency.median:.2f} |"
+            )
     lines += [
         "",
         "## Pareto front (feasible trials)",

@@ -1,0 +1,91 @@
+"""One study, a plan per memory budget: `planner plan --budgets`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import planner
+from planner.inputs.targets import budget_label, load_target
+from planner.plans.directory import read_plan
+
+TOLERANCE = 0.01
+
+
+def _plan(tiny_model, tiny_data, out, budgets):
+    return planner.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=out,
+        trials=8,
+        accuracy_steps=12,
+        screen_steps=0,
+        latency_repeats=2,
+        sampler="random",
+        seed=5,
+        budgets=budgets,
+        accuracy_tolerance=TOLERANCE,
+    )
+
+
+def _least_memory_within(trials, budget):
+    """The `memory` policy, written out: among trials within `budget` (and every other budget),
+    those within the tolerance of the best accuracy, then the least peak memory."""
+    fits = [t for t in trials if t.feasible and t.memory.total <= budget]
+    best = max(t.accuracy.after for t in fits)
+    good = [t for t in fits if t.accuracy.after >= best - TOLERANCE]
+    return min(good, key=lambda t: (t.memory.total, t.latency.median, t.number)).number
+
+
+def test_one_study_writes_a_whole_plan_per_memory_budget(tiny_model, tiny_data, tmp_path):
+    # a first study finds the memory the candidates need; the same seeded study again, with a
+    # budget among them, must choose for each budget from the trials within it
+    first = _plan(tiny_model, tiny_data, tmp_path / "a", ["1GiB"])
+    middle = first.plan.metrics.peak_memory_bytes.total - 1  # just too small for the study's own plan
+    assert any(t.feasible and t.memory.total <= middle for t in first.trials), "the check needs a smaller candidate"
+    budgets = [1024, middle, 2**30]
+    result = _plan(tiny_model, tiny_data, tmp_path / "b", [str(b) for b in budgets])
+    assert [t.candidate for t in result.trials] == [t.candidate for t in first.trials]
+
+    out = tmp_path / "b"
+    family = result.plan.selection.budgets
+    assert [(b.budget_bytes, b.directory) for b in family] == [(b, budget_label(b)) for b in budgets]
+    assert family[0].trial is None and not (out / "1KiB").exists(), "nothing fits 1 KiB: no plan, and it says so"
+    for b in family[1:]:
+        plan = read_plan(out / b.directory)  # a whole plan: every file verified against its hash
+        assert plan.selection.trial == b.trial == _least_memory_within(result.trials, b.budget_bytes)
+        assert plan.metrics.peak_memory_bytes.total <= b.budget_bytes
+        assert plan.measurement.ram_budget_bytes == b.budget_bytes
+    assert family[-1].trial == result.plan.selection.trial, "the largest budget's plan is the study's own"
+    assert family[1].trial != family[-1].trial, "a smaller budget must have cost the best trial"
+
+    report = (out / "report.md").read_text()
+    assert "## A plan per memory budget" in report and "no trial fits" in report
+    assert "most accurate within each memory" in (out / "report.html").read_text()
+    run = planner.run(out / family[1].directory, data=tiny_data, steps=2, out=tmp_path / "tuned")
+    assert run.steps == 2
+
+
+def test_a_target_lists_its_budgets_and_bad_ones_are_refused(tmp_path):
+    base = yaml.safe_load(open(planner.__path__[0] + "/../hw_targets/host.yaml").read())
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({**base, "ram_budgets": ["1MiB", 262144, "1MiB"]}))
+    assert load_target(str(path)).ram_budgets == [262144, 2**20]
+
+    res = subprocess.run(
+        [sys.executable, "-m", "planner", "plan", "--budgets", "256KiB,lots", "--out", str(tmp_path / "p")],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        res.returncode == 2 and res.stderr.strip() == "error: --budgets: not a size: 'lots' (use bytes or units like 512MiB, 2GB)"
+    )
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("nbytes, label", [(262144, "256KiB"), (3 * 2**19, "1536KiB"), (2**30, "1GiB"), (1000, "1000B")])
+def test_budget_directories_are_named_as_people_write_sizes(nbytes, label):
+    assert budget_label(nbytes) == label
