@@ -97,3 +97,15 @@ def test_openblas_convolutions_keep_one_band_of_columns_at_any_batch(tmp_path):
         cand = Candidate(tuple((layer.name, "full") for layer in model.layers), batch_size=batch, optimizer="sgd", lr=0.01)
         scratch.append(compile_candidate(model, cand, build).memory.scratch)
     assert all(0 < bytes_ <= gemm.BAND_BYTES + gemm.PRIVATE_BYTES for bytes_ in scratch), scratch
+
+
+def test_int8_frozen_weights_hold_less_than_fp32_ones_through_the_backward_pass(tmp_path):
+    """The backward pass reads every frozen weight between the loss and the first trained layer
+    again; a dequantized copy kept from the forward pass for it held more than fp32 storage."""
+    model = load_model(zoo.save(zoo.mobilenet_v2(0.35, 32), tmp_path / "mbv2.onnx"))
+    names = [layer.name for layer in model.layers if layer.trainable]
+    peaks = {}
+    for weights in ("fp32", "int8"):
+        cand = Candidate(((names[0], "full"), (names[-1], "full")), 4, "sgd", 0.01, frozen_weights=weights)
+        peaks[weights] = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"}))).memory
+    assert peaks["int8"].total < peaks["fp32"].total, peaks
