@@ -106,6 +106,50 @@ def _check_one_step(family: str, path: Path, layers: list[str] | None = None, ac
     assert wrong == {}, wrong
 
 
+@pytest.mark.parametrize("family, exporter", [("vit", "legacy"), ("vit", "dynamo"), ("mobilenet_v2", "dynamo")])
+def test_lora_adapters_train_like_pytorch(family, exporter):
+    """LoRA on a patch-embedding or first Conv, a 1×1 Conv or a Linear, and the last layer: the
+    adapters' step is PyTorch's gradient of the merged weight W + B·A through the product,
+    dB = dW·Aᵀ and dA = Bᵀ·dW, with W's gradient from PyTorch autograd in float64 on a model
+    holding the merged weights."""
+    from planner.backend.weights import adapter_delta, adapter_shapes, lora_a, lora_b
+
+    path = tf.export(family, exporter)
+    model = api.inspect(path)
+    fits = [layer for layer in model.layers if layer.max_rank >= 2]
+    chosen = {layer.name: rank for layer, rank in zip((fits[0], fits[len(fits) // 2], fits[-1]), (2, 4, 2))}
+    rng = np.random.default_rng(0)
+    weights, merged = dict(model.initializers), dict(model.initializers)
+    for name, rank in chosen.items():
+        layer = model.layer(name)
+        w = layer.weight
+        b_shape, a_shape = adapter_shapes(weights[w].shape, layer.out_axis, rank)
+        b, a = (rng.normal(0, 0.05, s).astype(np.float32) for s in (b_shape, a_shape))
+        weights[lora_b(w)], weights[lora_a(w)] = b, a
+        merged[w] = weights[w] + adapter_delta(b, a, weights[w].shape, layer.out_axis)
+    x, y = tf.sample_batch(family, BATCH)
+    step = compile_candidate(
+        model, Candidate(tuple((n, f"lora:{r}") for n, r in chosen.items()), BATCH, "sgd", LR), BuildOptions(HOST)
+    )
+    session = TrainingSession(step.library, step.signature, weights)
+    before = {n: t.numpy() for n, t in zip(step.signature.trainable, session.trainable)}
+    session.step(x, y)
+    after = {n: t.numpy() for n, t in zip(step.signature.trainable, session.trainable)}
+    ws = [model.layer(n).weight for n in chosen]
+    reference = tf.reference_update(family, path, x, y, LR, ws, overrides={w: merged[w] for w in ws})
+    wrong = {}
+    for name in chosen:
+        layer = model.layer(name)
+        w, axis = layer.weight, layer.out_axis
+        dw = np.moveaxis((merged[w].astype(np.float64) - reference[w]) / LR, axis, 0).reshape(merged[w].shape[axis], -1)
+        b, a = weights[lora_b(w)].astype(np.float64), weights[lora_a(w)].astype(np.float64)
+        for part, grad in ((lora_b(w), dw @ a.T), (lora_a(w), b.T @ dw)):
+            error = tf.update_error(before[part], after[part], before[part] - LR * grad)
+            if not error <= FLOAT32_NOISE * 10:
+                wrong[part] = f"{error:.2e}"
+    assert wrong == {}, wrong
+
+
 def _scheme(path: Path, layers: list[tuple[str, str]]) -> Path:
     entries = "\n".join(f"  - {{layer: '{name}', mode: {mode}}}" for name, mode in layers)
     path.write_text(f"name: {path.stem}\ntrainable:\n{entries}\nbatch_size: {BATCH}\noptimizer: {{name: sgd, lr: 0.01}}\n")

@@ -568,13 +568,15 @@ def _parameter_map(
 
 
 def _with_onnx_weights(
-    family: str, onnx_path: Path, names: Iterable[str] | None, dtype: torch.dtype
+    family: str, onnx_path: Path, names: Iterable[str] | None, dtype: torch.dtype, overrides: dict[str, np.ndarray] | None = None
 ) -> tuple[nn.Module, dict[str, TorchTensor], dict[str, np.ndarray]]:
     """A fresh BatchNorm-folded model of `family` in `dtype` holding exactly the weights of
-    `onnx_path`, the map of `names` (see `parameter_map`), and the file's float initializers."""
+    `onnx_path` (those in `overrides` replaced, after they were matched to PyTorch tensors by
+    the file's values), the map of `names` (see `parameter_map`), and the float initializers."""
     onnx_path = Path(onnx_path)
     inits = _float_initializers(onnx_path)
     mapping, candidates = _parameter_map(family, onnx_path, inits, names)
+    inits = {**inits, **(overrides or {})}
     model = copy.deepcopy(_folded_module(family)[0])
     params = dict(model.named_parameters())
     covered: set[str] = set()
@@ -607,9 +609,11 @@ def reference_update(
     names: Iterable[str],
     *,
     dtype: torch.dtype = torch.float64,
+    overrides: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Each named initializer of `onnx_path` after ONE plain SGD step, `w <- w - lr * dL/dw`,
-    `L` the mean cross-entropy of the logits for inputs `x` and int labels `y`.
+    `L` the mean cross-entropy of the logits for inputs `x` and int labels `y`; initializers
+    in `overrides` hold the values given there instead of the file's.
 
     Computed by PyTorch autograd in `dtype` (float64 by default: the reference; float32 shows
     how much of a difference is float32 noise) on the original PyTorch architecture, BatchNorm
@@ -622,7 +626,7 @@ def reference_update(
     a PyTorch tensor (other than an all-zero bias the dynamo exporter drops) is in no
     initializer: the reference would not be computing with the file's weights.
     """
-    model, mapping, inits = _with_onnx_weights(family, onnx_path, list(names), dtype)
+    model, mapping, inits = _with_onnx_weights(family, onnx_path, list(names), dtype, overrides)
     logits = model(torch.as_tensor(np.asarray(x), dtype=dtype))
     loss = nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(y), dtype=torch.int64))
     loss.backward()

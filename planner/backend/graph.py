@@ -361,9 +361,8 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     func = _imported(model, B)
     x, *pvars = func.params
     if splits or quantized or adapters:
-        func = _with_stored_weights(func, names, splits, quantized, adapters)
+        func, names = _with_stored_weights(func, names, splits, quantized, adapters)
         x, *pvars = func.params
-        names = [x.name for x in pvars]
     by_name = dict(zip(names, pvars))
     params = [x] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
     func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
@@ -561,8 +560,10 @@ def _with_stored_weights(
     splits: dict[str, tuple[int, int]],
     quantized: dict[str, int],
     adapters: dict[str, tuple[int, int]],
-) -> relax.Function:
-    """`func(x, *initializers)` taking each weight the way `planner.backend.weights` stores it.
+) -> tuple[relax.Function, list[str]]:
+    """`func(x, *initializers)` taking each weight the way `planner.backend.weights` stores it,
+    and the stored names of its weight parameters in order (TVM's own names for the weights it
+    imported are not always the initializers', `onnx::MatMul_430`).
 
     A split weight is taken as head and tail, concatenated where it is used, so only the head —
     the first k output channels — can receive a gradient and optimizer state: a sparse update of
@@ -572,6 +573,7 @@ def _with_stored_weights(
     """
     x, *pvars = func.params
     new_params: list[relax.Var] = [x]
+    stored: list[str] = []
     rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
     for name, var in zip(names, pvars):
         shape = [int(d) for d in var.ty.shape]
@@ -584,14 +586,17 @@ def _with_stored_weights(
             h = relax.Var(head(name), relax.TensorType(h_shape, dtype))
             t = relax.Var(tail(name), relax.TensorType(t_shape, dtype))
             new_params += [h, t]
+            stored += [head(name), tail(name)]
             base = partial(relax.op.concat, [h, t], axis=axis)
         elif name in quantized:
             q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
             s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, quantized[name]), dtype))
             new_params += [q, s]
+            stored += [int8(name), scale(name)]
             base = partial(_dequantized, q, s, dtype)
         else:
             new_params.append(var)
+            stored.append(name)
             base = partial(_itself, var)
         if name in adapters:
             axis, rank = adapters[name]
@@ -599,11 +604,12 @@ def _with_stored_weights(
             a = relax.Var(lora_a(name), relax.TensorType(a_shape, dtype))
             b = relax.Var(lora_b(name), relax.TensorType(b_shape, dtype))
             new_params += [a, b]
+            stored += [lora_a(name), lora_b(name)]
             rebuild[var] = partial(_adapted, base, b, a, shape, axis)
         elif name in splits or name in quantized:
             rebuild[var] = base
     body = _RebuildAtUse(rebuild).visit_expr(func.body)
-    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs)
+    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs), stored
 
 
 def _itself(var: relax.Var) -> relax.Expr:
