@@ -210,7 +210,9 @@ def time_torch(step, repeats: int) -> float:
 # --- planner ----------------------------------------------------------------------------------
 
 
-def planner_step(model_path: Path, layers: list[str], batch: int, optimizer: str = "sgd", updates: str = "in-place"):
+def planner_step(
+    model_path: Path, layers: list[str], batch: int, optimizer: str = "sgd", updates: str = "in-place", recompute: str = "none"
+):
     import tvm
 
     from planner.backend.compile import BuildOptions, compile_candidate
@@ -218,7 +220,7 @@ def planner_step(model_path: Path, layers: list[str], batch: int, optimizer: str
     from planner.types import Candidate
 
     model = load_model(model_path)
-    cand = Candidate(tuple((n, "full") for n in layers), batch, optimizer, LR, updates=updates)
+    cand = Candidate(tuple((n, "full") for n in layers), batch, optimizer, LR, updates=updates, recompute=recompute)
     return model, compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"})))
 
 
@@ -237,7 +239,12 @@ def probe(spec: dict) -> None:
         from planner.backend.session import TrainingSession
 
         model, compiled = planner_step(
-            Path(spec["model"]), spec["layers"], spec["batch"], spec.get("optimizer", "sgd"), spec.get("updates", "in-place")
+            Path(spec["model"]),
+            spec["layers"],
+            spec["batch"],
+            spec.get("optimizer", "sgd"),
+            spec.get("updates", "in-place"),
+            spec.get("recompute", "none"),
         )
         session = TrainingSession(compiled.library, compiled.signature, model.initializers)
         sig = compiled.signature

@@ -119,3 +119,11 @@ def test_a_space_searches_recomputation(resnet8):
         cand = space.sample(optuna.trial.FixedTrial({**params, "recompute": choice}), resnet8)
         assert cand.recompute == choice
     assert Candidate.from_json(cand.to_json()) == cand
+
+
+def test_auto_keeps_everything_where_no_cut_pays(tiny_model):
+    """The tiny CNN's backward pass reads nearly every activation it has: recomputing them would
+    cost time and save nothing, so `auto` marks nothing."""
+    model = load_model(tiny_model)
+    auto = compile_candidate(model, _full(model, batch_size=4, optimizer="sgd", lr=0.1, recompute="auto"), HOST)
+    assert auto.signature.kept == () and auto.memory.recompute_saved == 0

@@ -438,7 +438,10 @@ def _recomputing(
     inputs = recompute.layer_inputs(func, n_inputs, owners)
     if candidate.recompute == Recompute.AUTO:
         cuts = recompute.cut_points(func, n_inputs) & set(inputs.values())
-        chosen = set(recompute.choose(func, n_inputs, cuts, _saved(func, differentiate)))
+        picked = recompute.choose(func, n_inputs, cuts, _saved(func, differentiate))
+        if picked is None:  # nothing to gain: the step keeps every activation
+            return func, ()
+        chosen = set(picked)
     else:
         # a listed layer before the first trained one reads an activation the backward pass never needs
         chosen = {inputs[model.layer(name).name] for name in candidate.recompute if model.layer(name).name in inputs}

@@ -110,6 +110,8 @@ def updated(row: dict) -> str:
 def recompute_note(choice: dict, memory: dict, kept: tuple[str, ...] | list[str]) -> str:
     """One sentence on a recomputing step: what it keeps and the memory that saved."""
     saved = memory.get("recompute_saved", 0)
+    if choice.get("recompute") == "auto" and not kept and saved == 0:
+        return "Recomputation (`auto`): no cut lowered this step's peak, so it keeps every activation."
     keeps = f"the inputs of {', '.join(kept)}" if kept else "only the step's inputs"
     effect = f"{saved:,} bytes less at the peak" if saved >= 0 else f"{-saved:,} bytes more at the peak"
     how = "chosen by `auto`" if choice.get("recompute") == "auto" else "as the scheme lists"
