@@ -78,7 +78,19 @@ def test_last_layers_with_gradient_accumulation_train_like_pytorch(family, expor
     _check_one_step(family, path, [layer.name for layer in model.layers[-5:]], accum=2)
 
 
-def _check_one_step(family: str, path: Path, layers: list[str] | None = None, accum: int = 1) -> None:
+@pytest.mark.parametrize("family, exporter", [("vit", "legacy"), ("resnet18", "dynamo"), ("mobilenet_v2", "dynamo")])
+def test_recomputing_steps_train_like_pytorch(family, exporter):
+    """Every layer trained with `recompute: auto` (and with one listed layer's input kept): the
+    recomputed backward pass still matches PyTorch autograd."""
+    path = tf.export(family, exporter)
+    model = api.inspect(path)
+    _check_one_step(family, path, recompute="auto")
+    _check_one_step(family, path, recompute=(model.layers[len(model.layers) // 2].name,))
+
+
+def _check_one_step(
+    family: str, path: Path, layers: list[str] | None = None, accum: int = 1, recompute: str | tuple[str, ...] = "none"
+) -> None:
     """One plain SGD step of `layers` (default: all), compared with PyTorch's on the same weights
     and batch (`accum` micro-batches of BATCH).
 
@@ -88,7 +100,7 @@ def _check_one_step(family: str, path: Path, layers: list[str] | None = None, ac
     on the same weights and batch."""
     model = api.inspect(path)
     layers = layers or [layer.name for layer in model.layers]
-    candidate = Candidate(tuple((name, "full") for name in layers), BATCH, "sgd", LR, grad_accum=accum)
+    candidate = Candidate(tuple((name, "full") for name in layers), BATCH, "sgd", LR, grad_accum=accum, recompute=recompute)
     step = compile_candidate(model, candidate, BuildOptions(HOST))
     x, y = tf.sample_batch(family, BATCH * accum)
     before = {name: value.copy() for name, value in model.initializers.items()}
