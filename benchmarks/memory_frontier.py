@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 import yaml
+from mobilenet_v2_eighth import digits_tasks
 
 import planner
 from planner import zoo
@@ -58,25 +58,6 @@ SPACES = {
 }
 
 
-def _upscale(x: np.ndarray, size: int) -> np.ndarray:
-    """[N, 1, 8, 8] digits -> [N, 3, size, size], each pixel a size/8 square, grey in RGB."""
-    return np.kron(x, np.ones((size // x.shape[-1],) * 2, np.float32)).repeat(3, axis=1)
-
-
-def _digits(out: Path, size: int) -> tuple[Path, Path]:
-    """Source: the half of the digits `examples/digits/make_example.py` pretrained on; downstream:
-    the example's own dataset (the other half, inverted contrast), both upscaled to `size`."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[:, None]
-    source = np.random.default_rng(0).permutation(len(x))[: len(x) // 2]
-    np.savez(out / "source.npz", x=_upscale(x[source], size), y=digits.target[source].astype(np.int64))
-    with np.load(EXAMPLE / "digits.npz") as d:
-        np.savez(out / "downstream.npz", **{k: _upscale(v, size) if k.startswith("x") else v for k, v in d.items()})
-    return out / "source.npz", out / "downstream.npz"
-
-
 def _scheme(path: Path, layers: list[str], batch: int, optimizer: dict) -> Path:
     path.write_text(yaml.safe_dump({"trainable": [{"layer": n} for n in layers], "batch_size": batch, "optimizer": optimizer}))
     return path
@@ -86,7 +67,7 @@ def _pretrained(out: Path, model, size: int, steps: int) -> tuple[Path, Path]:
     """`model` trained in full on the source digits; returns it and the downstream data."""
     out.mkdir(parents=True, exist_ok=True)
     init = zoo.save(model, out / "init.onnx")
-    source, downstream = _digits(out, size)
+    source, downstream = digits_tasks(out, size)
     layers = [layer.name for layer in planner.inspect(init).layers if layer.trainable]
     scheme = _scheme(out / "pretrain.yaml", layers, 16, {"name": "adam", "lr": 0.001})
     planner.measure(init, scheme=scheme, data=source, out=out / "pretrain-plan", accuracy_steps=1, latency_repeats=1)

@@ -40,7 +40,7 @@ def _upscale(x: np.ndarray, size: int) -> np.ndarray:
     return np.kron(x, np.ones((size // x.shape[-1],) * 2, np.float32)).repeat(3, axis=1)
 
 
-def _tasks(out: Path, size: int) -> tuple[Path, Path]:
+def digits_tasks(out: Path, size: int) -> tuple[Path, Path]:
     """Source: the digits `examples/digits/make_example.py` pretrained on (its seed-0 permutation's
     first half); downstream: the example's own dataset, the other half under a sensor shift."""
     from sklearn.datasets import load_digits
@@ -65,7 +65,7 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     random_init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=128), out / "mobilenet_v2_035_128_init.onnx")
-    upstream, downstream = _tasks(out, 128)
+    upstream, downstream = digits_tasks(out, 128)
     layers = [layer.name for layer in planner.inspect(random_init).layers]
 
     pre_scheme = _scheme(out / "pretrain.yaml", layers, 16, {"name": "adam", "lr": 0.001})

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from step_vs_pytorch import MODELS, peak_growth, planner_step
+from step_vs_pytorch import MODELS, on_threads, peak_growth, planner_step
 
 
 def main() -> None:
@@ -25,9 +24,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    env = {**os.environ, "TVM_NUM_THREADS": str(args.threads)}
-    if os.environ.get("TVM_NUM_THREADS") != str(args.threads):  # TVM reads it once, at start-up
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    env = on_threads(args.threads)
     from planner import zoo
     from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model

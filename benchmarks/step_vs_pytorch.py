@@ -47,6 +47,15 @@ BATCHES = (8, 32)
 LR = 0.01
 
 
+def on_threads(threads: int) -> dict[str, str]:
+    """This script re-run with TVM (and OpenMP) on `threads` threads, unless it already is:
+    TVM reads TVM_NUM_THREADS once, at start-up. Returns the environment, for child processes."""
+    env = {**os.environ, "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    if os.environ.get("TVM_NUM_THREADS") != str(threads):
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return env
+
+
 def trainable_layers(layers: list[str], update: str) -> list[str]:
     return layers if update == "full" else layers[-max(2, len(layers) // 4) :]
 
@@ -322,9 +331,7 @@ def main() -> None:
     if args.probe:
         probe(json.loads(args.probe))
         return
-    env = {**os.environ, "TVM_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
-    if os.environ.get("TVM_NUM_THREADS") != str(args.threads):  # TVM reads it once, at start-up
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    env = on_threads(args.threads)
     import torch
 
     from planner import zoo
