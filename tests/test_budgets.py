@@ -89,3 +89,19 @@ def test_a_target_lists_its_budgets_and_bad_ones_are_refused(tmp_path):
 @pytest.mark.parametrize("nbytes, label", [(262144, "256KiB"), (3 * 2**19, "1536KiB"), (2**30, "1GiB"), (1000, "1000B")])
 def test_budget_directories_are_named_as_people_write_sizes(nbytes, label):
     assert budget_label(nbytes) == label
+
+
+def test_plan_says_where_each_budgets_plan_went(tiny_model, tiny_data, tmp_path):
+    from processes import planner as cli
+
+    out = tmp_path / "p"
+    res = cli(
+        "plan", "--model", tiny_model, "--data", tiny_data, "--out", out, "--trials", "3", "--accuracy-steps", "4",
+        "--budgets", "1KiB,1GiB", "--quiet",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[-2:] == [
+        "  within 1.0 KiB: no trial fits",
+        f"  within 1,048,576.0 KiB: {out}/1GiB/: trial {read_plan(out).selection.trial}",
+    ]

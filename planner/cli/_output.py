@@ -33,5 +33,8 @@ def plan_summary(result) -> None:
         f"val acc {m.accuracy.before:.3f} → {m.accuracy.after:.3f}; "
         f"step {m.step_latency_ms.median:.2f} ms; peak {kib(m.peak_memory_bytes.total)}"
     )
+    for b in p.selection.budgets:
+        where = f"{result.out}/{b.directory}/: trial {b.trial}" if b.trial is not None else "no trial fits"
+        say(f"  within {kib(b.budget_bytes)}: {where}")
     if p.selection.feasible is False:
         note(f"warning: the scheme is infeasible here (over budget or diverged): {', '.join(p.selection.over_budget)}")
