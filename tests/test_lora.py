@@ -128,7 +128,7 @@ def test_a_lora_plan_runs_and_writes_the_original_graph_with_merged_weights(vit,
                     {"layer": "mlp.fc1", "mode": "lora", "rank": 4},
                     {"layer": "classifier"},
                 ],
-                "recompute": "auto",
+                "recompute": ["mlp.fc1"],
                 "batch_size": 8,
                 "optimizer": {"name": "adam", "lr": 0.01},
             }
@@ -137,9 +137,10 @@ def test_a_lora_plan_runs_and_writes_the_original_graph_with_merged_weights(vit,
     result = planner.measure(vit.path, scheme=scheme, data=data, out=tmp_path / "plan", accuracy_steps=4, latency_repeats=2)
     choice = result.plan.choice
     assert [(t.layer, t.mode, t.rank) for t in choice.trainable][:2] == [("attn.q", "lora", 2), ("mlp.fc1", "lora", 4)]
-    assert choice.recompute == "auto"
+    assert choice.recompute == ["mlp.fc1"]
     report = (tmp_path / "plan" / "report.md").read_text()
-    assert "lora rank 2" in report and "Recomputation (chosen by `auto`)" in report
+    assert "| attn.q | MatMul | lora rank 2 |" in report
+    assert "Recomputation (as the scheme lists): the backward pass keeps the inputs of mlp.fc1" in report
 
     planner.run(tmp_path / "plan", data=data, steps=5, out=tmp_path / "tuned")
     before, after = onnx.load(vit.path), onnx.load(tmp_path / "tuned" / "model.onnx")
