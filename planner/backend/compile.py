@@ -37,6 +37,7 @@ from planner.backend.kernels import legalize
 from planner.backend.libraries import PACKAGE, link_options
 from planner.backend.memory import step_peak
 from planner.backend.schedule import default_schedule
+from planner.backend.storage import share_storage
 from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
@@ -133,14 +134,16 @@ def _schedule(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
 
 def _lower(scheduled: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """The rest of the CPU pipeline, up to memory planning, where the step's allocations become
-    explicit."""
+    explicit; then the step's storages shared by lifetime (`planner.backend.storage`)."""
     passes = cpu.dataflow_lower_passes(target) + [
         relax.transform.StaticPlanBlockMemory(),
         relax.transform.LowerAllocTensor(),
         relax.transform.KillAfterLastUse(),
     ]
     with target:
-        return tvm.transform.Sequential(passes)(scheduled)
+        lowered = tvm.transform.Sequential(passes)(scheduled)
+    lowered[STEP_FUNC] = share_storage(lowered[STEP_FUNC])
+    return lowered
 
 
 @dataclass(frozen=True)

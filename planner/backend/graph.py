@@ -29,6 +29,7 @@ from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
 from planner.backend import recompute
+from planner.backend.tir import accumulate_kernel
 from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
@@ -398,8 +399,12 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     trainer = differentiate(differentiated)
 
     lr_dtype = str(optimizer.dtype)
-    step, state_types = _fused_step(trainer, prefix, n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum)
+    step, state_types, kernels = _fused_step(
+        trainer, prefix, n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum
+    )
     out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
+    for gv, kernel in kernels.items():
+        out[gv] = kernel
     sig = StepSignature(
         input_name=model.input_name,
         input_shape=(B * candidate.grad_accum, *model.input_shape),
@@ -739,7 +744,7 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
 
 def _fused_step(
     trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, lr_dtype: str, accum: int = 1
-) -> tuple[relax.Function, list[relax.TensorType]]:
+) -> tuple[relax.Function, list[relax.TensorType], dict[tvm.ir.GlobalVar, tvm.tirx.PrimFunc]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
     learning rate is the last optimizer state, returned as it came (`_runtime_lr`).
 
@@ -782,8 +787,8 @@ def _fused_step(
                 res = bb.emit(relax.Call(adjoint_gv, [*inputs, *weights, yi]))
                 li = bb.emit(relax.TupleGetItem(res, 0))
                 gi = [bb.emit(relax.TupleGetItem(bb.emit(relax.TupleGetItem(res, 1)), j)) for j in range(n_trainable)]
-                loss = li if loss is None else bb.emit(loss + li)
-                grads = gi if grads is None else [bb.emit(a + b) for a, b in zip(grads, gi)]
+                loss = li if loss is None else _accumulate(bb, loss, li)
+                grads = gi if grads is None else [_accumulate(bb, a, b) for a, b in zip(grads, gi)]
             assert grads is not None, "a step runs one micro-batch at least (accum >= 1)"
             if accum > 1:  # the mean over the effective batch, as one big batch would give
                 loss = bb.emit(loss / relax.const(float(accum), "float32"))
@@ -797,7 +802,19 @@ def _fused_step(
             outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))] + [lr]
             result = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(result)
-    step = bb.get()[STEP_FUNC]
+    built = bb.get()
     inlined = {"backbone_loss_adjoint": adjoint, "update": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
-    step = step.inline_functions(inlined)
-    return step.with_attr("global_symbol", STEP_FUNC), state_types
+    step = built[STEP_FUNC].inline_functions(inlined)
+    kernels = {gv: f for gv, f in built.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    return step.with_attr("global_symbol", STEP_FUNC), state_types, kernels
+
+
+def _accumulate(bb: relax.BlockBuilder, total: relax.Var, grad: relax.Var) -> relax.Var:
+    """`total + grad`: one micro-batch's gradient added, in place, to the running sum, right
+    after the micro-batch (`tir.accumulate_kernel`)."""
+    shape, dtype = [int(d) for d in total.ty.shape], str(total.ty.dtype)
+    name = f"accumulate_{dtype}_{'x'.join(map(str, shape)) or 'scalar'}"
+    gv = next((g for g in bb.get().get_global_vars() if g.name_hint == name), None)
+    if gv is None:
+        gv = bb.add_func(accumulate_kernel(shape, dtype, name), name)
+    return bb.emit(relax.call_tir_inplace(gv, relax.Tuple([total, grad]), 0, out_ty=total.ty))

@@ -24,6 +24,7 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 from planner.backend.graph import STEP_FUNC
+from planner.backend.tir import in_place_kernel
 from planner.types import StepSignature
 
 
@@ -33,50 +34,51 @@ def _is_call_tir(value: relax.Expr) -> bool:
 
 def _elementwise_over(func: tirx.PrimFunc, source: int, output: int) -> bool:
     """Whether the kernel reads parameter `source` only at the element it then writes to `output`
-    (0-based over all parameters), and never after — so `output` may live in `source`'s buffer."""
+    (0-based over all parameters), and never after — so `output` may live in `source`'s buffer.
+
+    Judged on the unscheduled kernel, each stage a block of its own: every stage elementwise
+    over one domain (each element of a stage's output computed from the same element of the
+    source and of stages computed from it; other values read anyhow), `output` the only
+    parameter written. Then element i of the output depends on every read of the source's element i, so
+    however the kernel is scheduled each element is read before it is overwritten. (Adam's new
+    moment is `b * m + (1 - b) * g` in three stages.)"""
     src, out = func.params[source], func.params[output]
     # read-only walk: an s_tir.Schedule here would rewrite the module's kernels in place
     blocks: list[s_tir.stmt.SBlock] = []
     tvm_ffi.structural_walk(func.body, [(s_tir.stmt.SBlock, blocks.append)], order="pre")
-    if not blocks or blocks[0].name_hint != "root":
+    if not blocks or blocks[0].name_hint != "root" or len(blocks) == 1:
         return False
     blocks = blocks[1:]
 
-    def touches(regions, var) -> list:
-        return [r for r in regions if r.source.same_as(var)]
+    def at_element(region, block: s_tir.stmt.SBlock) -> bool:
+        return len(region.region) == len(block.iter_vars) and all(
+            r.extent.value == 1 and r.min.same_as(iv.var) for r, iv in zip(region.region, block.iter_vars)
+        )
 
-    writers = [i for i, b in enumerate(blocks) if touches(b.writes, out)]
-    if len(writers) != 1 or any(touches(b.writes, src) for b in blocks):
+    def extents(block: s_tir.stmt.SBlock) -> list[int]:
+        return [int(iv.dom.extent) for iv in block.iter_vars]
+
+    written = [w.source for b in blocks for w in b.writes]
+    params = [p for p in func.params if any(w.same_as(p) for w in written)]
+    if len(params) != 1 or not params[0].same_as(out):
         return False
-    w = blocks[writers[0]]
-    (write,) = touches(w.writes, out)
-    identity = (
-        w.init is None
-        and len(w.iter_vars) == len(write.region)
-        and all(iv.iter_type == tirx.IterVar.DataPar for iv in w.iter_vars)
-        and all(r.extent.value == 1 and r.min.same_as(iv.var) for r, iv in zip(write.region, w.iter_vars))
-    )
-    if not identity:
-        return False
-    # read by the writing block alone, at the element written: however the kernel is scheduled,
-    # each element is read just before it is overwritten, and by nothing else
-    readers = [i for i, b in enumerate(blocks) if touches(b.reads, src)]
-    return readers == writers and all(tvm_ffi.structural_equal(read.region, write.region) for read in touches(w.reads, src))
-
-
-def _in_place_kernel(func: tirx.PrimFunc, pairs: dict[int, int], n_inputs: int) -> tirx.PrimFunc:
-    """`func` with output parameter `n_inputs + k` replaced by input `pairs[k]` for each in-place k."""
-    swap = {func.params[n_inputs + k]: func.params[i] for k, i in pairs.items()}
-
-    def remap(var: tvm.ir.Var) -> tvm.ir.Var:
-        for old, new in swap.items():
-            if var.same_as(old):
-                return new
-        return var
-
-    body = tvm_ffi.structural_map(func.body, (tvm.ir.Var, remap))
-    params = [p for i, p in enumerate(func.params) if i - n_inputs not in pairs]
-    return tirx.PrimFunc(params, body, func.ret_type, func.attrs)
+    tainted = [src]  # the source and every stage computed from it
+    for b in blocks:
+        reads = [r for r in b.reads if any(r.source.same_as(t) for t in tainted)]
+        if not reads:  # computed from other inputs alone (Adam's bias corrections): any shape
+            continue
+        stage = (
+            b.init is None
+            and len(b.writes) == 1
+            and at_element(b.writes[0], b)
+            and all(iv.iter_type == tirx.IterVar.DataPar for iv in b.iter_vars)
+            and extents(b) == [int(d) for d in src.shape]
+            and all(at_element(r, b) for r in reads)
+        )
+        if not stage:
+            return False
+        tainted.append(b.writes[0].source)
+    return True
 
 
 def _updates(mod: tvm.IRModule, sig: StepSignature):
@@ -166,7 +168,7 @@ def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple
         ks = plans[at]
         outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
         indices = [ks.get(k, -1) for k in range(len(outs))]
-        kernel = _in_place_kernel(mod[call.args[0]], ks, len(args))
+        kernel = in_place_kernel(mod[call.args[0]], ks, len(args))
         gv = builder.add_func(kernel, f"{call.args[0].name_hint}_inplace")
         new_call = relax.op.call_tir_inplace(gv, call.args[1], indices, list(outs) if len(outs) > 1 else outs[0])
         if at not in moves:
