@@ -107,8 +107,9 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     monkeypatch, n, c, h, w, o, k, stride, pad, band_bytes, cores, dw_split
 ):
     """Forward, weight gradient and input gradient through OpenBLAS equal TVM's own unscheduled
-    lowering of the same gradient module; tiles of one image's band multiply their output (or
-    output gradient) in place, tiles of several images a copy."""
+    lowering of the same gradient module, and the weight gradient added to a running sum
+    (gradient accumulation) equals that sum plus TVM's; tiles of one image's band multiply their
+    output (or output gradient) in place, tiles of several images a copy."""
     assert load_openblas() is not None
     monkeypatch.setattr(gemm, "BAND_BYTES", band_bytes)
     for name, value in dw_split.items():
@@ -130,3 +131,12 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
         results.append([loss.numpy(), dx.numpy(), dw.numpy()])
     for mine_value, tvms in zip(results[1], results[0]):
         np.testing.assert_allclose(mine_value, tvms, rtol=1e-4, atol=1e-4)
+    # the same weight gradient added onto a running sum where it lies (a micro-batch of several)
+    x, _, dy = args
+    oh, ow = dy.shape[2:]
+    s = gemm.Conv(n, c, h, w, o, k, k, oh, ow, stride, stride, pad[0], pad[1])
+    kernel = gemm.weight_grad_kernel(s, gemm.pool_threads(target), accumulate=True).with_attr("global_symbol", "main")
+    total = rng.standard_normal((o, c, k, k)).astype("float32")
+    out = tvm.runtime.tensor(total)
+    tvm.compile(tvm.IRModule({"main": kernel}), target)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy), out)
+    np.testing.assert_allclose(out.numpy(), total + results[0][2], rtol=1e-4, atol=1e-4)

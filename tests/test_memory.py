@@ -12,6 +12,7 @@ import tvm
 
 from planner import zoo
 from planner.backend import gemm
+from planner.backend.memory import PAGE
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.inputs.model import load_model
 from planner.types import Candidate, Kernels
@@ -50,12 +51,16 @@ print(in_use() - before)
 """
 
 
-@pytest.mark.parametrize("trainable, recompute", [("full", "none"), ("last-3", "none"), ("full", "auto")])
-def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, recompute, tmp_path):
+@pytest.mark.parametrize(
+    "trainable, recompute, batch, accum",
+    [("full", "none", 8, 1), ("last-3", "none", 8, 1), ("full", "auto", 8, 1), ("full", "none", 2, 4)],
+    ids=["full", "last-3", "full-recompute", "full-micro-batches"],
+)
+def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, recompute, batch, accum, tmp_path):
     path = zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx")
     model = load_model(path)
     layers = model.layers if trainable == "full" else model.layers[-3:]
-    cand = Candidate(tuple((layer.name, "full") for layer in layers), batch_size=8, optimizer="sgd", lr=0.01, recompute=recompute)
+    cand = Candidate(tuple((layer.name, "full") for layer in layers), batch, "adam", 0.01, grad_accum=accum, recompute=recompute)
     step = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"})))
     sig = step.signature
     res = subprocess.run(
@@ -109,3 +114,19 @@ def test_int8_frozen_weights_hold_less_than_fp32_ones_through_the_backward_pass(
         cand = Candidate(((names[0], "full"), (names[-1], "full")), 4, "sgd", 0.01, frozen_weights=weights)
         peaks[weights] = compile_candidate(model, cand, BuildOptions(tvm.target.Target({"kind": "llvm"}))).memory
     assert peaks["int8"].total < peaks["fp32"].total, peaks
+
+
+def test_micro_batches_hold_one_micro_batch_and_one_sum_per_weight(tmp_path):
+    """Eight micro-batches of 2 in one step: each reuses the last one's activations, and its
+    gradients are added where the running sums lie. The step holds what one micro-batch of 2
+    holds, plus the other samples of the batch and one sum per trained weight."""
+    model = load_model(zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx"))
+    build = BuildOptions(tvm.target.Target({"kind": "llvm"}))
+    full = tuple((layer.name, "full") for layer in model.layers)
+    one, eight = (compile_candidate(model, Candidate(full, 2, "adam", 0.01, grad_accum=k), build) for k in (1, 8))
+    batch16 = compile_candidate(model, Candidate(full, 16, "adam", 0.01), build).memory
+    samples = 14 * (3 * 32 * 32 * 4 + 8)
+    sums = eight.memory.trainable_params + PAGE * len(eight.signature.trainable)  # each rounded up to pages
+    one, eight = one.memory, eight.memory
+    assert eight.total <= one.total + samples + sums, (one, eight)
+    assert eight.total < batch16.total / 2, (eight, batch16)

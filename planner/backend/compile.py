@@ -123,7 +123,10 @@ def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels) -> tvm
     # planner's legalization first; TVM's own after it is then a no-op
     passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels)] + cpu.legalize_passes(target)
     with target:
-        return tvm.transform.Sequential(passes)(mod)
+        fused = tvm.transform.Sequential(passes)(mod)
+    if kernels == Kernels.OPENBLAS:
+        fused = gemm.accumulate_in_place(fused, STEP_FUNC, gemm.pool_threads(target))
+    return fused
 
 
 def _schedule(fused: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import tvm
 from tvm import relax
@@ -47,6 +47,7 @@ MIN_PIXELS = 256  # output pixels per image from which that thin product costs m
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
+CONV = "planner.conv"  # function attribute: the `Conv` a kernel computes, field by field
 
 Lowering = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 
@@ -184,7 +185,14 @@ def calls_openblas(mod: tvm.IRModule) -> bool:
 
 
 def _attrs(s: Conv) -> dict:
-    return {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8, FLOPS: s.flops, CALLS: "openblas"}
+    return {
+        "tirx.noalias": True,
+        "tirx.is_scheduled": True,
+        "op_pattern": 8,
+        FLOPS: s.flops,
+        CALLS: "openblas",
+        CONV: list(astuple(s)),
+    }
 
 
 def _macros(s: Conv):
@@ -390,8 +398,9 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     return conv2d_gemm
 
 
-def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
-    """dW = Σ_n dy_n · col(x_n)ᵀ, in one of two ways so that no two threads add into one weight
+def weight_grad_kernel(s: Conv, threads: int, accumulate: bool = False) -> tvm.tirx.PrimFunc:
+    """dW = Σ_n dy_n · col(x_n)ᵀ (or, `accumulate`, dW += that: a micro-batch's gradient added
+    to the running sum where it lies, see `accumulate_in_place`), in one of two ways so that no two threads add into one weight
     and none waits for another while multiplying:
 
     - split by its columns (kernel taps × input channels): each thread builds only its rows of
@@ -408,7 +417,7 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     A `single` tile's dy is multiplied in place; several images side by side are gathered."""
     k, o = s.k, s.o
     if _by_tiles(s, threads):
-        return _weight_grad_by_tiles(s, threads)
+        return _weight_grad_by_tiles(s, threads, accumulate)
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o)
     cols = t.width * (kb + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
@@ -429,10 +438,16 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
             flat[oi * k + th * kb + kk] = ws[th * per + cols + kk * o + oi]
 
     @T.macro
+    def add_out(ws, flat, th):
+        for oi, kk in T.grid(o, T.min(kb, k - th * kb)):
+            flat[oi * k + th * kb + kk] = flat[oi * k + th * kb + kk] + ws[th * per + cols + kk * o + oi]
+
+    @T.macro
     def in_place(ws, flat, th):
         T.evaluate(0)
 
-    finish = write_out if transposed else in_place
+    finish = (add_out if accumulate else write_out) if transposed else in_place
+    first = 1.0 if accumulate and not transposed else 0.0  # the first tile's beta: dW's own values kept, or not
 
     @T.prim_func(private=True)
     def conv2d_weight_grad_gemm(
@@ -454,7 +469,7 @@ def weight_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                         i,
                         th * kb,
                         T.min(kb, k - th * kb),
-                        T.Select(i == 0, T.float32(0), T.float32(1)),
+                        T.Select(i == 0, T.float32(first), T.float32(1)),
                         out(ws, dw, th),
                     )
                 finish(ws, flat, th)
@@ -511,7 +526,7 @@ def _in_place(s: Conv, t: Tiles, copy, at: Callable):
     return copy, lambda buf, ws, th, g, b: T.address_of(ws[at(th)])
 
 
-def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
+def _weight_grad_by_tiles(s: Conv, threads: int, accumulate: bool) -> tvm.tirx.PrimFunc:
     """`weight_grad_kernel` split by tiles: thread th takes a contiguous share of the tiles,
     accumulates col · dyᵀ into its own dWᵀ at the end of its workspace, and a second parallel
     loop sums the threads' copies, transposed, into dw."""
@@ -522,6 +537,16 @@ def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     tiles = t.groups(s) * t.bands(s)
     share = -(-tiles // threads)
     tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + k * t.width, transposed=True)
+
+    @T.macro
+    def write(flat, e, value):
+        flat[e] = value
+
+    @T.macro
+    def add(flat, e, value):
+        flat[e] = flat[e] + value
+
+    start = add if accumulate else write
 
     @T.prim_func(private=True)
     def conv2d_weight_grad_gemm(
@@ -538,7 +563,7 @@ def _weight_grad_by_tiles(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
             for i in range(th * share, T.min((th + 1) * share, tiles)):
                 tile(x, dy, ws, th, i, 0, k, T.float32(1), T.address_of(ws[th * per + cols]))
         for e in T.parallel(o * k):  # dW[oi, kk] = Σ_th dWᵀ_th[kk, oi]
-            flat[e] = ws[cols + e % k * o + e // k]
+            start(flat, e, ws[cols + e % k * o + e // k])
             for th in range(1, threads):
                 flat[e] = flat[e] + ws[th * per + cols + e % k * o + e // k]
 
@@ -643,3 +668,51 @@ def conv2d_transpose(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowe
     s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
     gv = bb.add_func(_built(input_grad_kernel, s, threads, limits()), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
+
+
+_weight_grad_accumulating = functools.partial(weight_grad_kernel, accumulate=True)
+
+
+def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int) -> tvm.IRModule:
+    """`mod` with each micro-batch's weight gradient through OpenBLAS added by its own kernel to
+    the running sum, where the sum lies, instead of written to a buffer of its own that an
+    accumulation kernel then adds (`graph._in_place`): the step holds one dW, not two."""
+    step = mod[func]
+    if len(step.body.blocks) != 1:
+        return mod
+    bindings = list(step.body.blocks[0].bindings)
+    uses: dict[relax.Var, int] = {}
+    for b in bindings:
+        for v in relax.analysis.free_vars(b.value):
+            uses[v] = uses.get(v, 0) + 1
+    for v in relax.analysis.free_vars(step.body.body):
+        uses[v] = uses.get(v, 0) + 1
+    bound = {b.var: b.value for b in bindings}
+    builder = relax.BlockBuilder(mod)
+    fused: dict[relax.Var, relax.Expr] = {}  # accumulation binding -> the gradient kernel that does it
+    for b in bindings:
+        call = b.value
+        if not (isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get("relax.call_tir_inplace"))):
+            continue
+        if not call.args[0].name_hint.startswith("accumulate_"):
+            continue
+        total, grad = call.args[1].fields
+        source = bound.get(grad)
+        if uses.get(grad) != 1 or not (isinstance(source, relax.Call) and source.op.same_as(tvm.ir.Op.get("relax.call_tir"))):
+            continue
+        kernel = mod[source.args[0]]
+        if not source.args[0].name_hint.startswith("conv2d_weight_grad_gemm") or kernel.attrs.get(CONV) is None:
+            continue
+        s = Conv(*(int(d) for d in kernel.attrs[CONV]))
+        gv = builder.add_func(_built(_weight_grad_accumulating, s, threads, limits()), "conv2d_weight_grad_gemm_accumulate")
+        x, dy = source.args[1].fields
+        fused[b.var] = relax.op.call_tir_inplace(gv, relax.Tuple([x, dy, total]), 2, call.ty)
+    if not fused:
+        return mod
+    dropped = {b.value.args[1].fields[1] for b in bindings if b.var in fused}
+    order = [relax.VarBinding(b.var, fused[b.var]) if b.var in fused else b for b in bindings if b.var not in dropped]
+    out = builder.get()
+    out[func] = relax.Function(
+        step.params, relax.SeqExpr([relax.DataflowBlock(order)], step.body.body), step.ret_ty, step.is_pure, step.attrs
+    )
+    return relax.transform.DeadCodeElimination([func])(out)

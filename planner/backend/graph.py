@@ -29,7 +29,7 @@ from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
 from planner.backend import recompute
-from planner.backend.tir import accumulate_kernel
+from planner.backend.tir import accumulate_kernel, scale_kernel
 from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
@@ -787,12 +787,12 @@ def _fused_step(
                 res = bb.emit(relax.Call(adjoint_gv, [*inputs, *weights, yi]))
                 li = bb.emit(relax.TupleGetItem(res, 0))
                 gi = [bb.emit(relax.TupleGetItem(bb.emit(relax.TupleGetItem(res, 1)), j)) for j in range(n_trainable)]
-                loss = li if loss is None else _accumulate(bb, loss, li)
-                grads = gi if grads is None else [_accumulate(bb, a, b) for a, b in zip(grads, gi)]
+                loss = li if loss is None else _in_place(bb, accumulate_kernel, "accumulate", loss, li)
+                grads = gi if grads is None else [_in_place(bb, accumulate_kernel, "accumulate", a, b) for a, b in zip(grads, gi)]
             assert grads is not None, "a step runs one micro-batch at least (accum >= 1)"
             if accum > 1:  # the mean over the effective batch, as one big batch would give
-                loss = bb.emit(loss / relax.const(float(accum), "float32"))
-                grads = [bb.emit(g / relax.const(float(accum), g.ty.dtype)) for g in grads]
+                loss = _in_place(bb, partial(scale_kernel, factor=1.0 / accum), "mean", loss)
+                grads = [_in_place(bb, partial(scale_kernel, factor=1.0 / accum), "mean", g) for g in grads]
             old = relax.Tuple(weights[first_trainable:])
             upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states), lr]))
             new_params = bb.emit(relax.TupleGetItem(upd, 0))
@@ -809,12 +809,14 @@ def _fused_step(
     return step.with_attr("global_symbol", STEP_FUNC), state_types, kernels
 
 
-def _accumulate(bb: relax.BlockBuilder, total: relax.Var, grad: relax.Var) -> relax.Var:
-    """`total + grad`: one micro-batch's gradient added, in place, to the running sum, right
-    after the micro-batch (`tir.accumulate_kernel`)."""
+def _in_place(
+    bb: relax.BlockBuilder, kernel: Callable[..., tvm.tirx.PrimFunc], what: str, total: relax.Var, *more: relax.Var
+) -> relax.Var:
+    """`kernel` (`tir.accumulate_kernel`, `tir.scale_kernel`) run over `total` in place, one
+    kernel per shape: micro-batch gradients summed, and made a mean, in the buffer they are in."""
     shape, dtype = [int(d) for d in total.ty.shape], str(total.ty.dtype)
-    name = f"accumulate_{dtype}_{'x'.join(map(str, shape)) or 'scalar'}"
+    name = f"{what}_{dtype}_{'x'.join(map(str, shape)) or 'scalar'}"
     gv = next((g for g in bb.get().get_global_vars() if g.name_hint == name), None)
     if gv is None:
-        gv = bb.add_func(accumulate_kernel(shape, dtype, name), name)
-    return bb.emit(relax.call_tir_inplace(gv, relax.Tuple([total, grad]), 0, out_ty=total.ty))
+        gv = bb.add_func(kernel(shape, dtype, name=name), name)
+    return bb.emit(relax.call_tir_inplace(gv, relax.Tuple([total, *more]), 0, out_ty=total.ty))

@@ -22,6 +22,16 @@ def in_place_kernel(func: tirx.PrimFunc, pairs: dict[int, int], n_inputs: int) -
     return tirx.PrimFunc(params, body, func.ret_type, func.attrs)
 
 
+def scale_kernel(shape: list[int], dtype: str, factor: float, name: str) -> tirx.PrimFunc:
+    """`total *= factor`, in place over `total`, opaque: the summed gradients made a mean without
+    a second buffer of each (fused into the optimizer's kernels it would be one per kernel
+    reading it)."""
+    total = te.placeholder(shape, dtype, "total")
+    out = te.compute(shape, lambda *i: total[i] * tvm.tirx.const(factor, dtype), name="scaled")
+    func = te.create_prim_func([total, out]).with_attrs({"op_pattern": 8, "global_symbol": name})
+    return in_place_kernel(func, {0: 0}, 1)
+
+
 def accumulate_kernel(shape: list[int], dtype: str, name: str) -> tirx.PrimFunc:
     """`total += grad`, in place over `total`, as an opaque kernel (`op_pattern` 8).
 
