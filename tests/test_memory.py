@@ -12,8 +12,8 @@ import tvm
 
 from planner import zoo
 from planner.backend import gemm
-from planner.backend.memory import PAGE
 from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.memory import PAGE
 from planner.inputs.model import load_model
 from planner.types import Candidate, Kernels
 
