@@ -41,13 +41,14 @@ FULL_LRS = ({"name": "sgd", "lr": 0.05}, {"name": "momentum", "lr": 0.01}, {"nam
 SHARES = (4, 10, 20)  # budgets: full update's peak divided by these
 POINT = 0.01
 
-# the lean spaces: sparse depth, per-layer modes, small batches, int8 frozen weights; `with` adds
+# the lean spaces: sparse depth, per-layer modes, small (micro-)batches, int8 frozen weights; `with` adds
 # LoRA adapters and recomputation
 LEAN = {
     "strategy": "sparse",
     "modes": ["frozen", "bias", "full", "ratio"],
     "ratios": [0.25, 0.5],
-    "batch_size": [1, 4, 8, 16],
+    "batch_size": [1, 2, 4],
+    "grad_accum": [1, 2, 4, 8, 16],  # micro-batches per update: the effective batch is the product
     "optimizer": ["sgd", "momentum", "adam"],
     "lr": {"low": 0.001, "high": 0.1, "log": True},
     "frozen_weights": ["fp32", "int8"],
@@ -124,7 +125,8 @@ def _search(model: Path, data: Path, out: Path, space: dict, full_peak: int, arg
 def _describe(t) -> str:
     c = t.candidate
     modes = ", ".join(f"{n}:{m}" for n, m in c.trainable)
-    extra = [f"batch {c.batch_size}", str(c.optimizer), f"frozen {c.frozen_weights}"]
+    batch = f"batch {c.batch_size}" + (f" × {c.grad_accum} micro-batches" if c.grad_accum > 1 else "")
+    extra = [batch, str(c.optimizer), f"frozen {c.frozen_weights}"]
     if c.recompute != "none":
         extra.append(f"recompute {c.recompute if isinstance(c.recompute, str) else 'listed'}")
     return f"{modes} ({', '.join(extra)})"
