@@ -20,7 +20,7 @@ Tensors the step returns, and anything TVM did not plan, keep their own allocati
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import tvm
 from tvm import relax
@@ -36,15 +36,6 @@ class _Tensor:
     end: int
 
 
-@dataclass
-class _Storage:
-    nbytes: int
-    busy: list[tuple[int, int]] = field(default_factory=list)  # the lifetimes of its tensors
-
-    def free(self, t: _Tensor) -> bool:
-        return all(end < t.start or t.end < start for start, end in self.busy)
-
-
 def _op(value: relax.Expr) -> str:
     return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else ""
 
@@ -58,19 +49,16 @@ def _nbytes(var: relax.Var) -> int:
     return max(1, n * ((dtype.bits * dtype.lanes + 7) // 8))  # a bool takes a byte
 
 
-def assign(tensors: list[_Tensor]) -> list[tuple[_Storage, list[_Tensor]]]:
-    """Greedy by size: each tensor, largest first, into the smallest storage free for its whole
-    lifetime; a new storage when none is."""
-    storages: list[tuple[_Storage, list[_Tensor]]] = []
+def _assign(tensors: list[_Tensor]) -> list[list[_Tensor]]:
+    """Greedy by size: each tensor, largest first, into the smallest storage no tensor alive at the
+    same time is in; a new storage when none is. A storage is its tensors, the first the largest."""
+    storages: list[list[_Tensor]] = []
     for t in sorted(tensors, key=lambda t: (-t.nbytes, t.start)):
-        fits = [(s, held) for s, held in storages if s.free(t)]
-        if fits:
-            s, held = min(fits, key=lambda pair: pair[0].nbytes)
+        free = [held for held in storages if all(u.end < t.start or t.end < u.start for u in held)]
+        if free:
+            min(free, key=lambda held: held[0].nbytes).append(t)
         else:
-            s, held = _Storage(t.nbytes), []
-            storages.append((s, held))
-        s.busy.append((t.start, t.end))
-        held.append(t)
+            storages.append([t])
     return storages
 
 
@@ -114,12 +102,13 @@ def share_storage(func: relax.Function) -> relax.Function:
     if not old:
         return func
     tensors = _lifetimes(func, set(old))
-    storages = assign(list(tensors.values()))
+    storages = _assign(list(tensors.values()))
     _, _, scope, _ = next(iter(old.values())).args
     allocs, kills, home = [], [], {}
-    for k, (s, held) in enumerate(storages):
+    for k, held in enumerate(storages):
         var = relax.Var(f"shared{k}", relax.ObjectType())
-        allocs.append(relax.VarBinding(var, relax.op.memory.alloc_storage(relax.ShapeExpr([s.nbytes]), 0, scope.value, "uint8")))
+        size = relax.ShapeExpr([held[0].nbytes])
+        allocs.append(relax.VarBinding(var, relax.op.memory.alloc_storage(size, 0, scope.value, "uint8")))
         kills.append(relax.VarBinding(relax.Var(f"freed{k}", relax.TupleType([])), relax.op.memory.kill_storage(var)))
         home.update({t.var: var for t in held})
     out = list(allocs)
