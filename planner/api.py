@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, CandidateFailed, MeasureFailed, NoFeasiblePlan
 from planner.inputs.data import load_dataset
 from planner.inputs.defaults import (
@@ -163,6 +164,7 @@ def plan(
     out: str | Path,
     model: str | Path | None = None,
     data: str | Path | None = None,
+    preprocess: str | Path | None = None,
     target: str = DEFAULT_TARGET,
     space: str | Path | None = None,
     trials: int = DEFAULT_TRIALS,
@@ -203,7 +205,11 @@ def plan(
     The plan is the feasible trial chosen by `policy` (`memory`: least peak memory among those
     within `accuracy_tolerance` of the best accuracy; `latency`; `accuracy`).
 
-    - `model`, `data`: an ONNX classifier and a `.npz` dataset; both None plans the bundled example.
+    - `model`, `data`: an ONNX classifier and a dataset (a `.npz`, an image folder or a CSV of
+      `path,label`, see `planner.load_dataset`); both None plans the bundled example.
+    - `preprocess`: for images, the preprocessing spec — torchvision-style text such as
+      "Resize(72), CenterCrop(64), Normalize(mean=[0.5], std=[0.5])" or a YAML path; what it
+      leaves open is completed from the model, and the plan records the whole of it.
     - `target`, `space`: a shipped name (`planner.list_targets()`, `search_spaces/`) or a YAML path.
     - `storage`: an Optuna storage URL (or journal file path) that keeps the study, so the same
       call resumes it and `work` joins it; None keeps the study in memory. `study` names it.
@@ -220,7 +226,7 @@ def plan(
 
     Inputs (and the boards, for an RPC target) are checked before anything is written.
     """
-    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate, default_cache_dir
+    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate
     from planner.backend.graph import check_importable
     from planner.measurement import capacity
     from planner.search.evaluate import EvalSettings
@@ -241,7 +247,8 @@ def plan(
         screen_steps = accuracy_steps // 4
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
-    dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m)
+    cache = check_cache_dir(cache_dir or default_cache_dir())  # a file, read-only: one line, no trial burnt
+    dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m, preprocess=preprocess, cache_dir=cache)
     hw = resolve_target(target, tracker=tracker, key=key)
     family = _budget_family(budgets, hw)
     if family:  # the study keeps what fits the largest; each budget picks among those
@@ -251,7 +258,6 @@ def plan(
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
-    cache = check_cache_dir(cache_dir or default_cache_dir())  # a file, read-only: one line, no trial burnt
 
     out = prepare_out_dir(out)  # a file, a read-only or foreign directory: one line before any trial
     with locked(out):  # a second `plan` into the same `out` is refused, not raced
@@ -267,6 +273,8 @@ def plan(
         inputs = {
             "model": str(m.path.resolve()),
             "data": str(dataset.source),
+            "preprocess": dataset.preprocess.to_json() if dataset.preprocess is not None else None,
+            "classes": list(dataset.classes) if dataset.classes is not None else None,
             "target": _where(target),
             "space": _where(str(space)) if space else None,
             "tracker": tracker,
@@ -365,6 +373,13 @@ def _where(name_or_path: str) -> str:
     return str(path.resolve()) if path.is_file() else name_or_path
 
 
+def _recorded_preprocess(raw, where: str):
+    """A completed spec as a study or a plan records it (None: arrays, no preprocessing)."""
+    from planner.inputs.preprocess import Preprocess
+
+    return None if raw is None else Preprocess.from_json(raw, where)
+
+
 def work(
     *,
     storage: str,
@@ -387,7 +402,7 @@ def work(
     the same candidates, while fine-tuning uses the study's seed, so accuracies stay comparable.
     `overlap` as in `plan`.
     """
-    from planner.backend.compile import check_cache_dir, default_cache_dir
+    from planner.backend.compile import check_cache_dir
     from planner.measurement import capacity
     from planner.search.evaluate import EvalSettings
     from planner.search.study import SearchSettings, open_study, run_study, stored_inputs
@@ -395,7 +410,14 @@ def work(
     _check_settings(trials=trials)
     config, inputs = stored_inputs(storage, study)
     m = load_model(inputs["model"])
-    dataset = load_dataset(Path(inputs["data"]), m)
+    cache = check_cache_dir(cache_dir or default_cache_dir())
+    dataset = load_dataset(
+        Path(inputs["data"]),
+        m,
+        preprocess=_recorded_preprocess(inputs.get("preprocess"), "the study's preprocessing"),
+        classes=inputs.get("classes"),
+        cache_dir=cache,
+    )
     if (m.sha256, dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")
     hw = resolve_target(inputs["target"], tracker=inputs["tracker"], key=inputs["key"])
@@ -406,7 +428,7 @@ def work(
         inputs["seed"],
         inputs["accuracy_steps"],
         inputs["latency_repeats"],
-        check_cache_dir(cache_dir or default_cache_dir()),
+        cache,
         inputs["tune_trials"],
         inputs.get("screen_steps", 0),  # a study from before screening fine-tuned every candidate fully
     )
@@ -423,6 +445,7 @@ def measure(
     scheme: str | Path,
     data: str | Path,
     out: str | Path,
+    preprocess: str | Path | None = None,
     target: str = DEFAULT_TARGET,
     seed: int = 0,
     accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
@@ -444,14 +467,15 @@ def measure(
     kernel of the step (`PlanResult.profile`: time per step and GFLOP/s, slowest first), on
     this machine: a target measured on boards cannot be profiled here.
     """
-    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate, default_cache_dir
+    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate
     from planner.backend.graph import check_importable
     from planner.measurement import capacity
     from planner.search.evaluate import EvalSettings, Evaluator
 
     _check_settings(seed=seed, accuracy_steps=accuracy_steps, latency_repeats=latency_repeats, tune_trials=tune_trials)
     m = load_model(model)
-    dataset = load_dataset(data, m)
+    cache = check_cache_dir(cache_dir or default_cache_dir())
+    dataset = load_dataset(data, m, preprocess=preprocess, cache_dir=cache)
     hw = resolve_target(target, tracker=tracker, key=key)
     if profile and hw.boards is not None:
         raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on '{hw.boards.key}' boards")
@@ -464,7 +488,6 @@ def measure(
         )
     check_importable(m)
     capacity(hw)
-    cache = check_cache_dir(cache_dir or default_cache_dir())
     out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials)
     attrs: dict = {}
@@ -513,7 +536,7 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     `device` says where; `measurement.retargeted_from` says so); its memory is re-planned for
     the new build.
     """
-    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate, default_cache_dir
+    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate
 
     plan_dir = Path(plan_dir)
     _check_settings(tune_trials=tune_trials)
@@ -645,3 +668,18 @@ def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: 
             TRIALS_FILE: report_content.write_trials(trials),
         },
     )
+
+
+def example_images(*, out: str | Path = "digits-images") -> Path:
+    """Write the bundled example as image files and return their folder.
+
+        folder = planner.example_images(out="digits-images")
+        planner.plan(data=folder, preprocess=folder / "preprocess.yaml", out="plan-images")
+
+    The digits transfer task as grey PNG files of 8 to 32 pixels, one folder per digit under
+    `train/` and `val/`, and `preprocess.yaml`, the steps that make each file the model's input.
+    A folder that already holds the example is kept as it is.
+    """
+    from planner.inputs.example import write_image_example
+
+    return write_image_example(Path(out))

@@ -22,6 +22,12 @@ from pathlib import Path
 from planner.digest import file_sha256
 
 
+def default_cache_dir() -> Path:
+    """`$PLANNER_CACHE_DIR`, else `~/.cache/planner`."""
+    env = os.environ.get("PLANNER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "planner"
+
+
 def write_bytes(path: Path, data: bytes) -> None:
     """`data` as `path`, whole or not at all: written to a temporary name in the same directory
     and renamed over `path`, so a killed or failed write leaves no partial file under its name.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
         assert (out / name).is_file(), name
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema_version"] == 2
+    assert plan["schema_version"] == 3
+    assert plan["dataset"]["format"] == "npz" and plan["dataset"]["preprocess"] is None
     # every file a run loads carries its sha256, which `run` checks before loading anything
     assert plan["files"].keys() == {"train_step.so", "weights.npz", "model.onnx"}
     for name, digest in plan["files"].items():
@@ -65,6 +67,18 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     chosen = plan["choice"]["trainable"]
     report = (out / "report.md").read_text()
     assert all(t["layer"] in report for t in chosen)
+
+
+def test_a_version_2_plan_still_reads_as_a_plan_of_arrays(tiny_plan, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(tiny_plan.out, old)
+    raw = json.loads((old / "plan.json").read_text())
+    raw["schema_version"] = 2
+    for key in ("format", "classes", "preprocess", "split"):
+        del raw["dataset"][key]
+    (old / "plan.json").write_text(json.dumps(raw))
+    plan = read_plan(old)
+    assert plan.dataset.format == "npz" and plan.dataset.preprocess is None and plan.dataset.classes is None
 
 
 def test_rerun_resumes_instead_of_repeating(tiny_plan, tiny_model, tiny_data):
@@ -207,10 +221,10 @@ def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data
     model = load_model(tiny_plan.out / "model.onnx")
     data = load_dataset(tiny_data, model)
     session = TrainingSession(tiny_plan.out / "train_step.so", plan.signature, model.initializers)
-    B, n = plan.choice.batch_size, len(data.y_train)
+    B, n = plan.choice.batch_size, len(data.train)
     for k in range(60):
         idx = np.arange(k * B, (k + 1) * B) % n
-        session.step(data.x_train[idx], data.y_train[idx])
+        session.step(*data.train.batch(idx))
     for k, v in session.weights().items():
         np.testing.assert_allclose(wa[k], v, rtol=0, atol=1e-6)
     # the fine-tuned ONNX model carries the new weights

@@ -82,13 +82,17 @@ class Family:
     num_classes: int = NUM_CLASSES
 
 
-def _torchvision_models() -> types.ModuleType:
-    """`torchvision.models`, importable with CPU torch (see the module docstring)."""
+def torchvision() -> types.ModuleType:
+    """torchvision, importable with CPU torch (see the module docstring)."""
     for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
         sys.modules.setdefault(name, types.ModuleType(name))
-    import torchvision.models
+    import torchvision
 
-    return torchvision.models
+    return torchvision
+
+
+def _torchvision_models() -> types.ModuleType:
+    return torchvision().models
 
 
 def _torchvision_version() -> str:

@@ -47,12 +47,6 @@ LIB_NAME = "train_step.so"
 META_NAME = "train_step.json"
 
 
-def default_cache_dir() -> Path:
-    """`$PLANNER_CACHE_DIR`, else `~/.cache/planner`."""
-    env = os.environ.get("PLANNER_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "planner"
-
-
 def check_cache_dir(path: str | Path) -> Path:
     """`path`, created when missing, once a file could be written in it: a file given as the
     cache, a read-only directory or file system, or a full disk is one `EnvironmentFailure` line
@@ -187,7 +181,7 @@ def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -
 
 
 def _compile_or_load(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
-    cache_dir = build.cache_dir or default_cache_dir()
+    cache_dir = build.cache_dir or cachefile.default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, build)
     if (step := _cached(entry)) is not None:
         return step

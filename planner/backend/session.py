@@ -7,6 +7,7 @@ loss and the updated trainable weights and optimizer states, which become the ne
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +89,19 @@ class TrainingSession:
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """(mean cross-entropy, accuracy) on a labelled set."""
-        logits = self.logits(x).astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        loss = float(-logp[np.arange(len(y)), y].mean())
-        return loss, float((logits.argmax(axis=1) == y).mean())
+        return self.evaluate_chunks([(x, y)])
+
+    def evaluate_chunks(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) over labelled chunks: a set too large to hold at once."""
+        loss_sum, correct, n = 0.0, 0, 0
+        for x, y in chunks:
+            logits = self.logits(x).astype(np.float64)
+            logits -= logits.max(axis=1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            loss_sum += float(-logp[np.arange(len(y)), y].sum())
+            correct += int((logits.argmax(axis=1) == y).sum())
+            n += len(y)
+        return loss_sum / n, correct / n
 
     def weights(self) -> dict[str, np.ndarray]:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""

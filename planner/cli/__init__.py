@@ -1,7 +1,7 @@
 """The command line: a thin shell over the public API (`planner.api`), one module per command group.
 
 `_app` holds the Typer application, `_output` where results and messages go, `_errors` how an
-error becomes one line and an exit code; `search`, `measure`, `run`, `report`, `targets` and
+error becomes one line and an exit code; `search`, `measure`, `run`, `example`, `report`, `targets` and
 `board` register their commands on import, in the order `planner --help` lists them.
 """
 
@@ -13,7 +13,7 @@ from planner.cli._app import app
 
 # isort: off
 # importing a command module registers its commands, in this order (`planner --help` lists them so)
-from planner.cli import search, measure, run, report, targets, board  # noqa: F401
+from planner.cli import search, measure, run, example, report, targets, board  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -43,3 +43,18 @@ TuneOpt = Annotated[
         help="MetaSchedule trials spent on each compiled step, into one tuning database shared by every candidate and plan (0: planner's default schedules only; about 3-20 s per trial on 2 cores)"
     ),
 ]
+DATA_HELP = (
+    "dataset: a .npz (x_train/y_train/x_val/y_val, or x/y; labels as indices or names), a folder of "
+    "images with one subfolder per class (train/ and val/ inside, or a 20 % split is drawn), or a CSV "
+    "of path,label rows"
+)
+PreprocessOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="images: how a file becomes the model's input, as torchvision transforms — "
+        "'Resize(72), CenterCrop(64), Normalize(mean=[0.5], std=[0.5])' — or a YAML list of them; "
+        "Random* steps augment training only. Channels, size and ToTensor are completed from the model "
+        "[default: Resize and CenterCrop to the model's input, scaled to 0..1]",
+        show_default=False,
+    ),
+]

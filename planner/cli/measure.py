@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from planner.cli._app import KeyOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import guard
 from planner.cli._output import note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET
@@ -22,7 +22,8 @@ def measure(
     scheme: Annotated[
         Path, typer.Option(help="scheme YAML: trainable layers/params, batch_size, optimizer {name, lr}, precision")
     ],
-    data: Annotated[Path, typer.Option(help=".npz dataset (x_train/y_train/x_val/y_val, or x/y)")],
+    data: Annotated[Path, typer.Option(help=DATA_HELP)],
+    preprocess: PreprocessOpt = None,
     target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = DEFAULT_TARGET,
     out: Annotated[Path, typer.Option(help="plan directory to write")] = Path("plan"),
     seed: Annotated[int, typer.Option(help="fine-tuning seed")] = 0,
@@ -50,6 +51,7 @@ def measure(
             model,
             scheme=scheme,
             data=data,
+            preprocess=preprocess,
             target=target,
             out=out,
             seed=seed,

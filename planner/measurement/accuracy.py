@@ -21,9 +21,11 @@ from planner import cachefile
 from planner.backend.compile import CompiledStep, code_id
 from planner.backend.session import TrainingSession
 from planner.backend.threads import use_threads
-from planner.inputs.data import Dataset
+from planner.inputs.data import Dataset, Split
 from planner.inputs.model import Model
 from planner.types import AccuracyResult, Candidate
+
+EVAL_CHUNK = 256  # samples evaluated at a time
 
 
 def batches(n: int, batch_size: int, steps: int | None, seed: int | None):
@@ -46,15 +48,22 @@ def batches(n: int, batch_size: int, steps: int | None, seed: int | None):
         pos += batch_size
 
 
-def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | None) -> list[float]:
+def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | None, augment_seed: int = 0) -> list[float]:
     """Train `steps` steps on the train split; returns the loss of each step. Stops at the first
-    non-finite loss: a diverged run cannot recover, and its remaining steps are wasted time."""
+    non-finite loss: a diverged run cannot recover, and its remaining steps are wasted time.
+    Step k's augmentation (images with Random* steps) is drawn from (`augment_seed`, k)."""
     losses = []
-    for i in batches(len(data.y_train), session.sig.batch_size, steps, seed):
-        losses.append(session.step(data.x_train[i], data.y_train[i]))
+    for k, i in enumerate(batches(len(data.train), session.sig.batch_size, steps, seed)):
+        losses.append(session.step(*data.train.batch(i, augment=(augment_seed, k))))
         if not np.isfinite(losses[-1]):
             break
     return losses
+
+
+def evaluate(session: TrainingSession, split: Split) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) over a split, a chunk at a time: a val split of any size
+    is evaluated in the memory of a few batches."""
+    return session.evaluate_chunks(split.chunks(max(EVAL_CHUNK, session.sig.micro_batch)))
 
 
 class FineTune:
@@ -105,7 +114,7 @@ class FineTune:
         self._pace()
         self._session = TrainingSession(self.compiled.library, self.compiled.signature, self.model.initializers)
         self._loss_before, self._before = self._measured_before(self._session)
-        self._batches = batches(len(self.data.y_train), self._session.sig.batch_size, None, self.seed)
+        self._batches = batches(len(self.data.train), self._session.sig.batch_size, None, self.seed)
         self._losses: list[float] = []
         self._seconds = time.perf_counter() - t0
 
@@ -125,7 +134,7 @@ class FineTune:
             loss, accuracy = cached["loss"], cached["accuracy"]
             if all(isinstance(v, float) for v in (loss, accuracy)) and math.isfinite(loss) and 0.0 <= accuracy <= 1.0:
                 return loss, accuracy
-        loss, accuracy = session.evaluate(d.x_val, d.y_val)
+        loss, accuracy = evaluate(session, d.val)
         path.parent.mkdir(parents=True, exist_ok=True)
         cachefile.write_json(path, {"loss": loss, "accuracy": accuracy}, key)
         return loss, accuracy
@@ -147,9 +156,9 @@ class FineTune:
                 raise KeyboardInterrupt
             self._pace()
             i = next(self._batches)
-            self._losses.append(session.step(data.x_train[i], data.y_train[i]))
+            self._losses.append(session.step(*data.train.batch(i, augment=(self.seed, len(self._losses)))))
         self._pace()
-        loss_after, after = session.evaluate(data.x_val, data.y_val)
+        loss_after, after = evaluate(session, data.val)
         self._seconds += time.perf_counter() - t0
         # A diverged fine-tune is a measured result too — the candidate ruins the model — so the
         # search can learn where that happens (the evaluator marks it infeasible) instead of

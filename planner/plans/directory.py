@@ -38,7 +38,7 @@ from planner import faults
 from planner.digest import file_sha256
 from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
 from planner.inputs.model import Model
-from planner.plans.schema import SCHEMA_VERSION, Plan
+from planner.plans.schema import READS, Plan
 from planner.search.urls import redact
 
 # The plan directory's files: every module names them through these
@@ -435,9 +435,10 @@ def _read_plan(plan_dir: Path, verify: bool) -> Plan:
     except (OSError, ValueError) as exc:
         raise BadInput(f"{path} is not a valid plan: {exc}") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if version != SCHEMA_VERSION:
+    if version not in READS:
         raise BadInput(
-            f"{path} has schema version {version}; this planner reads {SCHEMA_VERSION} (re-create the plan with `planner plan`)"
+            f"{path} has schema version {version}; this planner reads {' and '.join(map(str, READS))} "
+            "(re-create the plan with `planner plan`)"
         )
     try:
         plan = Plan.model_validate(raw)

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.backend.compile import BuildOptions, compile_candidate, default_cache_dir
+from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
+from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
-from planner.inputs.data import Dataset, load_dataset
+from planner.inputs.data import DataFormat, Dataset, data_format, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
+from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import HardwareTarget
-from planner.measurement.accuracy import finetune
+from planner.measurement.accuracy import evaluate, finetune
 from planner.plans.directory import (
     MODEL_FILE,
     STEP_LIBRARY,
@@ -37,12 +39,12 @@ from planner.plans.schema import Plan
 from planner.types import RunResult
 
 
-def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None):
-    loss0, acc0 = session.evaluate(data.x_val, data.y_val)
-    losses = finetune(session, data, steps, seed)
+def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None, augment_seed: int):
+    loss0, acc0 = evaluate(session, data.val)
+    losses = finetune(session, data, steps, seed, augment_seed)
     if not np.isfinite(losses[-1]):
         raise MeasureFailed(f"training diverged at step {len(losses)} (loss {losses[-1]}); no weights written")
-    loss1, acc1 = session.evaluate(data.x_val, data.y_val)
+    loss1, acc1 = evaluate(session, data.val)
     return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
 
 
@@ -66,7 +68,7 @@ def run_plan(
     with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
         plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
         model = load_model(plan_dir / MODEL_FILE)
-        dataset = load_dataset(data or Path(plan.dataset.source), model)
+        dataset = _dataset(plan, Path(data or plan.dataset.source), model)
         weights = _weights(plan_dir / WEIGHTS_FILE, model)
         out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
         order_seed = seed if shuffle else None
@@ -82,7 +84,7 @@ def run_plan(
             pool.check()
             before, after, final = pool.run(
                 library,
-                lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed),
+                lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed, seed),
             )
             device = target.device
         else:
@@ -93,7 +95,7 @@ def run_plan(
                     f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
                     f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or give a `target`"
                 ) from None
-            before, after, final = _train(session, dataset, steps, order_seed)
+            before, after, final = _train(session, dataset, steps, order_seed, seed)
             device = "local"
 
     def fill(staged: Path) -> None:
@@ -109,6 +111,21 @@ def run_plan(
         release_if_empty(out, created)
         raise OutputUnwritable(f"{exc}; the training is lost, rerun with an `out` that has room") from None
     return RunResult(before, after, steps, out, device)
+
+
+def _dataset(plan: Plan, path: Path, model) -> Dataset:
+    """The data, made into model inputs as the plan's were: images by the plan's preprocessing,
+    class names mapped to the plan's indices. Arrays are the model's input as they are."""
+    recorded = plan.dataset.preprocess
+    preprocess = None
+    if data_format(path) is not DataFormat.NPZ:
+        if recorded is None:
+            raise BadInput(
+                f"{path} holds images, but the plan was made with arrays and records no preprocessing; "
+                "give a .npz, or plan with the images"
+            )
+        preprocess = Preprocess.from_json(recorded, "plan.json's dataset.preprocess")
+    return load_dataset(path, model, preprocess=preprocess, classes=plan.dataset.classes, cache_dir=default_cache_dir())
 
 
 def _weights(path: Path, model) -> dict[str, np.ndarray]:

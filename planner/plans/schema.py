@@ -28,7 +28,8 @@ from planner.types import (
     Updates,
 )
 
-SCHEMA_VERSION: Final = 2  # 2: `files`, the sha256 of every file a run loads
+SCHEMA_VERSION: Final = 3  # 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing
+READS: Final = (2, 3)  # a version-2 plan is a version-3 plan of a .npz
 Policy = Literal["memory", "latency", "accuracy"]
 
 
@@ -51,10 +52,18 @@ class ModelInfo(_Part):
 
 class DatasetInfo(_Part):
     source: str
-    sha256: str
+    sha256: str = Field(description="of the data, its labels and its preprocessing")
     n_train: int
     n_val: int
     n_classes: int
+    format: Literal["npz", "images", "csv"] = "npz"
+    classes: list[str] | None = Field(default=None, description="class names by index, when the data names its classes")
+    preprocess: list[dict] | None = Field(
+        default=None,
+        description="images: the steps from a decoded RGB image to the model's input, as torchvision "
+        "transforms by name and parameters; `planner run` applies exactly these",
+    )
+    split: str = Field(default="", description="how train and val were drawn")
 
 
 class TargetInfo(_Part):
@@ -249,7 +258,7 @@ class StudyInfo(_Part):
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2]
+    schema_version: Literal[2, 3]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from planner.errors import BadInput, NoFeasiblePlan
 from planner.inputs.model import Model, load_model
+from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import load_target
 from planner.plans.directory import MODEL_FILE, TRIALS_FILE, read_plan
 from planner.plans.schema import ParetoEntry, Plan
@@ -129,6 +130,16 @@ def from_plan_dir(plan_dir: str | Path) -> ReportContent:
     return from_plan(plan, load_model(plan_dir / MODEL_FILE), trials)
 
 
+def _data(plan: Plan) -> str:
+    """The data a plan was measured on, and how a file became the model's input."""
+    d = plan.dataset
+    kind = {"npz": "arrays", "images": "an image folder", "csv": "images listed in a CSV"}[d.format]
+    text = f"{kind}, {d.source}: {d.n_train} train, {d.n_val} val ({d.split or 'as given'}), {d.n_classes} classes"
+    if d.preprocess is not None:
+        text += f"; preprocessing {Preprocess.from_json(d.preprocess, 'plan.json')}"
+    return text
+
+
 def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportContent:
     """The report of a plan (as it is being written, or read back) and the trials behind it."""
     choice = plan.choice.model_dump(mode="json")
@@ -142,6 +153,7 @@ def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportCont
         "board": plan.metrics.board,
         "repeats": f"{lat.repeats} × {lat.number} steps; median {lat.median:.3f} ms, p90 {lat.p90:.3f} ms, "
         f"spread {lat.min:.3f}–{lat.max:.3f} ms",
+        "data": _data(plan),
         "study": f"{plan.study.name} in {plan.study.storage}" if plan.study.storage else "none (one measured scheme)",
         "trials per process": _workers(trials),
         "versions": ", ".join(f"{k} {v}" for k, v in plan.versions.items()),

@@ -215,7 +215,7 @@ class Evaluator:
         over = [k for k, v in budgets.items() if v > 0]
         if over:
             return Fidelity(screen, False, f"over {', '.join(over)}: fine-tuning longer cannot change that")
-        noise, points = margin(len(self.data.y_val)), rivals()
+        noise, points = margin(len(self.data.val)), rivals()
         against = tuple(sorted(p.trial for p in points))
         if recipe:
             return Fidelity(screen, True, "one of the space's hand-made recipes: always fine-tuned in full", against)

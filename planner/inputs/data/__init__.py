@@ -1,0 +1,66 @@
+"""Datasets in the forms people keep them, checked against the model before any compile.
+
+- a `.npz` of arrays, the model's input as it is: `x_train/y_train/x_val/y_val`, or `x/y` with the
+  last 20 % as val; labels are class indices or class names;
+- a folder of images, one subfolder per class (torchvision's ImageFolder), with `train/` and
+  `val/` inside or a stratified split drawn for it;
+- a CSV of `path,label` rows (optionally `,split`) naming images.
+
+Images become model inputs by a preprocessing spec (`planner.inputs.preprocess`). Samples are read
+a batch at a time (`Split.batch`), never the whole dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from planner.cachefile import default_cache_dir
+from planner.errors import BadInput
+from planner.inputs.data._arrays import load_npz
+from planner.inputs.data._base import DataFormat, Dataset, Rows, Split
+from planner.inputs.data._images import load_images
+from planner.inputs.model import Model
+from planner.inputs.preprocess import Preprocess, Step, parse_spec
+
+__all__ = ["DataFormat", "Dataset", "Rows", "Split", "data_format", "load_dataset"]
+
+
+def data_format(path: str | Path) -> DataFormat:
+    """What `path` holds, by what it is: a folder of images, a CSV, else a `.npz`."""
+    path = Path(path)
+    if path.is_dir():
+        return DataFormat.IMAGES
+    return DataFormat.CSV if path.suffix.lower() == ".csv" else DataFormat.NPZ
+
+
+def load_dataset(
+    path: str | Path,
+    model: Model,
+    *,
+    preprocess: str | Path | Sequence[Step] | Preprocess | None = None,
+    classes: Sequence[str] | None = None,
+    cache_dir: Path | None = None,
+) -> Dataset:
+    """The dataset at `path`, checked against `model`.
+
+    - `preprocess`: for images, the spec (its text, a YAML path, steps, or a completed
+      `Preprocess` as a plan records it); what it leaves open is completed from the model.
+    - `classes`: the class names a plan was made with, so that names map to the same indices.
+    - `cache_dir`: where a compressed `.npz` is unpacked to be read by position.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise BadInput(f"dataset not found: {path}")
+    kind = data_format(path)
+    known = tuple(classes) if classes is not None else None
+    if kind is DataFormat.NPZ:
+        if preprocess is not None:
+            raise BadInput(f"{path}: a preprocessing spec applies to images; a .npz holds the model's input as it is")
+        return load_npz(path, model, known, cache_dir or default_cache_dir())
+    if isinstance(preprocess, str | Path):
+        steps = parse_spec(preprocess)
+    else:
+        steps = list(preprocess.steps if isinstance(preprocess, Preprocess) else preprocess or [])
+    where = "--preprocess" if not isinstance(preprocess, Preprocess) else "the recorded preprocessing"
+    return load_images(path, model, Preprocess.complete(steps, model.input_shape, where), known)

@@ -1,0 +1,266 @@
+"""`.npz` datasets, read in place: samples by file position, never the whole array in memory.
+
+`np.load` of an `.npz` reads every array whole (a 390 MB file cost 1.2 GB of RSS). Instead the
+zip's own layout is used: an uncompressed member (`np.savez`) is a `.npy` at a known offset in
+the file, so sample i is `row_bytes` at `offset + i * row_bytes`, read with `pread` when a batch
+asks for it — no memory map either, whose address space a process memory limit counts in full.
+A compressed member (`np.savez_compressed`) cannot be read by position: it is unpacked once,
+streamed, into the cache (verified against the zip's CRC-32 when reused) and read from there.
+
+Labels are read whole (one int per sample, an eighth of a float sample at the least) and may be
+class indices or class names (`np.array(["cat", "dog", ...])`), which are mapped and recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from planner.digest import file_sha256
+from planner.errors import BadInput, EnvironmentFailure
+from planner.inputs.data._base import VAL_FRACTION, DataFormat, Dataset, Rows, Split, check_train_labels, class_indices
+from planner.inputs.model import Model
+
+CHUNK_BYTES = 8 << 20  # what a validation or unpacking pass holds at a time
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip member's local file header (30 bytes)
+
+
+@dataclass(frozen=True)
+class _Array:
+    """A `.npy` in a file: where its rows start, and their shape and type."""
+
+    path: Path
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop), one read."""
+        with open(self.path, "rb") as f:
+            return self._pread(f, start, stop)
+
+    def _pread(self, f: IO[bytes], start: int, stop: int) -> np.ndarray:
+        n = (stop - start) * self.row_bytes
+        buf = os.pread(f.fileno(), n, self.offset + start * self.row_bytes)
+        if len(buf) != n:
+            raise EnvironmentFailure(f"{self.path} became shorter while planner was reading it")
+        return np.frombuffer(buf, self.dtype).reshape(stop - start, *self.shape[1:])
+
+
+class _ArrayRows(Rows):
+    """Rows [start, stop) of an `_Array`, as float32: a batch is its runs of consecutive rows."""
+
+    def __init__(self, array: _Array, start: int, stop: int) -> None:
+        self.array, self.start, self.stop = array, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def take(self, index: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
+        index = np.asarray(index, np.int64)
+        out = np.empty((len(index), *self.array.shape[1:]), np.float32)
+        if not len(index):
+            return out
+        order = np.argsort(index, kind="stable")
+        rows = index[order] + self.start
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # runs of consecutive rows: one read each
+        with open(self.array.path, "rb") as f:
+            for run_pos, run in zip(np.split(np.arange(len(rows)), breaks), np.split(rows, breaks)):
+                out[order[run_pos]] = self.array._pread(f, int(run[0]), int(run[-1]) + 1)
+        return out
+
+
+def _npy_at(f: IO[bytes], path: Path, offset: int, name: str) -> _Array:
+    f.seek(offset)
+    try:
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = header(f)
+    except ValueError as exc:
+        raise BadInput(f"{path}: {name} is not a readable array ({exc})") from None
+    if dtype.hasobject:
+        raise BadInput(
+            f"{path}: {name} holds Python objects; store numbers, or labels as fixed-width strings (np.array(names, dtype=str))"
+        )
+    if fortran and len(shape) > 1:
+        raise BadInput(f"{path}: {name} is stored column-major; save it with np.ascontiguousarray({name})")
+    return _Array(path, f.tell(), tuple(shape), dtype)
+
+
+def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, into: Path) -> Path:
+    """A compressed member as a file in the cache (streamed), reused when its CRC-32 still holds."""
+    into.mkdir(parents=True, exist_ok=True)
+    path = into / info.filename
+    if path.is_file() and path.stat().st_size == info.file_size:
+        crc = 0
+        with open(path, "rb") as f:
+            while block := f.read(CHUNK_BYTES):
+                crc = zlib.crc32(block, crc)
+        if crc == info.CRC:
+            return path
+    fd, tmp = tempfile.mkstemp(dir=into, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as out, zf.open(info) as member:  # zipfile checks the CRC as it reads
+            shutil.copyfileobj(member, out, CHUNK_BYTES)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise EnvironmentFailure(f"cannot unpack {info.filename} into the cache {into}: {exc.strerror or exc}") from None
+    except (zipfile.BadZipFile, zlib.error) as exc:
+        raise BadInput(f"{zf.filename}: {info.filename} is damaged ({exc})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _arrays(path: Path, sha256: str, scratch: Path) -> tuple[dict[str, _Array], zipfile.ZipFile]:
+    """Every `.npy` member of the zip, located (compressed ones unpacked into `scratch`)."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"{path} is not a readable .npz dataset: {exc}") from None
+    arrays = {}
+    with open(path, "rb") as raw:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            name = info.filename[:-4]
+            if info.compress_type == zipfile.ZIP_STORED:
+                raw.seek(info.header_offset)
+                fields = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
+                if fields[0] != 0x04034B50:
+                    raise BadInput(f"{path} is not a readable .npz dataset: {info.filename}'s header is damaged")
+                start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+                arrays[name] = a = _npy_at(raw, path, start, name)
+                end = start + info.file_size
+            else:
+                unpacked = _unpack(zf, info, scratch / "data" / sha256[:32])
+                with open(unpacked, "rb") as f:
+                    arrays[name] = a = _npy_at(f, unpacked, 0, name)
+                end = unpacked.stat().st_size
+            if a.offset + int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize > end:
+                raise BadInput(f"{path}: {name} is cut short: its header promises more than the file holds")
+    return arrays, zf
+
+
+def _whole(zf: zipfile.ZipFile, path: Path, name: str) -> np.ndarray:
+    try:
+        with zf.open(f"{name}.npy") as f:
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise BadInput(f"{path}: {name} is not a readable array ({exc})") from None
+
+
+def load_npz(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path) -> Dataset:
+    """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val."""
+    sha256 = file_sha256(path)  # streamed: never a copy of the file in memory
+    arrays, zf = _arrays(path, sha256, scratch)
+    with zf:
+        if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
+            xs = {s: (arrays[f"x_{s}"], 0, arrays[f"x_{s}"].shape[0] if arrays[f"x_{s}"].shape else 0) for s in ("train", "val")}
+            ys = {s: _whole(zf, path, f"y_{s}") for s in ("train", "val")}
+            split = "x_train/x_val as given"
+        elif {"x", "y"} <= arrays.keys():
+            x, y = arrays["x"], _whole(zf, path, "y")
+            n = x.shape[0] if x.shape else 0
+            if y.ndim >= 1 and len(y) != n:
+                raise BadInput(f"{path}: x holds {n} samples but y holds {len(y)} labels")
+            cut = n - max(1, int(round(n * VAL_FRACTION)))
+            xs = {"train": (x, 0, cut), "val": (x, cut, n)}
+            ys = {"train": y[:cut], "val": y[cut:]}
+            split = f"the last {VAL_FRACTION:.0%} of x as val"
+        else:
+            raise BadInput(
+                f"{path}: expected arrays x_train, y_train, x_val, y_val (or x, y); found {', '.join(arrays) or 'none'}"
+            )
+    named = [ys[s].dtype.kind in "US" for s in ys]
+    if any(named):  # class names: mapped over both splits together, so an index means one class
+        if not all(named):
+            raise BadInput(f"{path}: one split's labels are names and the other's are numbers; use one kind")
+        for s, (_, start, stop) in xs.items():
+            if ys[s].shape != (stop - start,):
+                raise BadInput(f"{path}: {s} labels have shape {ys[s].shape}; planner needs one class name per sample")
+        both = [*ys["train"].astype(str).tolist(), *ys["val"].astype(str).tolist()]
+        indices, classes = class_indices(path, both, classes, model.n_classes)
+        ys = {"train": indices[: len(ys["train"])], "val": indices[len(ys["train"]) :]}
+    splits = {}
+    for s, (array, start, stop) in xs.items():
+        _check_samples(path, s, array, model)
+        labels = _labels(path, s, stop - start, ys[s], model.n_classes)
+        _check_values(path, s, array, start, stop)
+        splits[s] = Split(_ArrayRows(array, start, stop), labels)
+    check_train_labels(path, splits["train"], splits["val"])
+    return Dataset(
+        source=path.resolve(),
+        sha256=sha256,
+        format=DataFormat.NPZ,
+        train=splits["train"],
+        val=splits["val"],
+        n_classes=model.n_classes,
+        classes=classes,
+        split=split,
+    )
+
+
+def _check_samples(path: Path, name: str, array: _Array, model: Model) -> None:
+    if not np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.complexfloating):
+        raise BadInput(f"{path}: {name} samples are {array.dtype}, not real numbers")
+    if tuple(array.shape[1:]) != model.input_shape:
+        raise BadInput(
+            f"{path}: {name} samples have shape {tuple(array.shape[1:])}, the model's input "
+            f"'{model.input_name}' needs {model.input_shape}"
+        )
+
+
+def _check_values(path: Path, name: str, array: _Array, start: int, stop: int) -> None:
+    """Every value finite and within float32 (what the model computes in), a chunk at a time."""
+    step = max(1, CHUNK_BYTES // max(1, array.row_bytes))
+    for lo in range(start, stop, step):
+        chunk = array.read(lo, min(lo + step, stop))
+        if not np.isfinite(chunk).all():
+            raise BadInput(f"{path}: {name} samples contain NaN or Inf")
+        with np.errstate(over="ignore"):
+            if not np.isfinite(chunk.astype(np.float32)).all():
+                raise BadInput(f"{path}: {name} samples hold values beyond float32's range (about ±3.4e38)")
+
+
+def _labels(path: Path, name: str, n: int, y: np.ndarray, n_classes: int) -> np.ndarray:
+    """One class index per sample, as int64: integers, or floats that are whole numbers (labels
+    often arrive as floats from pandas or MATLAB); anything else is one line saying what is wrong."""
+    if y.ndim == 2 and len(y) == n and y.shape[1] == n_classes:
+        raise BadInput(
+            f"{path}: {name} labels have shape {y.shape}, one-hot or scores; planner needs one class index "
+            "per sample (store y.argmax(axis=1))"
+        )
+    if y.ndim != 1:
+        raise BadInput(f"{path}: {name} labels have shape {y.shape}; planner needs one class index per sample, shape ({n},)")
+    if len(y) != n:
+        raise BadInput(f"{path}: {name} has {n} samples but {len(y)} labels")
+    if np.issubdtype(y.dtype, np.floating):
+        whole = np.isfinite(y) & (y == np.round(y))
+        if not whole.all():
+            i = int(np.argmin(whole))
+            raise BadInput(f"{path}: {name} labels must be whole class indices; label {i} is {float(y[i]):g}")
+    elif not np.issubdtype(y.dtype, np.integer):
+        raise BadInput(
+            f"{path}: {name} labels are {y.dtype}; planner needs class indices 0..{n_classes - 1} (integers) or class names"
+        )
+    if len(y) and (y.min() < 0 or y.max() >= n_classes):
+        raise BadInput(
+            f"{path}: {name} labels must lie in [0, {n_classes - 1}] for a model with "
+            f"{n_classes} outputs; found {int(y.min())}..{int(y.max())}"
+        )
+    return y.astype(np.int64)
