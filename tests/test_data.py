@@ -292,3 +292,31 @@ def test_a_dataset_larger_than_the_memory_limit_plans_and_runs_within_it(tmp_pat
     res = planner_process("run", out, "--steps", "20", "--json", preexec_fn=cap)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["steps"] == 20
+
+
+@pytest.mark.slow  # a study and a run through the command line
+def test_the_image_example_plans_and_runs_from_the_command_line(tmp_path):
+    res = planner_process("example", "digits-images", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    root = tmp_path / "digits-images"
+    files = sorted(root.glob("*/*/*.png"))
+    assert len(files) == 899 and {Image.open(f).size[0] for f in files} == {8, 12, 16, 20, 24, 28, 32}
+    again = planner_process("example", "digits-images", cwd=tmp_path)  # already there: kept
+    assert again.returncode == 0 and sorted(root.glob("*/*/*.png")) == files
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("")
+    refused = planner_process("example", "mine", cwd=tmp_path)
+    assert refused.returncode == 2 and "is not the image example" in refused.stderr
+
+    spec = root / "preprocess.yaml"
+    args = ("--data", root, "--preprocess", spec, "--trials", "2", "--accuracy-steps", "30", "--out", tmp_path / "plan")
+    res = planner_process("plan", *args)
+    assert res.returncode == 0, res.stderr
+    dataset = json.loads((tmp_path / "plan" / "plan.json").read_text())["dataset"]
+    assert dataset["format"] == "images" and dataset["classes"] == [str(d) for d in range(10)]
+    assert [next(iter(s)) for s in dataset["preprocess"]] == ["Grayscale", "Resize", "CenterCrop", "ToTensor", "Normalize"]
+    assert "preprocessing Grayscale(), Resize(size=8)" in (tmp_path / "plan" / "report.md").read_text()
+    res = planner_process("run", tmp_path / "plan", "--steps", "30", "--json")
+    assert res.returncode == 0, res.stderr
+    ran = json.loads(res.stdout)
+    assert ran["after"]["accuracy"] > ran["before"]["accuracy"]
