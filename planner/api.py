@@ -187,6 +187,7 @@ def plan(
     cache_dir: Path | None = None,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
+    on_data: Callable[[int, int], None] | None = None,
     stop: threading.Event | None = None,
 ) -> PlanResult:
     """Search `space` for the best way to fine-tune `model` on `target`; write the plan to `out`.
@@ -213,7 +214,8 @@ def plan(
     - `target`, `space`: a shipped name (`planner.list_targets()`, `search_spaces/`) or a YAML path.
     - `storage`: an Optuna storage URL (or journal file path) that keeps the study, so the same
       call resumes it and `work` joins it; None keeps the study in memory. `study` names it.
-    - `on_trial(record, finished, total)`, `on_start(finished, total)`: progress callbacks.
+    - `on_trial(record, finished, total)`, `on_start(finished, total)`, `on_data(samples, total)`:
+      progress callbacks (`on_data` while the data is read once and checked, before any trial).
     - `stop`: set it (e.g. from a signal handler) to finish the trials in flight and start no
       more; the result then says `interrupted`.
     - `sampler`: `tpe` (default, starting from the space's hand-made schemes unless `anchors`
@@ -248,7 +250,7 @@ def plan(
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     cache = check_cache_dir(cache_dir or default_cache_dir())  # a file, read-only: one line, no trial burnt
-    dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m, preprocess=preprocess, cache_dir=cache)
+    dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m, preprocess=preprocess, cache_dir=cache, progress=on_data)
     hw = resolve_target(target, tracker=tracker, key=key)
     family = _budget_family(budgets, hw)
     if family:  # the study keeps what fits the largest; each budget picks among those
@@ -389,6 +391,7 @@ def work(
     overlap: bool = True,
     on_trial: Callable[[TrialRecord, int, int], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
+    on_data: Callable[[int, int], None] | None = None,
     stop: threading.Event | None = None,
 ) -> list[TrialRecord]:
     """Join a study `plan` created in `storage` and run trials for it: `trials` of this
@@ -417,6 +420,7 @@ def work(
         preprocess=_recorded_preprocess(inputs.get("preprocess"), "the study's preprocessing"),
         classes=inputs.get("classes"),
         cache_dir=cache,
+        progress=on_data,
     )
     if (m.sha256, dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")

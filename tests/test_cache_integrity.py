@@ -235,7 +235,9 @@ def test_the_accuracy_before_fine_tuning_is_measured_once_per_precision_and_int8
     for candidate in candidates:
         step = compile_candidate(model, candidate, BuildOptions(HOST, cache))
         results.append(measure_accuracy(model, data, candidate, step, 2, 0, cache))
-        own.append(TrainingSession(step.library, step.signature, model.initializers).evaluate(*data.val.batch(np.arange(len(data.val)))))
+        own.append(
+            TrainingSession(step.library, step.signature, model.initializers).evaluate(*data.val.batch(np.arange(len(data.val))))
+        )
     assert len(list((cache / "accuracy" / "before").glob("*.json"))) == 2
     assert all((r.loss_before, r.before) == (results[0].loss_before, results[0].before) for r in results[1:3])
     for r, (loss, accuracy) in zip(results, own):  # each the value its own step computes, to rounding

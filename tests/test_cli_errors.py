@@ -64,6 +64,12 @@ class Ctx:
                 Image.fromarray(rng.integers(0, 256, (6, 6), dtype=np.uint8)).save(root / f"c{c}" / f"{i}.png")
         return root
 
+    def csv(self, name: str, text: str) -> str:
+        """`text` as labels.csv beside an image folder's class folders."""
+        path = self.images(name) / "labels.csv"
+        path.write_text(text)
+        return str(path)
+
     def yaml(self, name: str, text: str) -> str:
         path = self.tmp / name
         path.write_text(text)
@@ -286,18 +292,15 @@ def _(ctx):
 
 @case("CSV naming a missing image")
 def _(ctx):
-    root = ctx.images("listed")
-    csv = root / "labels.csv"
-    csv.write_text("path,label\nc0/0.png,c0\nc1/9.png,c1\n")
-    return Case(ctx.plan("--data", str(csv)), "row 2 names c1/9.png, not found")
+    csv = ctx.csv("listed", "path,label\nc0/0.png,c0\nc1/9.png,c1\n")
+    return Case(ctx.plan("--data", csv), "row 2 names c1/9.png, not found")
 
 
 @case("CSV row without a label")
 def _(ctx):
-    root = ctx.images("short-row")
-    csv = root / "labels.csv"
-    csv.write_text("c0/0.png,c0\nc1/0.png\n")
-    return Case(ctx.plan("--data", str(csv)), "row 2 has 1 columns; every row is path,label")
+    return Case(
+        ctx.plan("--data", ctx.csv("short-row", "c0/0.png,c0\nc1/0.png\n")), "row 2 has 1 columns; every row is path,label"
+    )
 
 
 @case("preprocessing for a .npz")

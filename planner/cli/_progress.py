@@ -80,7 +80,7 @@ class TrialProgress:
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("best feasible {task.fields[best]}"),
+                TextColumn("{task.fields[note]}"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
@@ -88,6 +88,7 @@ class TrialProgress:
                 transient=True,
             )
         self._task: TaskID | None = None
+        self._data: TaskID | None = None
         self._best: Measured | None = None
 
     def __enter__(self) -> TrialProgress:
@@ -99,9 +100,19 @@ class TrialProgress:
         if self.bar is not None:
             self.bar.stop()
 
+    def data(self, done: int, total: int) -> None:
+        """The data being read and checked, before the first trial (images decoded once)."""
+        if self.bar is None:
+            return
+        if self._data is None:
+            self._data = self.bar.add_task("reading data", total=total, note="")
+        self.bar.update(self._data, completed=done)
+        if done >= total:
+            self.bar.remove_task(self._data)
+
     def start(self, done: int, total: int) -> None:
         if self.bar is not None:
-            self._task = self.bar.add_task("trials", total=total, completed=min(done, total), best="—")
+            self._task = self.bar.add_task("trials", total=total, completed=min(done, total), note="best feasible —")
 
     def trial(self, rec: TrialRecord, done: int, total: int) -> None:
         if rec.feasible:  # a feasible trial is complete
@@ -117,7 +128,7 @@ class TrialProgress:
                 if best
                 else "—"
             )
-            self.bar.update(self._task, completed=min(done, total), best=summary)
+            self.bar.update(self._task, completed=min(done, total), note=f"best feasible {summary}")
 
 
 @contextmanager

@@ -110,6 +110,7 @@ def plan(
                 key=key,
                 on_trial=progress.trial,
                 on_start=progress.start,
+                on_data=progress.data,
                 stop=stop,
                 tune_trials=tune_trials,
                 sampler=sampler,
@@ -170,6 +171,7 @@ def worker(
                 overlap=overlap,
                 on_trial=progress.trial,
                 on_start=progress.start,
+                on_data=progress.data,
                 stop=stop,
             )
         )

@@ -12,7 +12,7 @@ a batch at a time (`Split.batch`), never the whole dataset.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from planner.cachefile import default_cache_dir
@@ -41,6 +41,7 @@ def load_dataset(
     preprocess: str | Path | Sequence[Step] | Preprocess | None = None,
     classes: Sequence[str] | None = None,
     cache_dir: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Dataset:
     """The dataset at `path`, checked against `model`.
 
@@ -48,6 +49,8 @@ def load_dataset(
       `Preprocess` as a plan records it); what it leaves open is completed from the model.
     - `classes`: the class names a plan was made with, so that names map to the same indices.
     - `cache_dir`: where a compressed `.npz` is unpacked to be read by position.
+    - `progress(done, total)`: samples checked so far (every sample is read once: values
+      checked, images decoded), for a dataset that takes a while.
     """
     path = Path(path)
     if not path.exists():
@@ -57,10 +60,10 @@ def load_dataset(
     if kind is DataFormat.NPZ:
         if preprocess is not None:
             raise BadInput(f"{path}: a preprocessing spec applies to images; a .npz holds the model's input as it is")
-        return load_npz(path, model, known, cache_dir or default_cache_dir())
+        return load_npz(path, model, known, cache_dir or default_cache_dir(), progress)
     if isinstance(preprocess, str | Path):
         steps = parse_spec(preprocess)
     else:
         steps = list(preprocess.steps if isinstance(preprocess, Preprocess) else preprocess or [])
     where = "--preprocess" if not isinstance(preprocess, Preprocess) else "the recorded preprocessing"
-    return load_images(path, model, Preprocess.complete(steps, model.input_shape, where), known)
+    return load_images(path, model, Preprocess.complete(steps, model.input_shape, where), known, progress)

@@ -19,6 +19,7 @@ import struct
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -27,7 +28,7 @@ import numpy as np
 
 from planner.digest import file_sha256
 from planner.errors import BadInput, EnvironmentFailure
-from planner.inputs.data._base import VAL_FRACTION, DataFormat, Dataset, Rows, Split, check_train_labels, class_indices
+from planner.inputs.data._base import VAL_FRACTION, DataFormat, Dataset, Progress, Rows, Split, check_train_labels, class_indices
 from planner.inputs.model import Model
 
 CHUNK_BYTES = 8 << 20  # what a validation or unpacking pass holds at a time
@@ -164,7 +165,7 @@ def _whole(zf: zipfile.ZipFile, path: Path, name: str) -> np.ndarray:
         raise BadInput(f"{path}: {name} is not a readable array ({exc})") from None
 
 
-def load_npz(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path) -> Dataset:
+def load_npz(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path, progress: Progress = None) -> Dataset:
     """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val."""
     sha256 = file_sha256(path)  # streamed: never a copy of the file in memory
     arrays, zf = _arrays(path, sha256, scratch)
@@ -196,11 +197,14 @@ def load_npz(path: Path, model: Model, classes: tuple[str, ...] | None, scratch:
         both = [*ys["train"].astype(str).tolist(), *ys["val"].astype(str).tolist()]
         indices, classes = class_indices(path, both, classes, model.n_classes)
         ys = {"train": indices[: len(ys["train"])], "val": indices[len(ys["train"]) :]}
-    splits = {}
+    splits, done, total = {}, 0, sum(stop - start for _, start, stop in xs.values())
     for s, (array, start, stop) in xs.items():
         _check_samples(path, s, array, model)
         labels = _labels(path, s, stop - start, ys[s], model.n_classes)
-        _check_values(path, s, array, start, stop)
+        for checked in _check_values(path, s, array, start, stop):
+            done += checked
+            if progress is not None:
+                progress(done, total)
         splits[s] = Split(_ArrayRows(array, start, stop), labels)
     check_train_labels(path, splits["train"], splits["val"])
     return Dataset(
@@ -225,8 +229,9 @@ def _check_samples(path: Path, name: str, array: _Array, model: Model) -> None:
         )
 
 
-def _check_values(path: Path, name: str, array: _Array, start: int, stop: int) -> None:
-    """Every value finite and within float32 (what the model computes in), a chunk at a time."""
+def _check_values(path: Path, name: str, array: _Array, start: int, stop: int) -> Iterator[int]:
+    """Every value finite and within float32 (what the model computes in), a chunk at a time;
+    yields the samples of each chunk checked."""
     step = max(1, CHUNK_BYTES // max(1, array.row_bytes))
     for lo in range(start, stop, step):
         chunk = array.read(lo, min(lo + step, stop))
@@ -235,10 +240,11 @@ def _check_values(path: Path, name: str, array: _Array, start: int, stop: int) -
         with np.errstate(over="ignore"):
             if not np.isfinite(chunk.astype(np.float32)).all():
                 raise BadInput(f"{path}: {name} samples hold values beyond float32's range (about ±3.4e38)")
+        yield len(chunk)
 
 
 def _labels(path: Path, name: str, n: int, y: np.ndarray, n_classes: int) -> np.ndarray:
-    """One class index per sample, as int64: integers, or floats that are whole numbers (labels
+    """One class index per sample: integers, or floats that are whole numbers (labels
     often arrive as floats from pandas or MATLAB); anything else is one line saying what is wrong."""
     if y.ndim == 2 and len(y) == n and y.shape[1] == n_classes:
         raise BadInput(
@@ -263,4 +269,4 @@ def _labels(path: Path, name: str, n: int, y: np.ndarray, n_classes: int) -> np.
             f"{path}: {name} labels must lie in [0, {n_classes - 1}] for a model with "
             f"{n_classes} outputs; found {int(y.min())}..{int(y.max())}"
         )
-    return y.astype(np.int64)
+    return y if np.issubdtype(y.dtype, np.integer) else y.astype(np.int64)  # Split keeps them compact

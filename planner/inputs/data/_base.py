@@ -9,7 +9,7 @@ batch, so memory stays a few batches whatever the dataset's size.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -19,6 +19,7 @@ import numpy as np
 from planner.errors import BadInput
 from planner.inputs.preprocess import Preprocess
 
+Progress = Callable[[int, int], None] | None  # (samples checked, of how many)
 VAL_FRACTION = 0.2
 SPLIT_SEED = 0  # the stratified split of a folder without train/ and val/: fixed, so `run` redraws it
 
@@ -44,7 +45,12 @@ class Rows(ABC):
 @dataclass(frozen=True)
 class Split:
     rows: Rows
-    labels: np.ndarray  # int64, one class index per sample
+    labels: np.ndarray  # one class index per sample, in the smallest unsigned type that holds them
+
+    def __post_init__(self) -> None:
+        # a byte per sample, not eight: the labels are the one part of a split held whole
+        top = int(self.labels.max()) if len(self.labels) else 0
+        object.__setattr__(self, "labels", self.labels.astype(np.min_scalar_type(top)))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -53,7 +59,7 @@ class Split:
         """Samples and labels `index`; `augment` (seed, step) seeds the training view's random steps,
         so a fine-tune draws the same augmentation whenever it is rerun or trained on."""
         rng = np.random.default_rng(list(augment)) if augment is not None else None
-        return self.rows.take(index, rng), self.labels[index]
+        return self.rows.take(index, rng), self.labels[index].astype(np.int64)
 
     def chunks(self, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The whole split in file order, `size` samples at a time (evaluation's view)."""

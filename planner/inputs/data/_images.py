@@ -31,6 +31,7 @@ from planner.inputs.data._base import (
     VAL_FRACTION,
     DataFormat,
     Dataset,
+    Progress,
     Rows,
     Split,
     check_train_labels,
@@ -159,7 +160,9 @@ def _stratified(labels: np.ndarray) -> np.ndarray:
     return val
 
 
-def load_images(path: Path, model: Model, spec: Preprocess, classes: tuple[str, ...] | None) -> Dataset:
+def load_images(
+    path: Path, model: Model, spec: Preprocess, classes: tuple[str, ...] | None, progress: Progress = None
+) -> Dataset:
     """An image folder (or a CSV of `path,label`), listed, checked, hashed and decoded once."""
     if path.is_dir():
         kind = DataFormat.IMAGES
@@ -201,7 +204,7 @@ def load_images(path: Path, model: Model, spec: Preprocess, classes: tuple[str, 
         }
     cache = _Cache(CACHE_BYTES)
     digest = hashlib.sha256(json.dumps([str(kind), spec.to_json()]).encode())
-    splits = {}
+    splits, done, total = {}, 0, sum(len(files) for files, _ in groups.values())
     for s in ("val", "train"):  # val first: its samples are the ones every trial evaluates
         files, y = groups[s]
         rows = _ImageRows(s, files, spec, model.input_shape, cache)
@@ -213,6 +216,9 @@ def load_images(path: Path, model: Model, spec: Preprocess, classes: tuple[str, 
             rel = os.path.relpath(file, path if path.is_dir() else path.parent)
             digest.update(json.dumps([s, rel, int(y[i]), hashlib.sha256(data).hexdigest()]).encode())
             cache.put((s, i), rows.sample(i, None, data))
+            done += 1
+            if progress is not None and (done % 64 == 0 or done == total):
+                progress(done, total)
         splits[s] = Split(rows, y)
     check_train_labels(path, splits["train"], splits["val"])
     return Dataset(
