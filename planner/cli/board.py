@@ -85,15 +85,16 @@ def board_serve(
 
 
 def _wait(stop) -> None:
-    """Block until Ctrl-C or SIGTERM, then stop the service."""
+    """Block until Ctrl-C or SIGTERM, then stop the service. Both handlers are installed here, as
+    `planner plan` installs its own: a process started where SIGINT is ignored (a script's
+    background job) inherits the ignoring, and Python then leaves Ctrl-C without effect."""
     import signal
     import threading
 
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
     try:
         done.wait()
-    except KeyboardInterrupt:
-        pass
     finally:
         stop()
