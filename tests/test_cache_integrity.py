@@ -22,7 +22,7 @@ import pytest
 import tvm
 
 from planner import cachefile
-from planner.backend import link
+from planner.backend import gemm, kernels, link
 from planner.backend.compile import LIB_NAME, META_NAME, BuildOptions, check_cache_dir, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.errors import EnvironmentFailure
@@ -151,6 +151,36 @@ def test_a_damaged_kernel_object_is_compiled_again(pristine, cache, damage):
     assert rebuilt.library.read_bytes() == library
     assert rebuilt.memory == fresh.memory
     assert _losses(model, rebuilt.library, rebuilt) == losses
+
+
+PARSED_KERNEL_DAMAGE = {
+    "truncated": _truncate,
+    "a flipped byte": _flip_a_byte,
+    "not TVM's JSON": lambda p: _rehash(p, lambda b: b.update(tir='{"root": 1, "nodes": []}')),
+    "another kernel's TIR": lambda p: _rehash(
+        p, lambda b: b.update(tir=tvm.ir.save_json(tvm.tirx.PrimFunc([], tvm.tirx.Evaluate(0))))
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", PARSED_KERNEL_DAMAGE)
+def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkeypatch):
+    """The OpenBLAS convolutions' TIR is kept parsed in the cache (`gemm._built`); a damaged entry
+    is parsed again from the source — the same step to the byte — and stored again whole."""
+    model, _, fresh, library, losses = pristine
+    entries = sorted(gemm.kernels_dir(cache).glob("*.json"))
+    assert entries, "the tiny model's convolutions went through OpenBLAS and were kept"
+    for entry in entries:
+        PARSED_KERNEL_DAMAGE[damage](entry)
+    shutil.rmtree(cache / "steps")
+    shutil.rmtree(link.objects_dir(cache, HOST))
+    monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())  # this process lowers again
+    gemm._built.cache_clear()
+
+    rebuilt = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
+    assert rebuilt.library.read_bytes() == library
+    assert _losses(model, rebuilt.library, rebuilt) == losses
+    assert all(cachefile.read_json(e, e.stem) is not None for e in entries)
 
 
 @pytest.fixture

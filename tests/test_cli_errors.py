@@ -245,6 +245,13 @@ def _(ctx):
     return Case(ctx.plan("--data", ctx.npz("fractions", y=y)), "train labels must be whole class indices; label 3 is 1.5")
 
 
+@case("a .npy instead of a .npz")
+def _(ctx):
+    path = ctx.tmp / "x.npy"
+    np.save(path, _x(ctx))
+    return Case(ctx.plan("--data", str(path)), "holds one array; planner needs samples and labels")
+
+
 @case("more class names than outputs")
 def _(ctx):
     return Case(

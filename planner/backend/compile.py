@@ -112,14 +112,14 @@ def cache_key(model: Model, candidate: Candidate, build: BuildOptions) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels) -> tvm.IRModule:
+def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_dir: Path | None) -> tvm.IRModule:
     """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
     # planner's legalization first; TVM's own after it is then a no-op
-    passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels)] + cpu.legalize_passes(target)
+    passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels, cache=cache_dir)] + cpu.legalize_passes(target)
     with target:
         fused = tvm.transform.Sequential(passes)(mod)
     if kernels == Kernels.OPENBLAS:
-        fused = gemm.accumulate_in_place(fused, STEP_FUNC, gemm.pool_threads(target))
+        fused = gemm.accumulate_in_place(fused, STEP_FUNC, gemm.pool_threads(target), cache=cache_dir)
     return fused
 
 
@@ -257,7 +257,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
         raise CandidateFailed(f"updates {candidate.updates!r} is not supported (in-place, copy)")
     mod, sig = build_training_module(model, candidate)
     try:
-        fused = _fuse(mod, target, build.kernels)
+        fused = _fuse(mod, target, build.kernels, cache_dir)
         # judged before tuning and scheduling rewrite the kernels
         in_place_ok = in_place_candidates(fused, sig) if candidate.updates == "in-place" else set()
         tuned: tuple[str, ...] = ()

@@ -29,14 +29,20 @@ lowering planner uses without OpenBLAS.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
+from pathlib import Path
 
 import tvm
 from tvm import relax
 from tvm.script import tirx as T
+
+from planner import cachefile
 
 GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
@@ -620,15 +626,63 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     return conv2d_input_grad_gemm
 
 
+# what a cached kernel was made by: this module's source and TVM's version (TVMScript's meaning)
+_MADE_BY = hashlib.sha256(Path(__file__).read_bytes() + tvm.__version__.encode()).hexdigest()[:16]
+# TVMScript's parser reads every frame of the stack that calls it (`inspect.stack()` once a
+# kernel, `inspect.getouterframes` once a macro call), source lines included: from a compile deep
+# in a caller's stack (pytest's is ~80 frames) a MobileNetV3 step's 95 kernels took 57 s, from a
+# thread of their own (a dozen frames) 10 s. A thread per parse: one kept in a pool would not
+# survive a fork.
+
+
 @functools.cache
-def _built(kernel: Callable[[Conv, int], tvm.tirx.PrimFunc], s: Conv, threads: int, made: tuple[int, ...]) -> tvm.tirx.PrimFunc:
-    """`kernel(s, threads)`, made once per process (under the `limits()` it was made with).
-    Parsing a kernel's TVMScript takes tens of milliseconds, and a study legalizes the same
-    convolutions for candidate after candidate: uncached, 5-9 s of each MobileNetV2 compile."""
-    return kernel(s, threads)
+def _built(
+    kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, made: tuple[int, ...], cache: Path | None
+) -> tvm.tirx.PrimFunc:
+    """`kernel(s, threads)`, made once per process (under the `limits()` it was made with) and,
+    given a `cache` directory, once per compile cache. Parsing a kernel's TVMScript takes
+    100-200 ms, a third of a MobileNetV3 compile; a study legalizes the same convolutions for
+    candidate after candidate, and workers, reruns and `compile` in other processes meet them
+    again. The cache keeps TVM's JSON of the kernel (loaded in milliseconds) under a key of
+    everything that made it, checked by its hash on every read; an entry that cannot be read or
+    written costs only the parse."""
+    if cache is not None:
+        name = getattr(kernel, "func", kernel).__name__ + repr(sorted(getattr(kernel, "keywords", {}).items()))
+        key = hashlib.sha256(json.dumps([name, astuple(s), threads, made, _MADE_BY]).encode()).hexdigest()[:32]
+        path = kernels_dir(cache) / f"{key}.json"
+        cached = cachefile.read_json(path, key)
+        if cached is not None and isinstance(cached.get("tir"), str):
+            try:
+                loaded = tvm.ir.load_json(cached["tir"])
+            except Exception:  # noqa: BLE001 - TVM raises ValueError, RuntimeError, ...: the kernel is made again
+                loaded = None
+            # a hand-edited entry (hash remade) that is not a kernel of this convolution is a miss
+            if isinstance(loaded, tvm.tirx.PrimFunc) and _conv_of(loaded) == astuple(s):
+                return loaded
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
+        func = parser.submit(kernel, s, threads).result()
+    if cache is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cachefile.write_json(path, {"tir": tvm.ir.save_json(func)}, key)
+        except OSError:
+            pass
+    return func
 
 
-def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int) -> relax.Expr:
+def _conv_of(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
+    """The `Conv` fields an OpenBLAS kernel says it computes (`_attrs`); None for any other function."""
+    attrs = func.attrs or {}
+    conv = attrs.get(CONV)
+    return tuple(int(d) for d in conv) if conv is not None and attrs.get(CALLS) == "openblas" else None
+
+
+def kernels_dir(cache: Path) -> Path:
+    """Where the compile cache `cache` keeps parsed kernels (`_built`)."""
+    return cache / "kernels-tir"
+
+
+def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, cache: Path | None) -> relax.Expr:
     """`relax.nn.conv2d`: a layer's forward convolution, or TVM's weight gradient (x in a CNHW
     view convolved by dy in an IOHW view, dilated by the layer's stride), through OpenBLAS."""
     a = call.attrs
@@ -638,7 +692,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, kh, kw = _ints(call.ty.shape)
         sh, sw = _ints(a.dilation)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits()), "conv2d_weight_grad_gemm")
+        gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits(), cache), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     if (
         _static(call, ("NCHW", "OIHW", "NCHW"))
@@ -650,12 +704,14 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, oh, ow = _ints(call.ty.shape)
         sh, sw = _ints(a.strides)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(forward_kernel, s, threads, limits()), "conv2d_gemm")
+        gv = bb.add_func(_built(forward_kernel, s, threads, limits(), cache), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
 
-def conv2d_transpose(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int) -> relax.Expr:
+def conv2d_transpose(
+    bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, cache: Path | None
+) -> relax.Expr:
     """`relax.nn.conv2d_transpose` as TVM's input gradient writes it (NCHW dy, the IOHW view of
     the layer's OIHW weight) through OpenBLAS."""
     a = call.attrs
@@ -666,14 +722,14 @@ def conv2d_transpose(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowe
     _, _, h, w = _ints(call.ty.shape)
     sh, sw = _ints(a.strides)
     s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-    gv = bb.add_func(_built(input_grad_kernel, s, threads, limits()), "conv2d_input_grad_gemm")
+    gv = bb.add_func(_built(input_grad_kernel, s, threads, limits(), cache), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
 
 
 _weight_grad_accumulating = functools.partial(weight_grad_kernel, accumulate=True)
 
 
-def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int) -> tvm.IRModule:
+def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int, *, cache: Path | None) -> tvm.IRModule:
     """`mod` with each micro-batch's weight gradient through OpenBLAS added by its own kernel to
     the running sum, where the sum lies, instead of written to a buffer of its own that an
     accumulation kernel then adds (`graph._in_place`): the step holds one dW, not two."""
@@ -704,7 +760,9 @@ def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int) -> tvm.IRMod
         if not source.args[0].name_hint.startswith("conv2d_weight_grad_gemm") or kernel.attrs.get(CONV) is None:
             continue
         s = Conv(*(int(d) for d in kernel.attrs[CONV]))
-        gv = builder.add_func(_built(_weight_grad_accumulating, s, threads, limits()), "conv2d_weight_grad_gemm_accumulate")
+        gv = builder.add_func(
+            _built(_weight_grad_accumulating, s, threads, limits(), cache), "conv2d_weight_grad_gemm_accumulate"
+        )
         x, dy = source.args[1].fields
         fused[b.var] = relax.op.call_tir_inplace(gv, relax.Tuple([x, dy, total]), 2, call.ty)
     if not fused:

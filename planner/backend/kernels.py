@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+from pathlib import Path
 
 import tvm
 import tvm_ffi
@@ -144,10 +145,11 @@ def _same(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and tvm_ffi.structural_equal(a, b))
 
 
-def legalize(target: tvm.target.Target, kernels: Kernels) -> tvm.transform.Pass:
+def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None = None) -> tvm.transform.Pass:
     """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ (with
-    `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`), every
-    lowering remembered across candidates (`_Remembered`)."""
+    `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`, whose parsed
+    kernels a compile `cache` directory keeps), every lowering remembered across candidates
+    (`_Remembered`)."""
     ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
     threads = gemm.pool_threads(target)
     flavor = (str(target), kernels.value, threads, *gemm.limits())
@@ -156,9 +158,9 @@ def legalize(target: tvm.target.Target, kernels: Kernels) -> tvm.transform.Pass:
         # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
         load_openblas()
         tvms = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")
-        ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads)
+        ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads, cache=cache)
         ops["relax.nn.conv2d_transpose"] = functools.partial(
-            gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads
+            gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads, cache=cache
         )
     return relax.transform.LegalizeOps({name: _Remembered(lower, flavor) for name, lower in (_registered() | ops).items()})
 

@@ -58,6 +58,11 @@ def load_dataset(
     kind = data_format(path)
     known = tuple(classes) if classes is not None else None
     if kind is DataFormat.NPZ:
+        if path.suffix.lower() == ".npy":
+            raise BadInput(
+                f"{path} holds one array; planner needs samples and labels: np.savez('data.npz', x=x, y=y) "
+                "(uncompressed, it is read in place)"
+            )
         if preprocess is not None:
             raise BadInput(f"{path}: a preprocessing spec applies to images; a .npz holds the model's input as it is")
         return load_npz(path, model, known, cache_dir or default_cache_dir(), progress)
