@@ -252,6 +252,33 @@ def _(ctx):
     return Case(ctx.plan("--data", str(path)), "holds one array; planner needs samples and labels")
 
 
+@case(".npy folder without labels")
+def _(ctx):
+    (ctx.tmp / "arrays").mkdir()
+    np.save(ctx.tmp / "arrays" / "x.npy", _x(ctx))
+    return Case(
+        ctx.plan("--data", str(ctx.tmp / "arrays")), "expected .npy files x_train, y_train, x_val, y_val (or x, y); found x"
+    )
+
+
+@case(".npy folder with a truncated array")
+def _(ctx):
+    (ctx.tmp / "arrays").mkdir()
+    np.save(ctx.tmp / "arrays" / "x.npy", _x(ctx))
+    np.save(ctx.tmp / "arrays" / "y.npy", _y(ctx))
+    x = ctx.tmp / "arrays" / "x.npy"
+    x.write_bytes(x.read_bytes()[: x.stat().st_size // 2])
+    return Case(ctx.plan("--data", str(ctx.tmp / "arrays")), "x is cut short: its header promises more than the file holds")
+
+
+@case(".npy folder with object labels")
+def _(ctx):
+    (ctx.tmp / "arrays").mkdir()
+    np.save(ctx.tmp / "arrays" / "x.npy", _x(ctx))
+    np.save(ctx.tmp / "arrays" / "y.npy", np.array([f"c{i % 2}" for i in _y(ctx)], dtype=object), allow_pickle=True)
+    return Case(ctx.plan("--data", str(ctx.tmp / "arrays")), "y holds Python objects; store numbers")
+
+
 @case("more class names than outputs")
 def _(ctx):
     return Case(

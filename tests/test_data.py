@@ -219,6 +219,38 @@ def test_npz_samples_are_read_by_position_and_compressed_ones_unpacked_once(tmp_
     np.testing.assert_array_equal(again.val.batch(np.arange(len(ds.val)))[0], arrays["x_train"][480:])
 
 
+def test_a_folder_of_npy_files_reads_as_the_npz_it_would_zip(tmp_path):
+    """`np.save` of each array into one folder: the same samples and labels as the `.npz`, read by
+    position from each file; the dataset's sha256 follows every file's content."""
+    model = load_model(DEFAULT_MODEL)
+    with np.load(DEFAULT_DATA) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    (tmp_path / "split").mkdir()
+    for name, array in arrays.items():
+        np.save(tmp_path / "split" / f"{name}.npy", array)
+    folder = load_dataset(tmp_path / "split", model, cache_dir=tmp_path / "cache")
+    assert folder.format is DataFormat.NPY and folder.split == "x_train/x_val as given"
+    for split, n in (("train", 600), ("val", 200)):
+        index = np.random.default_rng(1).permutation(n)[:41]
+        x, y = getattr(folder, split).batch(index)
+        np.testing.assert_array_equal(x, arrays[f"x_{split}"][index])
+        np.testing.assert_array_equal(y, arrays[f"y_{split}"][index])
+
+    names = np.array(["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"])
+    (tmp_path / "xy").mkdir()
+    np.save(tmp_path / "xy" / "x.npy", arrays["x_train"])
+    np.save(tmp_path / "xy" / "y.npy", names[arrays["y_train"]])
+    xy = load_dataset(tmp_path / "xy", model)
+    assert xy.classes == tuple(sorted(names)) and xy.split == "the last 20% of x as val"
+    x, y = xy.val.batch(np.arange(len(xy.val)))
+    np.testing.assert_array_equal(x, arrays["x_train"][480:])
+    assert [xy.classes[i] for i in y] == names[arrays["y_train"][480:]].tolist()
+    assert not (tmp_path / "cache").exists()  # read in place
+
+    np.save(tmp_path / "xy" / "y.npy", names[np.roll(arrays["y_train"], 1)])
+    assert load_dataset(tmp_path / "xy", model).sha256 != xy.sha256
+
+
 @pytest.mark.slow  # two measured schemes and two runs
 def test_an_image_folder_plans_and_runs_as_its_npz_does(tmp_path):
     """Digits as PNG and JPEG files of three sizes, one folder per class: measured and run, they

@@ -44,9 +44,9 @@ TuneOpt = Annotated[
     ),
 ]
 DATA_HELP = (
-    "dataset: a .npz (x_train/y_train/x_val/y_val, or x/y; labels as indices or names), a folder of "
-    "images with one subfolder per class (train/ and val/ inside, or a 20 % split is drawn), or a CSV "
-    "of path,label rows"
+    "dataset: a .npz (x_train/y_train/x_val/y_val, or x/y; labels as indices or names) or a folder of "
+    "the same arrays as .npy files, a folder of images with one subfolder per class (train/ and val/ "
+    "inside, or a 20 % split is drawn), or a CSV of path,label rows"
 )
 PreprocessOpt = Annotated[
     str | None,

@@ -18,7 +18,7 @@ from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
-from planner.inputs.data import DataFormat, Dataset, data_format, load_dataset
+from planner.inputs.data import Dataset, data_format, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
 from planner.inputs.preprocess import Preprocess
@@ -118,11 +118,11 @@ def _dataset(plan: Plan, path: Path, model) -> Dataset:
     class names mapped to the plan's indices. Arrays are the model's input as they are."""
     recorded = plan.dataset.preprocess
     preprocess = None
-    if data_format(path) is not DataFormat.NPZ:
+    if not data_format(path).arrays:
         if recorded is None:
             raise BadInput(
                 f"{path} holds images, but the plan was made with arrays and records no preprocessing; "
-                "give a .npz, or plan with the images"
+                "give the arrays, or plan with the images"
             )
         preprocess = Preprocess.from_json(recorded, "plan.json's dataset.preprocess")
     return load_dataset(path, model, preprocess=preprocess, classes=plan.dataset.classes, cache_dir=default_cache_dir())

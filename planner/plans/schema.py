@@ -56,7 +56,7 @@ class DatasetInfo(_Part):
     n_train: int
     n_val: int
     n_classes: int
-    format: Literal["npz", "images", "csv"] = "npz"
+    format: Literal["npz", "npy", "images", "csv"] = "npz"
     classes: list[str] | None = Field(default=None, description="class names by index, when the data names its classes")
     preprocess: list[dict] | None = Field(
         default=None,

@@ -1,7 +1,8 @@
 """Datasets in the forms people keep them, checked against the model before any compile.
 
 - a `.npz` of arrays, the model's input as it is: `x_train/y_train/x_val/y_val`, or `x/y` with the
-  last 20 % as val; labels are class indices or class names;
+  last 20 % as val; labels are class indices or class names; or a folder of the same arrays as
+  `.npy` files (`x.npy`, `y.npy`, ...: what the `.npz` would zip), for arrays saved one by one;
 - a folder of images, one subfolder per class (torchvision's ImageFolder), with `train/` and
   `val/` inside or a stratified split drawn for it;
 - a CSV of `path,label` rows (optionally `,split`) naming images.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput
-from planner.inputs.data._arrays import load_npz
+from planner.inputs.data._arrays import load_arrays
 from planner.inputs.data._base import DataFormat, Dataset, Rows, Split
 from planner.inputs.data._images import load_images
 from planner.inputs.model import Model
@@ -27,10 +28,10 @@ __all__ = ["DataFormat", "Dataset", "Rows", "Split", "data_format", "load_datase
 
 
 def data_format(path: str | Path) -> DataFormat:
-    """What `path` holds, by what it is: a folder of images, a CSV, else a `.npz`."""
+    """What `path` holds, by what it is: a folder of `.npy` arrays or of images, a CSV, else a `.npz`."""
     path = Path(path)
     if path.is_dir():
-        return DataFormat.IMAGES
+        return DataFormat.NPY if any((path / f"{x}.npy").is_file() for x in ("x", "x_train")) else DataFormat.IMAGES
     return DataFormat.CSV if path.suffix.lower() == ".csv" else DataFormat.NPZ
 
 
@@ -57,15 +58,15 @@ def load_dataset(
         raise BadInput(f"dataset not found: {path}")
     kind = data_format(path)
     known = tuple(classes) if classes is not None else None
-    if kind is DataFormat.NPZ:
-        if path.suffix.lower() == ".npy":
-            raise BadInput(
-                f"{path} holds one array; planner needs samples and labels: np.savez('data.npz', x=x, y=y) "
-                "(uncompressed, it is read in place)"
-            )
+    if path.suffix.lower() == ".npy":
+        raise BadInput(
+            f"{path} holds one array; planner needs samples and labels: give the folder holding it with "
+            f"y.npy beside x.npy (or x_train.npy, y_train.npy, x_val.npy, y_val.npy), or np.savez('data.npz', x=x, y=y)"
+        )
+    if kind.arrays:
         if preprocess is not None:
-            raise BadInput(f"{path}: a preprocessing spec applies to images; a .npz holds the model's input as it is")
-        return load_npz(path, model, known, cache_dir or default_cache_dir(), progress)
+            raise BadInput(f"{path}: a preprocessing spec applies to images; arrays are the model's input as they are")
+        return load_arrays(path, model, known, cache_dir or default_cache_dir(), progress)
     if isinstance(preprocess, str | Path):
         steps = parse_spec(preprocess)
     else:

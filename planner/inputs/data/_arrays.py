@@ -1,4 +1,5 @@
-"""`.npz` datasets, read in place: samples by file position, never the whole array in memory.
+"""`.npz` datasets (and folders of `.npy` files), read in place: samples by file position, never
+the whole array in memory.
 
 `np.load` of an `.npz` reads every array whole (a 390 MB file cost 1.2 GB of RSS). Instead the
 zip's own layout is used: an uncompressed member (`np.savez`) is a `.npy` at a known offset in
@@ -13,13 +14,16 @@ class indices or class names (`np.array(["cat", "dog", ...])`), which are mapped
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import shutil
 import struct
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -127,66 +131,100 @@ def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, into: Path) -> Path:
     return path
 
 
-def _arrays(path: Path, sha256: str, scratch: Path) -> tuple[dict[str, _Array], zipfile.ZipFile]:
-    """Every `.npy` member of the zip, located (compressed ones unpacked into `scratch`)."""
+def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str]:
+    """A `.npz`: its sample arrays located (compressed ones unpacked into `scratch`), its label
+    arrays (named y...) read whole, and the file's sha256."""
+    sha256 = file_sha256(path)  # streamed: never a copy of the file in memory
     try:
         zf = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as exc:
         raise BadInput(f"{path} is not a readable .npz dataset: {exc}") from None
-    arrays = {}
-    with open(path, "rb") as raw:
+    arrays, labels = {}, {}
+    with zf, open(path, "rb") as raw:
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
                 continue
             name = info.filename[:-4]
-            if info.compress_type == zipfile.ZIP_STORED:
+            if name.startswith("y"):
+                labels[name] = _whole(path, name, functools.partial(zf.open, info))
+            elif info.compress_type == zipfile.ZIP_STORED:
                 raw.seek(info.header_offset)
                 fields = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
                 if fields[0] != 0x04034B50:
                     raise BadInput(f"{path} is not a readable .npz dataset: {info.filename}'s header is damaged")
                 start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-                arrays[name] = a = _npy_at(raw, path, start, name)
-                end = start + info.file_size
+                arrays[name] = _complete(path, name, _npy_at(raw, path, start, name), start + info.file_size)
             else:
                 unpacked = _unpack(zf, info, scratch / "data" / sha256[:32])
                 with open(unpacked, "rb") as f:
-                    arrays[name] = a = _npy_at(f, unpacked, 0, name)
-                end = unpacked.stat().st_size
-            if a.offset + int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize > end:
-                raise BadInput(f"{path}: {name} is cut short: its header promises more than the file holds")
-    return arrays, zf
+                    arrays[name] = _complete(path, name, _npy_at(f, unpacked, 0, name), unpacked.stat().st_size)
+    return arrays, labels, sha256
 
 
-def _whole(zf: zipfile.ZipFile, path: Path, name: str) -> np.ndarray:
+def _unzipped(path: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str]:
+    """A folder of `.npy` files, read as `_zipped` reads a `.npz`; its sha256 is of every
+    array's name and sha256."""
+    arrays, labels, digest = {}, {}, hashlib.sha256()
+    for file in sorted(path.glob("*.npy")):
+        name = file.stem
+        try:
+            digest.update(json.dumps([name, file_sha256(file)]).encode())
+            if name.startswith("y"):
+                labels[name] = _whole(file, name, _reopener(file))
+            else:
+                with open(file, "rb") as f:
+                    arrays[name] = _complete(file, name, _npy_at(f, file, 0, name), file.stat().st_size)
+        except OSError as exc:
+            raise BadInput(f"cannot read {file}: {exc.strerror or exc}") from None
+    return arrays, labels, digest.hexdigest()
+
+
+def _reopener(file: Path) -> Callable[[], IO[bytes]]:
+    return lambda: open(file, "rb")
+
+
+def _complete(path: Path, name: str, array: _Array, end: int) -> _Array:
+    """`array`, checked to lie whole before `end`, where its file (or zip member) ends."""
+    if array.offset + int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize > end:
+        raise BadInput(f"{path}: {name} is cut short: its header promises more than the file holds")
+    return array
+
+
+def _whole(path: Path, name: str, opener: Callable[[], IO[bytes]]) -> np.ndarray:
+    """The array `opener` opens, read whole (labels: a number or a name per sample)."""
     try:
-        with zf.open(f"{name}.npy") as f:
+        with opener() as f:
+            _npy_at(f, path, 0, name)  # the header's checks, with their messages
+        with opener() as f:
             return np.lib.format.read_array(f, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
         raise BadInput(f"{path}: {name} is not a readable array ({exc})") from None
 
 
-def load_npz(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path, progress: Progress = None) -> Dataset:
-    """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val."""
-    sha256 = file_sha256(path)  # streamed: never a copy of the file in memory
-    arrays, zf = _arrays(path, sha256, scratch)
-    with zf:
-        if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
-            xs = {s: (arrays[f"x_{s}"], 0, arrays[f"x_{s}"].shape[0] if arrays[f"x_{s}"].shape else 0) for s in ("train", "val")}
-            ys = {s: _whole(zf, path, f"y_{s}") for s in ("train", "val")}
-            split = "x_train/x_val as given"
-        elif {"x", "y"} <= arrays.keys():
-            x, y = arrays["x"], _whole(zf, path, "y")
-            n = x.shape[0] if x.shape else 0
-            if y.ndim >= 1 and len(y) != n:
-                raise BadInput(f"{path}: x holds {n} samples but y holds {len(y)} labels")
-            cut = n - max(1, int(round(n * VAL_FRACTION)))
-            xs = {"train": (x, 0, cut), "val": (x, cut, n)}
-            ys = {"train": y[:cut], "val": y[cut:]}
-            split = f"the last {VAL_FRACTION:.0%} of x as val"
-        else:
-            raise BadInput(
-                f"{path}: expected arrays x_train, y_train, x_val, y_val (or x, y); found {', '.join(arrays) or 'none'}"
-            )
+def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path, progress: Progress = None) -> Dataset:
+    """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val: the members
+    of a `.npz`, or the `.npy` files of a folder."""
+    folder = path.is_dir()
+    arrays, found_ys, sha256 = _unzipped(path) if folder else _zipped(path, scratch)
+    found = arrays.keys() | found_ys.keys()
+    if {"x_train", "y_train", "x_val", "y_val"} <= found:
+        xs = {s: (arrays[f"x_{s}"], 0, arrays[f"x_{s}"].shape[0] if arrays[f"x_{s}"].shape else 0) for s in ("train", "val")}
+        ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")}
+        split = "x_train/x_val as given"
+    elif {"x", "y"} <= found:
+        x, y = arrays["x"], found_ys["y"]
+        n = x.shape[0] if x.shape else 0
+        if y.ndim >= 1 and len(y) != n:
+            raise BadInput(f"{path}: x holds {n} samples but y holds {len(y)} labels")
+        cut = n - max(1, int(round(n * VAL_FRACTION)))
+        xs = {"train": (x, 0, cut), "val": (x, cut, n)}
+        ys = {"train": y[:cut], "val": y[cut:]}
+        split = f"the last {VAL_FRACTION:.0%} of x as val"
+    else:
+        what = ".npy files" if folder else "arrays"
+        raise BadInput(
+            f"{path}: expected {what} x_train, y_train, x_val, y_val (or x, y); found {', '.join(sorted(found)) or 'none'}"
+        )
     named = [ys[s].dtype.kind in "US" for s in ys]
     if any(named):  # class names: mapped over both splits together, so an index means one class
         if not all(named):
@@ -210,7 +248,7 @@ def load_npz(path: Path, model: Model, classes: tuple[str, ...] | None, scratch:
     return Dataset(
         source=path.resolve(),
         sha256=sha256,
-        format=DataFormat.NPZ,
+        format=DataFormat.NPY if folder else DataFormat.NPZ,
         train=splits["train"],
         val=splits["val"],
         n_classes=model.n_classes,

@@ -26,8 +26,14 @@ SPLIT_SEED = 0  # the stratified split of a folder without train/ and val/: fixe
 
 class DataFormat(StrEnum):
     NPZ = "npz"  # arrays: the model's input as it is
+    NPY = "npy"  # the same arrays as .npy files in a folder (an unzipped .npz)
     IMAGES = "images"  # one folder per class
     CSV = "csv"  # path,label rows next to the images
+
+    @property
+    def arrays(self) -> bool:
+        """Samples stored as the model's input, not images made into it by a preprocessing spec."""
+        return self in (DataFormat.NPZ, DataFormat.NPY)
 
 
 class Rows(ABC):
