@@ -36,8 +36,14 @@ MEASURE = (
 def measured(args: list[str], source: Path, cache: Path) -> tuple[float, int]:
     """(seconds, peak RSS bytes) of `planner ARGS` run from `source`, in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(source), "PLANNER_CACHE_DIR": str(cache)}
+    # run from the temporary directory: `python -m` puts its working directory first on the
+    # path, and from a checkout that would import the checkout's planner, not `source`'s
     res = subprocess.run(
-        [sys.executable, "-c", MEASURE, sys.executable, "-m", "planner", *args], capture_output=True, text=True, env=env
+        [sys.executable, "-c", MEASURE, sys.executable, "-m", "planner", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cache.parent,
     )
     code, seconds, rss = res.stdout.split()
     if code != "0":
