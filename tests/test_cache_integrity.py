@@ -154,6 +154,7 @@ def test_a_damaged_kernel_object_is_compiled_again(pristine, cache, damage):
 
 
 PARSED_KERNEL_DAMAGE = {
+    "none (loaded, not parsed)": lambda p: None,
     "truncated": _truncate,
     "a flipped byte": _flip_a_byte,
     "not TVM's JSON": lambda p: _rehash(p, lambda b: b.update(tir='{"root": 1, "nodes": []}')),
@@ -165,8 +166,9 @@ PARSED_KERNEL_DAMAGE = {
 
 @pytest.mark.parametrize("damage", PARSED_KERNEL_DAMAGE)
 def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkeypatch):
-    """The OpenBLAS convolutions' TIR is kept parsed in the cache (`gemm._built`); a damaged entry
-    is parsed again from the source — the same step to the byte — and stored again whole."""
+    """The OpenBLAS convolutions' TIR is kept parsed in the cache (`gemm._built`): an intact entry
+    loads as the very kernel parsing makes (the same step to the byte), a damaged one is parsed
+    again from the source and stored again whole."""
     model, _, fresh, library, losses = pristine
     entries = sorted(gemm.kernels_dir(cache).glob("*.json"))
     assert entries, "the tiny model's convolutions went through OpenBLAS and were kept"
@@ -177,10 +179,14 @@ def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkey
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())  # this process lowers again
     gemm._built.cache_clear()
 
+    inodes = [e.stat().st_ino for e in entries]
+
     rebuilt = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     assert rebuilt.library.read_bytes() == library
     assert _losses(model, rebuilt.library, rebuilt) == losses
     assert all(cachefile.read_json(e, e.stem) is not None for e in entries)
+    kept = [e.stat().st_ino for e in entries] == inodes  # an entry parsed again is written anew
+    assert kept == damage.startswith("none")
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def load_dataset(
     if path.suffix.lower() == ".npy":
         raise BadInput(
             f"{path} holds one array; planner needs samples and labels: give the folder holding it with "
-            f"y.npy beside x.npy (or x_train.npy, y_train.npy, x_val.npy, y_val.npy), or np.savez('data.npz', x=x, y=y)"
+            "y.npy beside x.npy (or x_train.npy, y_train.npy, x_val.npy, y_val.npy), or np.savez('data.npz', x=x, y=y)"
         )
     if kind.arrays:
         if preprocess is not None:
