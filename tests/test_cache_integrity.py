@@ -158,6 +158,7 @@ PARSED_KERNEL_DAMAGE = {
     "truncated": _truncate,
     "a flipped byte": _flip_a_byte,
     "not TVM's JSON": lambda p: _rehash(p, lambda b: b.update(tir='{"root": 1, "nodes": []}')),
+    "another kernel's key": lambda p: _rehash(p, lambda b: b["made_of"].__setitem__(2, b["made_of"][2] + 1)),
     "another kernel's TIR": lambda p: _rehash(
         p, lambda b: b.update(tir=tvm.ir.save_json(tvm.tirx.PrimFunc([], tvm.tirx.Evaluate(0))))
     ),
@@ -187,6 +188,17 @@ def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkey
     assert all(cachefile.read_json(e, e.stem) is not None for e in entries)
     kept = [e.stat().st_ino for e in entries] == inodes  # an entry parsed again is written anew
     assert kept == damage.startswith("none")
+
+
+def test_a_kernel_parsed_after_its_source_changed_is_not_kept(pristine, tmp_path, monkeypatch):
+    """TVMScript parses gemm.py as it is on disk: changed under a running study (a checkout), the
+    kernel it gives must not be kept under the key of the source the process was started with."""
+    model = pristine[0]
+    monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
+    gemm._built.cache_clear()
+    monkeypatch.setattr(gemm, "_source_id", lambda: "another source")
+    compile_candidate(model, _candidate(model), BuildOptions(HOST, tmp_path / "cache"))
+    assert not list(gemm.kernels_dir(tmp_path / "cache").glob("*.json"))
 
 
 @pytest.fixture

@@ -369,6 +369,52 @@ def _(ctx):
     return Case(ctx.plan("--data", str(ctx.images("yaml")), "--preprocess", spec), "a preprocessing spec is a list of steps")
 
 
+@case("preprocessing with ** arguments")
+def _(ctx):
+    return Case(
+        ctx.plan("--data", str(ctx.images("kw")), "--preprocess", "Resize(6), Normalize(**stats)"),
+        "write the arguments out; * and ** are not read",
+    )
+
+
+@case("preprocessing giving an argument twice")
+def _(ctx):
+    return Case(ctx.plan("--data", str(ctx.images("twice")), "--preprocess", "Resize(size=6, size=8)"), "gives an argument twice")
+
+
+@case("Normalize with a NaN mean")
+def _(ctx):
+    spec = ctx.yaml("nan.yaml", "- Normalize: {mean: .nan, std: 0.5}\n")
+    return Case(
+        ctx.plan("--data", str(ctx.images("nan")), "--preprocess", spec),
+        "Normalize.mean: Value error, must be finite numbers within float32's range",
+    )
+
+
+@case("class folder linking back to its parent")
+def _(ctx):
+    root = ctx.images("looped")
+    (root / "c1" / "up").symlink_to(root, target_is_directory=True)
+    return Case(ctx.plan("--data", str(root)), "a symbolic link loops or repeats a folder")
+
+
+@case("CSV label beyond any integer type")
+def _(ctx):
+    csv = ctx.csv("huge-label", "c0/0.png,0\nc1/0.png,99999999999999999999\n")
+    return Case(ctx.plan("--data", csv), "label 99999999999999999999 is beyond the model's 3 outputs")
+
+
+@case("a single label for all samples")
+def _(ctx):
+    return Case(ctx.plan("--data", ctx.npz("scalar-y", y=np.int64(1))), "y has shape (); planner needs one label per sample")
+
+
+@case("class names as bytes that are not UTF-8")
+def _(ctx):
+    names = np.array([b"caf\xe9", b"th\xe9"])[_y(ctx) % 2]
+    return Case(ctx.plan("--data", ctx.npz("latin1", y=names)), "class names stored as bytes that are not UTF-8")
+
+
 @case("one-hot labels")
 def _(ctx):
     return Case(

@@ -8,6 +8,7 @@ planner process, below the dataset's size.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import resource
@@ -249,6 +250,31 @@ def test_a_folder_of_npy_files_reads_as_the_npz_it_would_zip(tmp_path):
 
     np.save(tmp_path / "xy" / "y.npy", names[np.roll(arrays["y_train"], 1)])
     assert load_dataset(tmp_path / "xy", model).sha256 != xy.sha256
+
+
+def test_only_the_arrays_planner_reads_are_unpacked_and_only_into_the_cache(tmp_path):
+    """A zip's member names are the file's, not planner's: `../../x.npy` or an absolute path
+    must not be written where it points, and arrays beside x and y are not read at all."""
+    model = load_model(DEFAULT_MODEL)
+    with np.load(DEFAULT_DATA) as npz:
+        x, y = npz["x_train"], npz["y_train"]
+
+    def npy(a: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, a)
+        return buf.getvalue()
+
+    outside = tmp_path / "outside"
+    with zipfile.ZipFile(tmp_path / "odd.npz", "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("x.npy", npy(x))
+        zf.writestr("y.npy", npy(y))
+        zf.writestr("../../" + str(outside).lstrip("/") + "/x.npy", npy(x[:3]))
+        zf.writestr(str(outside / "abs.npy"), npy(x[:3]))
+        zf.writestr("notes.npy", npy(np.array([{"a": 1}], dtype=object)))  # unreadable, and not read
+    ds = load_dataset(tmp_path / "odd.npz", model, cache_dir=tmp_path / "cache")
+    np.testing.assert_array_equal(ds.train.batch(np.arange(5))[0], x[:5])
+    assert not outside.exists()
+    assert sorted(p.name for p in (tmp_path / "cache").rglob("*.npy")) == ["x.npy"]
 
 
 @pytest.mark.slow  # two measured schemes and two runs

@@ -626,8 +626,12 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     return conv2d_input_grad_gemm
 
 
-# what a cached kernel was made by: this module's source and TVM's version (TVMScript's meaning)
-_MADE_BY = hashlib.sha256(Path(__file__).read_bytes() + tvm.__version__.encode()).hexdigest()[:16]
+def _source_id() -> str:
+    """This module's source and TVM's version (TVMScript's meaning): what a kernel is parsed from."""
+    return hashlib.sha256(Path(__file__).read_bytes() + tvm.__version__.encode()).hexdigest()[:16]
+
+
+_MADE_BY = _source_id()  # the source this process runs
 # TVMScript's parser reads every frame of the stack that calls it (`inspect.stack()` once a
 # kernel, `inspect.getouterframes` once a macro call), source lines included: from a compile deep
 # in a caller's stack (pytest's is ~80 frames) a MobileNetV3 step's 95 kernels took 57 s, from a
@@ -644,27 +648,29 @@ def _built(
     100-200 ms, a third of a MobileNetV3 compile; a study legalizes the same convolutions for
     candidate after candidate, and workers, reruns and `compile` in other processes meet them
     again. The cache keeps TVM's JSON of the kernel (loaded in milliseconds) under a key of
-    everything that made it, checked by its hash on every read; an entry that cannot be read or
-    written costs only the parse."""
+    everything that made it, which the entry repeats, checked by its hash on every read; an entry
+    that cannot be read or written costs only the parse."""
     if cache is not None:
         name = getattr(kernel, "func", kernel).__name__ + repr(sorted(getattr(kernel, "keywords", {}).items()))
-        key = hashlib.sha256(json.dumps([name, astuple(s), threads, made, _MADE_BY]).encode()).hexdigest()[:32]
+        made_of = json.loads(json.dumps([name, astuple(s), threads, made, _MADE_BY]))  # as it reads back
+        key = hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:32]
         path = kernels_dir(cache) / f"{key}.json"
         cached = cachefile.read_json(path, key)
-        if cached is not None and isinstance(cached.get("tir"), str):
+        if cached is not None and cached.get("made_of") == made_of and isinstance(cached.get("tir"), str):
             try:
                 loaded = tvm.ir.load_json(cached["tir"])
             except Exception:  # noqa: BLE001 - TVM raises ValueError, RuntimeError, ...: the kernel is made again
                 loaded = None
-            # a hand-edited entry (hash remade) that is not a kernel of this convolution is a miss
             if isinstance(loaded, tvm.tirx.PrimFunc) and _conv_of(loaded) == astuple(s):
                 return loaded
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
         func = parser.submit(kernel, s, threads).result()
-    if cache is not None:
+    # TVMScript parses the source on disk: if it is no longer the source this process runs (a
+    # checkout during a study), the kernel is used here but not kept under this source's key
+    if cache is not None and _source_id() == _MADE_BY:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            cachefile.write_json(path, {"tir": tvm.ir.save_json(func)}, key)
+            cachefile.write_json(path, {"made_of": made_of, "tir": tvm.ir.save_json(func)}, key)
         except OSError:
             pass
     return func

@@ -177,6 +177,14 @@ class Normalize(Step):
     def _sequence(cls, v):
         return (v,) if isinstance(v, int | float) else v
 
+    @field_validator("mean", "std")
+    @classmethod
+    def _finite(cls, v):
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.asarray(v, np.float32)).all():
+                raise ValueError("must be finite numbers within float32's range")
+        return v
+
     @field_validator("std")
     @classmethod
     def _nonzero(cls, v):
@@ -319,13 +327,18 @@ def _parse_list(raw: Any, where: str) -> list[Step]:
             ((name, arg),) = item.items()
             if isinstance(arg, dict):
                 steps.append(_make(str(name), (), arg, where))
-            elif isinstance(arg, list) and name not in ("Resize", "CenterCrop", "RandomCrop"):
+            elif isinstance(arg, list) and (name not in ("Resize", "CenterCrop", "RandomCrop") or _nested(arg)):
                 steps.append(_make(str(name), arg, {}, where))
             else:  # a size given as [height, width] is one argument, not two
                 steps.append(_make(str(name), () if arg is None else (arg,), {}, where))
         else:
             raise BadInput(f"{where}: each step is a name or a one-key mapping of a name to its arguments; got {item!r}")
     return steps
+
+
+def _nested(arg: list) -> bool:
+    """`[[64, 80]]` or `[[64, 80], bicubic]`: positional arguments, the first a size."""
+    return bool(arg) and isinstance(arg[0], list)
 
 
 def _call_name(node: ast.expr) -> str | None:
@@ -343,7 +356,7 @@ def _value(node: ast.expr, where: str) -> Any:
         return node.attr.lower()
     try:
         return ast.literal_eval(node)
-    except ValueError:
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # `{[1]: 2}` is a TypeError
         raise BadInput(f"{where}: arguments must be literal numbers, lists or strings; got {ast.unparse(node)!r}") from None
 
 
@@ -360,6 +373,11 @@ def parse_text(text: str, where: str = "--preprocess") -> list[Step]:
     steps = []
     for node in nodes:
         if isinstance(node, ast.Call) and (name := _call_name(node.func)):
+            keys = [k.arg for k in node.keywords]
+            if None in keys or any(isinstance(a, ast.Starred) for a in node.args):
+                raise BadInput(f"{where}: {ast.unparse(node)!r}: write the arguments out; * and ** are not read")
+            if len(set(keys)) != len(keys):
+                raise BadInput(f"{where}: {ast.unparse(node)!r} gives an argument twice")
             kwargs = {k.arg: _value(k.value, where) for k in node.keywords if k.arg}
             steps.append(_make(name, [_value(a, where) for a in node.args], kwargs, where))
         elif name := _call_name(node):

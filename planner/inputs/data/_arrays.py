@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import struct
@@ -105,10 +106,18 @@ def _npy_at(f: IO[bytes], path: Path, offset: int, name: str) -> _Array:
     return _Array(path, f.tell(), tuple(shape), dtype)
 
 
-def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, into: Path) -> Path:
-    """A compressed member as a file in the cache (streamed), reused when its CRC-32 still holds."""
+SAMPLES, LABELS = ("x", "x_train", "x_val"), ("y", "y_train", "y_val")  # the arrays read; others are ignored
+
+# what zipfile and its decompressors raise on members they cannot read: damaged data, an
+# encrypted member (RuntimeError), a method or flag it does not implement (Deflate64, patched data)
+UNREADABLE = (zipfile.BadZipFile, zlib.error, lzma.LZMAError, EOFError, RuntimeError, NotImplementedError)
+
+
+def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, into: Path) -> Path:
+    """A compressed member as `into/NAME.npy` (streamed; `name` is one of `SAMPLES`, never the
+    member's own path, which may climb out of the cache), reused when its CRC-32 still holds."""
     into.mkdir(parents=True, exist_ok=True)
-    path = into / info.filename
+    path = into / f"{name}.npy"
     if path.is_file() and path.stat().st_size == info.file_size:
         crc = 0
         with open(path, "rb") as f:
@@ -123,29 +132,34 @@ def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, into: Path) -> Path:
         os.replace(tmp, path)
     except OSError as exc:
         raise EnvironmentFailure(f"cannot unpack {info.filename} into the cache {into}: {exc.strerror or exc}") from None
-    except (zipfile.BadZipFile, zlib.error) as exc:
-        raise BadInput(f"{zf.filename}: {info.filename} is damaged ({exc})") from None
+    except UNREADABLE as exc:
+        raise BadInput(f"{zf.filename}: {info.filename} cannot be unpacked ({type(exc).__name__}: {exc})") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
 
 
-def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str]:
+def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str, list[str]]:
     """A `.npz`: its sample arrays located (compressed ones unpacked into `scratch`), its label
-    arrays (named y...) read whole, and the file's sha256."""
+    arrays read whole, the file's sha256, and the names of all its arrays."""
     sha256 = file_sha256(path)  # streamed: never a copy of the file in memory
     try:
         zf = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as exc:
         raise BadInput(f"{path} is not a readable .npz dataset: {exc}") from None
-    arrays, labels = {}, {}
+    arrays, labels, names = {}, {}, []
     with zf, open(path, "rb") as raw:
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
                 continue
             name = info.filename[:-4]
-            if name.startswith("y"):
+            names.append(name)
+            if name not in SAMPLES + LABELS:
+                continue
+            if info.flag_bits & 0x1:
+                raise BadInput(f"{path}: {name} is encrypted; save the arrays with np.savez")
+            if name in LABELS:
                 labels[name] = _whole(path, name, functools.partial(zf.open, info))
             elif info.compress_type == zipfile.ZIP_STORED:
                 raw.seek(info.header_offset)
@@ -155,28 +169,29 @@ def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.
                 start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
                 arrays[name] = _complete(path, name, _npy_at(raw, path, start, name), start + info.file_size)
             else:
-                unpacked = _unpack(zf, info, scratch / "data" / sha256[:32])
+                unpacked = _unpack(zf, info, name, scratch / "data" / sha256[:32])
                 with open(unpacked, "rb") as f:
                     arrays[name] = _complete(path, name, _npy_at(f, unpacked, 0, name), unpacked.stat().st_size)
-    return arrays, labels, sha256
+    return arrays, labels, sha256, names
 
 
-def _unzipped(path: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str]:
-    """A folder of `.npy` files, read as `_zipped` reads a `.npz`; its sha256 is of every
-    array's name and sha256."""
+def _unzipped(path: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str, list[str]]:
+    """A folder of `.npy` files, read as `_zipped` reads a `.npz`; its sha256 is of the name and
+    sha256 of every array it reads."""
     arrays, labels, digest = {}, {}, hashlib.sha256()
-    for file in sorted(path.glob("*.npy")):
-        name = file.stem
+    names = sorted(f.stem for f in path.glob("*.npy") if not f.name.startswith("."))
+    for name in (n for n in names if n in SAMPLES + LABELS):
+        file = path / f"{name}.npy"
         try:
             digest.update(json.dumps([name, file_sha256(file)]).encode())
-            if name.startswith("y"):
+            if name in LABELS:
                 labels[name] = _whole(file, name, _reopener(file))
             else:
                 with open(file, "rb") as f:
                     arrays[name] = _complete(file, name, _npy_at(f, file, 0, name), file.stat().st_size)
         except OSError as exc:
             raise BadInput(f"cannot read {file}: {exc.strerror or exc}") from None
-    return arrays, labels, digest.hexdigest()
+    return arrays, labels, digest.hexdigest(), names
 
 
 def _reopener(file: Path) -> Callable[[], IO[bytes]]:
@@ -197,7 +212,7 @@ def _whole(path: Path, name: str, opener: Callable[[], IO[bytes]]) -> np.ndarray
             _npy_at(f, path, 0, name)  # the header's checks, with their messages
         with opener() as f:
             return np.lib.format.read_array(f, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+    except (OSError, ValueError, *UNREADABLE) as exc:
         raise BadInput(f"{path}: {name} is not a readable array ({exc})") from None
 
 
@@ -205,7 +220,7 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
     """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val: the members
     of a `.npz`, or the `.npy` files of a folder."""
     folder = path.is_dir()
-    arrays, found_ys, sha256 = _unzipped(path) if folder else _zipped(path, scratch)
+    arrays, found_ys, sha256, names = _unzipped(path) if folder else _zipped(path, scratch)
     found = arrays.keys() | found_ys.keys()
     if {"x_train", "y_train", "x_val", "y_val"} <= found:
         xs = {s: (arrays[f"x_{s}"], 0, arrays[f"x_{s}"].shape[0] if arrays[f"x_{s}"].shape else 0) for s in ("train", "val")}
@@ -214,17 +229,15 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
     elif {"x", "y"} <= found:
         x, y = arrays["x"], found_ys["y"]
         n = x.shape[0] if x.shape else 0
-        if y.ndim >= 1 and len(y) != n:
-            raise BadInput(f"{path}: x holds {n} samples but y holds {len(y)} labels")
+        if y.ndim != 1 or len(y) != n:
+            raise BadInput(f"{path}: x holds {n} samples but y has shape {y.shape}; planner needs one label per sample")
         cut = n - max(1, int(round(n * VAL_FRACTION)))
         xs = {"train": (x, 0, cut), "val": (x, cut, n)}
         ys = {"train": y[:cut], "val": y[cut:]}
         split = f"the last {VAL_FRACTION:.0%} of x as val"
     else:
         what = ".npy files" if folder else "arrays"
-        raise BadInput(
-            f"{path}: expected {what} x_train, y_train, x_val, y_val (or x, y); found {', '.join(sorted(found)) or 'none'}"
-        )
+        raise BadInput(f"{path}: expected {what} x_train, y_train, x_val, y_val (or x, y); found {', '.join(names) or 'none'}")
     named = [ys[s].dtype.kind in "US" for s in ys]
     if any(named):  # class names: mapped over both splits together, so an index means one class
         if not all(named):
@@ -232,7 +245,7 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
         for s, (_, start, stop) in xs.items():
             if ys[s].shape != (stop - start,):
                 raise BadInput(f"{path}: {s} labels have shape {ys[s].shape}; planner needs one class name per sample")
-        both = [*ys["train"].astype(str).tolist(), *ys["val"].astype(str).tolist()]
+        both = [*_as_text(path, ys["train"]), *_as_text(path, ys["val"])]
         indices, classes = class_indices(path, both, classes, model.n_classes)
         ys = {"train": indices[: len(ys["train"])], "val": indices[len(ys["train"]) :]}
     splits, done, total = {}, 0, sum(stop - start for _, start, stop in xs.values())
@@ -255,6 +268,18 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
         classes=classes,
         split=split,
     )
+
+
+def _as_text(path: Path, names: np.ndarray) -> list[str]:
+    """Class names as text: `U` arrays as they are, `S` (bytes) arrays decoded as UTF-8."""
+    if names.dtype.kind == "U":
+        return names.tolist()
+    try:
+        return [b.decode() for b in names.tolist()]
+    except UnicodeDecodeError:
+        raise BadInput(
+            f"{path}: class names stored as bytes that are not UTF-8; store them as str (np.array(names, dtype=str))"
+        ) from None
 
 
 def _check_samples(path: Path, name: str, array: _Array, model: Model) -> None:

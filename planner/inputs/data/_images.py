@@ -102,14 +102,17 @@ def _folder(root: Path) -> list[tuple[Path, str]]:
         raise BadInput(f"cannot read the folder {root}: {exc.strerror}") from None
     if not classes:
         raise BadInput(f"{root} has no class folders: an image dataset is one subfolder of images per class")
-    found = []
+    found, seen = [], set()
     for name in classes:
-        files = [
-            Path(dirpath) / f
-            for dirpath, _, names in sorted(os.walk(root / name, followlinks=True))
-            for f in sorted(names)
-            if f.lower().endswith(EXTENSIONS)
-        ]
+        walked = []
+        for entry in os.walk(root / name, followlinks=True):  # a link back up the tree would list images again
+            real = os.path.realpath(entry[0])
+            if real in seen:
+                raise BadInput(f"{entry[0]} is a folder already read ({real}): a symbolic link loops or repeats a folder")
+            seen.add(real)
+            walked.append(entry)
+        walked.sort()  # as ImageFolder walks: sorted(os.walk(...))
+        files = [Path(dirpath) / f for dirpath, _, names in walked for f in sorted(names) if f.lower().endswith(EXTENSIONS)]
         if not files:
             raise BadInput(
                 f"{root / name} holds no images ({', '.join(e[1:] for e in EXTENSIONS)}); every class folder needs some"
@@ -182,11 +185,12 @@ def load_images(
             parts, split = {"all": listed}, ""
     names = [c for items in parts.values() for _, c in items]
     if kind is DataFormat.CSV and all(re.fullmatch(r"\d+", n) for n in names) and classes is None:
-        labels = np.array([int(n) for n in names], np.int64)  # numbers are class indices, as in a .npz
-        if labels.max() >= model.n_classes:
+        numbers = [int(n) for n in names]  # class indices, as in a .npz
+        if max(numbers) >= model.n_classes:
             raise BadInput(
-                f"{path}: label {labels.max()} is beyond the model's {model.n_classes} outputs (0..{model.n_classes - 1})"
+                f"{path}: label {max(numbers)} is beyond the model's {model.n_classes} outputs (0..{model.n_classes - 1})"
             )
+        labels = np.array(numbers, np.int64)
         named = None
     else:
         labels, named = class_indices(path, names, classes, model.n_classes)
