@@ -229,8 +229,10 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
     elif {"x", "y"} <= found:
         x, y = arrays["x"], found_ys["y"]
         n = x.shape[0] if x.shape else 0
-        if y.ndim != 1 or len(y) != n:
-            raise BadInput(f"{path}: x holds {n} samples but y has shape {y.shape}; planner needs one label per sample")
+        if y.ndim == 0:
+            raise BadInput(f"{path}: y has shape (); planner needs one label per sample, shape ({n},)")
+        if len(y) != n:
+            raise BadInput(f"{path}: x holds {n} samples but y holds {len(y)} labels")
         cut = n - max(1, int(round(n * VAL_FRACTION)))
         xs = {"train": (x, 0, cut), "val": (x, cut, n)}
         ys = {"train": y[:cut], "val": y[cut:]}
