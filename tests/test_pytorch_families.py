@@ -38,6 +38,7 @@ BATCH = 2  # one batch size for every compile here: candidates share their forwa
 LR = 1000.0
 FLOAT32_NOISE = 1e-4  # the relative error float32 arithmetic may leave in a gradient
 NOISE_FACTOR = 10  # ... or this many times what PyTorch's own float32 step shows for that tensor
+MAX_FLIPS_TRIED = 32  # the closest kinks tried, one flipped at a time, when a step is off float64 autograd
 
 
 @pytest.mark.parametrize("family, exporter", CASES)
@@ -96,9 +97,10 @@ def _check_one_step(
     and batch (`accum` micro-batches of BATCH).
 
     How it is judged: the relative error of the update, ||planner - reference|| / ||reference
-    step||, must be at most 1e-4, or — where float32 itself cannot do better (a ReLU whose input
-    rounds to the other side of zero) — at most ten times the error of PyTorch's own float32 step
-    on the same weights and batch."""
+    step||, must be at most 1e-4, or — where float32 itself cannot do better — at most ten times
+    the error of PyTorch's own float32 step on the same weights and batch; the reference is
+    float64 autograd, or float64 autograd with one ReLU input that float32 cannot place on a side
+    of its kink put on the other side (`tf.undecidable_kinks`)."""
     model = api.inspect(path)
     layers = layers or [layer.name for layer in model.layers]
     candidate = Candidate(tuple((name, "full") for name in layers), BATCH, "sgd", LR, grad_accum=accum, recompute=recompute)
@@ -113,10 +115,19 @@ def _check_one_step(
     assert all(np.array_equal(after[n], before[n]) for n in before if n not in trained)  # frozen stays
     expected = tf.reference_update(family, path, x, y, LR, trained)
     float32 = tf.reference_update(family, path, x, y, LR, trained, dtype=torch.float32)
-    errors = {n: tf.update_error(before[n], after[n], expected[n]) for n in trained}
     allowed = {n: max(FLOAT32_NOISE, NOISE_FACTOR * tf.update_error(before[n], float32[n], expected[n])) for n in trained}
-    wrong = {n: f"{errors[n]:.2e} > {allowed[n]:.1e}" for n in trained if not errors[n] <= allowed[n]}
-    assert wrong == {}, wrong
+
+    def wrong(reference: dict[str, np.ndarray]) -> dict[str, str]:
+        errors = {n: tf.update_error(before[n], after[n], reference[n]) for n in trained}
+        return {n: f"{errors[n]:.2e} > {allowed[n]:.1e}" for n in trained if not errors[n] <= allowed[n]}
+
+    if off := wrong(expected):
+        # One ReLU input within float32's error of its kink may land on the other side in
+        # float32 (`tf.undecidable_kinks`): then the step must be float64's with that one mask
+        # flipped, as exactly as above. A wrong gradient is not made right by one flip.
+        kinks = tf.undecidable_kinks(family, path, x)[:MAX_FLIPS_TRIED]
+        flipped = (tf.reference_update(family, path, x, y, LR, trained, flip=k) for k in kinks)
+        assert any(not wrong(reference) for reference in flipped), off
 
 
 @pytest.mark.parametrize("family, exporter", [("vit", "legacy"), ("vit", "dynamo"), ("mobilenet_v2", "dynamo")])

@@ -12,7 +12,9 @@ Tests use this to check planner's gradients against PyTorch itself on graphs mad
   SGD step on the mean cross-entropy, computed by PyTorch autograd (float64 by default) on the
   original architecture holding exactly the ONNX file's weights; `reference_logits` its forward.
 - `parameter_map(family, onnx_path)`: which PyTorch tensor each initializer is.
-- `update_error(before, after, expected)`: how far an update is from the expected one.
+- `update_error(before, after, expected)`: how far an update is from the expected one;
+  `undecidable_kinks(family, onnx_path, x)`: the activation inputs float32 cannot place on a
+  side of a ReLU's kink, for `reference_update(..., flip=kink)`.
 - `pytorch_layer_names(family)`: the layer names a PyTorch user knows.
 
 Weights are random, drawn from a seeded generator, never torchvision's defaults: the exporters
@@ -614,10 +616,12 @@ def reference_update(
     *,
     dtype: torch.dtype = torch.float64,
     overrides: dict[str, np.ndarray] | None = None,
+    flip: Kink | None = None,
 ) -> dict[str, np.ndarray]:
     """Each named initializer of `onnx_path` after ONE plain SGD step, `w <- w - lr * dL/dw`,
     `L` the mean cross-entropy of the logits for inputs `x` and int labels `y`; initializers
-    in `overrides` hold the values given there instead of the file's.
+    in `overrides` hold the values given there instead of the file's; `flip` puts one
+    activation input on the other side of its kink (see `undecidable_kinks`).
 
     Computed by PyTorch autograd in `dtype` (float64 by default: the reference; float32 shows
     how much of a difference is float32 noise) on the original PyTorch architecture, BatchNorm
@@ -631,6 +635,8 @@ def reference_update(
     initializer: the reference would not be computing with the file's weights.
     """
     model, mapping, inits = _with_onnx_weights(family, onnx_path, list(names), dtype, overrides)
+    if flip is not None:
+        _flip_at(model, flip)
     logits = model(torch.as_tensor(np.asarray(x), dtype=dtype))
     loss = nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(y), dtype=torch.int64))
     loss.backward()
@@ -641,6 +647,87 @@ def reference_update(
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         out[name] = ref.to_onnx((param.detach() - lr * grad).numpy(), inits[name].shape)
     return out
+
+
+# Piecewise activations and the inputs where their derivative jumps.
+_KINKS: dict[type[nn.Module], tuple[float, ...]] = {
+    nn.ReLU: (0.0,),
+    nn.ReLU6: (0.0, 6.0),
+    nn.Hardswish: (-3.0, 3.0),
+    nn.Hardsigmoid: (-3.0, 3.0),
+}
+
+
+@dataclass(frozen=True)
+class Kink:
+    """One input of a piecewise activation (the `call`-th call of module `module`, element
+    `index`) that lies `closeness` float32 errors from the kink `at`."""
+
+    module: str
+    call: int
+    index: tuple[int, ...]
+    at: float
+    closeness: float
+
+
+def _activation_inputs(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """Every piecewise activation's input, by (module name, call): ResNet calls one ReLU twice."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if type(module) in _KINKS:
+
+            def record(module, args, name=name):
+                calls = sum(1 for key in seen if key[0] == name)
+                seen[(name, calls)] = args[0].detach().clone().to(torch.float64)
+
+            hooks.append(module.register_forward_pre_hook(record))
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def undecidable_kinks(family: str, onnx_path: Path, x: np.ndarray, factor: float = 10.0) -> list[Kink]:
+    """The activation inputs that float32 cannot place on a side of their kink: those within
+    `factor` times float32's worst error at that activation (PyTorch's float32 forward against
+    its float64 one on the same weights and batch) of a kink, the closest first.
+
+    Why: a ReLU whose input is 8.5e-7 in float64 is computed as -1e-7 by a float32 sum in
+    another order (OpenBLAS's AVX-512 kernels on MobileNetV2's 1×1 convolutions), and then the
+    step is the float64 step with that one mask flipped: 2.4e-4 off float64 autograd, 2.9e-6 off
+    the flipped reference. The flip is float32's limit, not a wrong gradient."""
+    inputs = {}
+    for dtype in (torch.float64, torch.float32):
+        model, _, _ = _with_onnx_weights(family, onnx_path, (), dtype)
+        inputs[dtype] = (model, _activation_inputs(model, torch.as_tensor(np.asarray(x), dtype=dtype)))
+    model, exact = inputs[torch.float64]
+    modules = dict(model.named_modules())
+    found = []
+    for (name, call), a64 in exact.items():
+        error = float((inputs[torch.float32][1][(name, call)] - a64).abs().max())
+        for at in _KINKS[type(modules[name])]:
+            distance = (a64 - at).abs()
+            for index in (distance < factor * error).nonzero().tolist():
+                found.append(Kink(name, call, tuple(index), at, float(distance[tuple(index)]) / error))
+    return sorted(found, key=lambda k: k.closeness)
+
+
+def _flip_at(model: nn.Module, kink: Kink) -> None:
+    """Reflect the kink's input across its kink in `model`'s forward: the other side, the same
+    distance from it (a change of at most `closeness` float32 errors in one activation)."""
+    calls = [0]
+
+    def flip(module, args):
+        calls[0] += 1
+        if calls[0] - 1 != kink.call:
+            return None
+        value = args[0].clone()
+        value[kink.index] = 2 * kink.at - value[kink.index]
+        return (value, *args[1:])
+
+    dict(model.named_modules())[kink.module].register_forward_pre_hook(flip)
 
 
 def update_error(before: np.ndarray, after: np.ndarray, expected: np.ndarray) -> float:
