@@ -252,6 +252,22 @@ def test_a_folder_of_npy_files_reads_as_the_npz_it_would_zip(tmp_path):
     assert load_dataset(tmp_path / "xy", model).sha256 != xy.sha256
 
 
+def test_a_folder_of_npy_files_plans_reports_and_runs(tmp_path):
+    """README's "a folder of `.npy`", end to end: a plan, its report saying what the data was,
+    and `run` on the same folder reproducing the plan's measured accuracy."""
+    (tmp_path / "arrays").mkdir()
+    with np.load(DEFAULT_DATA) as npz:
+        for name in npz.files:
+            np.save(tmp_path / "arrays" / f"{name}.npy", npz[name])
+    result = planner.plan(data=tmp_path / "arrays", out=tmp_path / "plan", trials=2, accuracy_steps=40, latency_repeats=2)
+    assert result.plan is not None
+    recorded = json.loads((tmp_path / "plan" / "plan.json").read_text())["dataset"]
+    assert recorded["format"] == "npy"
+    assert "arrays in .npy files" in (tmp_path / "plan" / "report.md").read_text()
+    ran = planner.run(tmp_path / "plan", data=tmp_path / "arrays", steps=40, out=tmp_path / "ran")
+    assert ran.after["accuracy"] == result.plan.metrics.accuracy.after
+
+
 def test_only_the_arrays_planner_reads_are_unpacked_and_only_into_the_cache(tmp_path):
     """A zip's member names are the file's, not planner's: `../../x.npy` or an absolute path
     must not be written where it points, and arrays beside x and y are not read at all."""

@@ -31,9 +31,22 @@ class DataFormat(StrEnum):
     CSV = "csv"  # path,label rows next to the images
 
     @property
+    def description(self) -> str:
+        """What the format is, as a report says it."""
+        return _DESCRIPTIONS[self]
+
+    @property
     def arrays(self) -> bool:
         """Samples stored as the model's input, not images made into it by a preprocessing spec."""
         return self in (DataFormat.NPZ, DataFormat.NPY)
+
+
+_DESCRIPTIONS = {
+    DataFormat.NPZ: "arrays",
+    DataFormat.NPY: "arrays in .npy files",
+    DataFormat.IMAGES: "an image folder",
+    DataFormat.CSV: "images listed in a CSV",
+}
 
 
 class Rows(ABC):
