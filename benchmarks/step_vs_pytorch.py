@@ -257,7 +257,7 @@ def probe(spec: dict) -> None:
         )
         session = TrainingSession(compiled.library, compiled.signature, model.initializers)
         sig = compiled.signature
-        x = np.random.default_rng(0).standard_normal(sig.input_shape).astype("float32")
+        x = np.random.default_rng(0).standard_normal((sig.batch_size, *sig.inputs[0].shape)).astype("float32")
         y = np.arange(sig.batch_size) % sig.n_classes
 
         def step() -> None:

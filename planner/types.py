@@ -416,11 +416,33 @@ class TrialRecord:
 
 
 @dataclass(frozen=True)
+class ModelInput:
+    """One input of a model: its ONNX name, its shape after the batch dimension and its numpy
+    dtype. Token ids and attention masks stay integers end to end: a float32 cast would be a
+    different model (and TVM refuses it)."""
+
+    name: str
+    shape: tuple[int, ...]  # without the batch dimension
+    dtype: str = "float32"
+
+    @property
+    def integer(self) -> bool:
+        return self.dtype.startswith(("int", "uint")) or self.dtype == "bool"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ModelInput:
+        return cls(str(d["name"]), tuple(int(n) for n in d["shape"]), str(d["dtype"]))
+
+
+@dataclass(frozen=True)
 class StepSignature:
     """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
 
-    input_name: str
-    input_shape: tuple[int, ...]  # with the batch dimension: the effective batch of one update
+    inputs: tuple[ModelInput, ...]  # the model's inputs, in the order the step takes them
+    batch_size: int  # the effective batch of one update: every input's first dimension
     micro_batch: int  # samples per forward/backward (and per `backbone` call)
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
@@ -440,21 +462,22 @@ class StepSignature:
         shape, dtype, _ = self.optim_states[-1]
         return replace(self, optim_states=(*self.optim_states[:-1], (shape, dtype, lr)))
 
-    @property
-    def batch_size(self) -> int:
-        return self.input_shape[0]
-
     def to_json(self) -> dict:
         d = asdict(self)
+        d["inputs"] = [i.to_json() for i in self.inputs]
         d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> StepSignature:
+        if "inputs" in d:
+            inputs, batch = tuple(ModelInput.from_json(i) for i in d["inputs"]), int(d["batch_size"])
+        else:  # written before models had several inputs: one float32 input, its shape with the batch
+            inputs, batch = (ModelInput(d["input_name"], tuple(d["input_shape"][1:])),), int(d["input_shape"][0])
         return cls(
-            input_name=d["input_name"],
-            input_shape=tuple(d["input_shape"]),
-            micro_batch=int(d.get("micro_batch", d["input_shape"][0])),
+            inputs=inputs,
+            batch_size=batch,
+            micro_batch=int(d.get("micro_batch", batch)),
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
             splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},

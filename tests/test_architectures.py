@@ -50,7 +50,7 @@ def test_bf16_steps_of_edge_families_train_like_fp32(family, tmp_path):
     build, trainable = FAMILIES[family]
     model = load_model(zoo.save(build(), tmp_path / f"{family}.onnx"))
     rng = np.random.default_rng(0)
-    x = rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32)
+    x = rng.normal(0, 1, (4, *model.only_input.shape)).astype(np.float32)
     y = rng.integers(0, model.n_classes, 4)
     losses = {}
     for precision in ("fp32", "bf16"):

@@ -43,7 +43,7 @@ def _losses(model, library: Path, step) -> list[float]:
     rng = np.random.default_rng(0)
     session = TrainingSession(library, step.signature, model.initializers)
     return [
-        session.step(rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4))
+        session.step(rng.normal(0, 1, (4, *model.only_input.shape)).astype(np.float32), rng.integers(0, model.n_classes, 4))
         for _ in range(3)
     ]
 

@@ -28,7 +28,7 @@ def _train(model, step, steps: int = 3) -> tuple[list[float], dict[str, np.ndarr
     rng = np.random.default_rng(0)
     session = TrainingSession(step.library, step.signature, model.initializers)
     losses = [
-        session.step(rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4))
+        session.step(rng.normal(0, 1, (4, *model.only_input.shape)).astype(np.float32), rng.integers(0, model.n_classes, 4))
         for _ in range(steps)
     ]
     return losses, session.weights()

@@ -19,7 +19,7 @@ LR = 0.5
 
 def _batch(model, B: int, seed: int = 1):
     rng = np.random.default_rng(seed)
-    return rng.normal(0, 1, (B, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, B)
+    return rng.normal(0, 1, (B, *model.only_input.shape)).astype(np.float32), rng.integers(0, model.n_classes, B)
 
 
 def _adapter(shape, axis, rank, seed):
@@ -117,7 +117,7 @@ def test_a_lora_plan_runs_and_writes_the_original_graph_with_merged_weights(vit,
     import planner
 
     data = tmp_path / "task.npz"
-    np.savez(data, **zoo.synthetic_task(vit.input_shape, classes=vit.n_classes, n=64, seed=0))
+    np.savez(data, **zoo.synthetic_task(vit.only_input.shape, classes=vit.n_classes, n=64, seed=0))
     scheme = tmp_path / "lora.yaml"
     scheme.write_text(
         yaml.safe_dump(

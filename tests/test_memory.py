@@ -41,7 +41,7 @@ model_path, library, sig_json = sys.argv[1:]
 model = load_model(model_path)
 sig = StepSignature.from_json(json.loads(sig_json))
 session = TrainingSession(library, sig, model.initializers)
-x = np.random.default_rng(0).normal(size=sig.input_shape).astype(np.float32)
+x = np.random.default_rng(0).normal(size=(sig.batch_size, *sig.inputs[0].shape)).astype(np.float32)
 args = session.step_args(x, np.arange(sig.batch_size) % sig.n_classes)
 vm = relax.VirtualMachine(tvm.runtime.load_module(library), tvm.cpu())  # pooled, TVM's default
 vm.set_input(STEP_FUNC, *args)
@@ -73,7 +73,7 @@ def test_planned_step_memory_matches_what_the_runtime_allocates(trainable, recom
     allocated = int(res.stdout.split()[-1])
 
     mem = step.memory
-    batch = int(np.prod(sig.input_shape)) * 4 + sig.batch_size * 8
+    batch = sig.batch_size * int(np.prod(sig.inputs[0].shape)) * 4 + sig.batch_size * 8
     planned = mem.activations - batch + mem.gradients + mem.scratch  # what the step itself allocates
     assert planned > 1 << 20, "the check needs a step that allocates megabytes"
     assert abs(allocated - planned) <= 0.10 * planned, f"runtime {allocated:,} B vs planned {planned:,} B"

@@ -29,7 +29,9 @@ def _grads(model, weights, x, y):
 
 def _batches(model, n=2):
     rng = np.random.default_rng(3)
-    return [(rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)) for _ in range(n)]
+    return [
+        (rng.normal(0, 1, (4, *model.only_input.shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)) for _ in range(n)
+    ]
 
 
 def test_momentum_accumulates_velocity(tiny_model):

@@ -181,8 +181,9 @@ def _scheme(path: Path, layers: list[tuple[str, str]]) -> Path:
 
 
 def _dataset(path: Path, family: str, n: int = 24) -> Path:
+    """An `.npz` of `n` samples: `x`, or one array per input named as the input."""
     x, _ = tf.sample_batch(family, n, seed=3)
-    np.savez(path, x=x, y=np.arange(n) % 10)
+    np.savez(path, **dict(zip(tf.FAMILIES[family].input_names, x if isinstance(x, tuple) else (x,))), y=np.arange(n) % 10)
     return path
 
 

@@ -29,7 +29,7 @@ def _train(model, cand: Candidate, seed: int = 0) -> tuple[list[float], dict[str
     losses = []
     for _ in range(STEPS):
         B = step.signature.batch_size
-        x = rng.normal(0, 1, (B, *model.input_shape)).astype(np.float32)
+        x = rng.normal(0, 1, (B, *model.only_input.shape)).astype(np.float32)
         losses.append(session.step(x, rng.integers(0, model.n_classes, B)))
     return losses, session.weights()
 

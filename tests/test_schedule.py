@@ -436,10 +436,10 @@ def test_scheduled_step_computes_what_the_unscheduled_one_does(case, kernels, tm
     rng = np.random.default_rng(1)
     weights = to_step(model.initializers, sig.splits, sig.quantized, sig.adapters)
     args = [
-        rng.normal(0, 1, sig.input_shape).astype(np.float32),
+        rng.normal(0, 1, (sig.batch_size, *sig.inputs[0].shape)).astype(np.float32),
         *(weights[n] for n in (*sig.frozen, *sig.trainable)),
         *(np.full(shape, fill, dtype) for shape, dtype, fill in sig.optim_states),
-        rng.integers(0, sig.n_classes, sig.input_shape[0]).astype(np.int64),
+        rng.integers(0, sig.n_classes, sig.batch_size).astype(np.int64),
     ]
     expected, got = _run(reference, REFERENCE, args), _run(scheduled, HOST, args)
 

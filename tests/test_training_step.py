@@ -17,7 +17,7 @@ HOST = tvm.target.Target({"kind": "llvm"})
 
 def _batch(model, B=4, seed=1):
     rng = np.random.default_rng(seed)
-    x = rng.normal(0, 1, (B, *model.input_shape)).astype(np.float32)
+    x = rng.normal(0, 1, (B, *model.only_input.shape)).astype(np.float32)
     y = rng.integers(0, model.n_classes, B)
     return x, y
 
@@ -118,7 +118,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model):
     for batch, accum in ((8, 1), (2, 4)):
         cand = Candidate((("c1", "full"), ("c2", "full"), ("fc", "full")), batch, "momentum", 0.1, grad_accum=accum)
         step = compile_candidate(model, cand, BuildOptions(HOST))
-        assert step.signature.input_shape[0] == 8 and step.signature.micro_batch == batch
+        assert step.signature.batch_size == 8 and step.signature.micro_batch == batch
         session = TrainingSession(step.library, step.signature, model.initializers)
         losses = [session.step(x, y) for _ in range(2)]
         results.append((losses, session.weights(), session.evaluate(x, y)))

@@ -50,7 +50,7 @@ def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_mode
     default = compile_candidate(model, cand, BuildOptions(host, cache))
     assert default.tuned_kernels == ()
     rng = np.random.default_rng(0)
-    x, y = rng.normal(0, 1, (4, *model.input_shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)
+    x, y = rng.normal(0, 1, (4, *model.only_input.shape)).astype(np.float32), rng.integers(0, model.n_classes, 4)
     after = []
     for compiled in (tuned, default):
         session = TrainingSession(compiled.library, compiled.signature, model.initializers)

@@ -75,13 +75,40 @@ SEED = 20240611  # the base of every family's weights; change it and every expor
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """Text input as Hugging Face models take it: `input_ids` [batch, length] drawn from a
+    vocabulary of `vocab`, and `attention_mask` [batch, length], ones then zeros (padding)."""
+
+    length: int
+    vocab: int
+
+    def draw(self, rng: np.random.Generator, batch: int) -> list[np.ndarray]:
+        ids = rng.integers(0, self.vocab, (batch, self.length)).astype(np.int64)
+        kept = rng.integers(self.length // 2, self.length + 1, batch)  # each sample's own length
+        mask = (np.arange(self.length) < kept[:, None]).astype(np.int64)
+        return [ids, mask]
+
+
+@dataclass(frozen=True)
 class Family:
     """One test model: how to build the architecture and what one input example looks like."""
 
     name: str
-    input_shape: tuple[int, ...]  # one example, without the batch dimension
+    input_shape: tuple[int, ...]  # one example, without the batch dimension (float input `x`)
     build: Callable[[], nn.Module]  # the architecture; its initial weights are all replaced
     num_classes: int = NUM_CLASSES
+    tokens: Tokens | None = None  # text: `input_ids` and `attention_mask` instead of `x`
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return ("x",) if self.tokens is None else ("input_ids", "attention_mask")
+
+    def draw(self, rng: np.random.Generator, batch: int) -> list[np.ndarray]:
+        """A batch of inputs, one array per input: standard normal floats (what BatchNorm was
+        calibrated on), or token ids and masks."""
+        if self.tokens is not None:
+            return self.tokens.draw(rng, batch)
+        return [rng.standard_normal((batch, *self.input_shape)).astype(np.float32)]
 
 
 def torchvision() -> types.ModuleType:
@@ -134,6 +161,24 @@ class EncoderClassifier(nn.Module):
         return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
 
 
+class TokenClassifier(nn.Module):
+    """Text classifier on token ids and an attention mask: input_ids, attention_mask [batch, 12],
+    logits [batch, 10]. An embedding table (vocabulary 64, width 16), the mean of the unmasked
+    tokens' embeddings, Linear(16->32), ReLU, Linear(32->10): the embedding-bag classifiers of
+    keyboard and intent personalisation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, NUM_CLASSES)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).to(self.embed.weight.dtype)
+        pooled = (self.embed(input_ids) * mask).sum(dim=1) / mask.sum(dim=1)
+        return self.fc2(torch.relu(self.fc1(pooled)))
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -149,6 +194,7 @@ FAMILIES: dict[str, Family] = {
         Family("vit", (3, 32, 32), _vit),
         Family("encoder_prenorm", (16, 8), lambda: EncoderClassifier(norm_first=True)),
         Family("encoder_postnorm", (16, 8), lambda: EncoderClassifier(norm_first=False)),
+        Family("token_bag", (12,), TokenClassifier, tokens=Tokens(length=12, vocab=64)),
     )
 }
 
@@ -165,13 +211,19 @@ def _rng(family: str, purpose: str) -> np.random.Generator:
     return np.random.default_rng([SEED, zlib.crc32(family.encode()), zlib.crc32(purpose.encode())])
 
 
-def sample_batch(family: str, batch: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A random input batch (float32, standard normal: the inputs BatchNorm was calibrated on)
-    and random labels (int64) for `family`."""
+def sample_batch(family: str, batch: int, seed: int = 0) -> tuple[np.ndarray | tuple[np.ndarray, ...], np.ndarray]:
+    """A random input batch (`Family.draw`: one array, or a tuple of one per input) and random
+    labels (int64) for `family`."""
     fam = _family(family)
     rng = np.random.default_rng([seed, zlib.crc32(family.encode())])
-    x = rng.standard_normal((batch, *fam.input_shape)).astype(np.float32)
-    return x, rng.integers(0, fam.num_classes, batch).astype(np.int64)
+    xs = fam.draw(rng, batch)
+    return (xs[0] if len(xs) == 1 else tuple(xs)), rng.integers(0, fam.num_classes, batch).astype(np.int64)
+
+
+def _tensors(x: np.ndarray | tuple[np.ndarray, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """A batch as PyTorch's model takes it: floats in `dtype`, integer inputs as they are."""
+    arrays = [x] if isinstance(x, np.ndarray) else list(x)
+    return [torch.as_tensor(a, dtype=dtype) if a.dtype.kind == "f" else torch.as_tensor(a) for a in arrays]
 
 
 # ------------------------------------------------------------------------------------ the weights
@@ -226,9 +278,8 @@ def _calibrate_batchnorm(model: nn.Module, fam: Family, rng: np.random.Generator
         m.reset_running_stats()
         m.momentum = None  # a cumulative average: after one batch, exactly that batch's statistics
         m.train()  # only the norms: dropout and stochastic depth stay off
-    x = torch.from_numpy(rng.standard_normal((256, *fam.input_shape)).astype(np.float32))
     with torch.no_grad():
-        model(x)
+        model(*map(torch.from_numpy, fam.draw(rng, 256)))
     for m, momentum in zip(norms, momenta, strict=True):
         m.momentum = momentum
         m.eval()
@@ -239,9 +290,8 @@ def _normalize_head(model: nn.Module, fam: Family, rng: np.random.Generator) -> 
     inputs: softmax neither saturated nor flat, every sample's gradient counts. Without it the
     std ranges 0.2 (mobilenet_v3_small) to 5 (regnet_x_400mf, whose residual stream grows)."""
     head = [m for m in model.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)][-1]
-    x = torch.from_numpy(rng.standard_normal((32, *fam.input_shape)).astype(np.float32))
     with torch.no_grad():
-        scale = 1.0 / float(model(x).std())
+        scale = 1.0 / float(model(*map(torch.from_numpy, fam.draw(rng, 32))).std())
         for param in head.parameters(recurse=False):
             param.mul_(scale)
 
@@ -370,31 +420,33 @@ def _quiet() -> Iterator[None]:
 
 def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None) -> None:
     model = torch_module(family)
-    x = torch.from_numpy(sample_batch(family, 2, seed=1)[0])  # batch 2: a batch of 1 would be specialized
+    names = _family(family).input_names
+    args = tuple(_tensors(sample_batch(family, 2, seed=1)[0], torch.float32))  # batch 2: a batch of 1 would be specialized
+    batch = torch.export.Dim("batch")
     with _quiet():
         if exporter == "dynamo":
             torch.onnx.export(
                 model,
-                (x,),
+                args,
                 str(path),
-                input_names=["x"],
+                input_names=list(names),
                 output_names=["logits"],
                 dynamo=True,
                 opset_version=opset,
-                dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
+                dynamic_shapes=tuple({0: batch} for _ in names),
                 external_data=True,
                 verbose=False,
             )
         else:
             torch.onnx.export(
                 model,
-                (x,),
+                args,
                 str(path),
-                input_names=["x"],
+                input_names=list(names),
                 output_names=["logits"],
                 dynamo=False,
                 opset_version=opset,
-                dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+                dynamic_axes={**{n: {0: "batch"} for n in names}, "logits": {0: "batch"}},
             )
 
 
@@ -598,18 +650,20 @@ def _with_onnx_weights(
     return model.to(dtype), mapping, inits
 
 
-def reference_logits(family: str, onnx_path: Path, x: np.ndarray, *, dtype: torch.dtype = torch.float64) -> np.ndarray:
+def reference_logits(
+    family: str, onnx_path: Path, x: np.ndarray | tuple[np.ndarray, ...], *, dtype: torch.dtype = torch.float64
+) -> np.ndarray:
     """The logits PyTorch computes for `x` with exactly the weights of `onnx_path` (the model
     `reference_update` differentiates), in `dtype`."""
     model, _, _ = _with_onnx_weights(family, onnx_path, (), dtype)
     with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(x), dtype=dtype)).numpy()
+        return model(*_tensors(x, dtype)).numpy()
 
 
 def reference_update(
     family: str,
     onnx_path: Path,
-    x: np.ndarray,
+    x: np.ndarray | tuple[np.ndarray, ...],
     y: np.ndarray,
     lr: float,
     names: Iterable[str],
@@ -637,7 +691,7 @@ def reference_update(
     model, mapping, inits = _with_onnx_weights(family, onnx_path, list(names), dtype, overrides)
     if flip is not None:
         _flip_at(model, flip)
-    logits = model(torch.as_tensor(np.asarray(x), dtype=dtype))
+    logits = model(*_tensors(x, dtype))
     loss = nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(y), dtype=torch.int64))
     loss.backward()
     params = dict(model.named_parameters())
@@ -670,7 +724,7 @@ class Kink:
     closeness: float
 
 
-def _activation_inputs(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+def _activation_inputs(model: nn.Module, x: list[torch.Tensor]) -> dict[tuple[str, int], torch.Tensor]:
     """Every piecewise activation's input, by (module name, call): ResNet calls one ReLU twice."""
     seen: dict[tuple[str, int], torch.Tensor] = {}
     hooks = []
@@ -683,13 +737,13 @@ def _activation_inputs(model: nn.Module, x: torch.Tensor) -> dict[tuple[str, int
 
             hooks.append(module.register_forward_pre_hook(record))
     with torch.no_grad():
-        model(x)
+        model(*x)
     for hook in hooks:
         hook.remove()
     return seen
 
 
-def undecidable_kinks(family: str, onnx_path: Path, x: np.ndarray, factor: float = 10.0) -> list[Kink]:
+def undecidable_kinks(family: str, onnx_path: Path, x: np.ndarray | tuple[np.ndarray, ...], factor: float = 10.0) -> list[Kink]:
     """The activation inputs that float32 cannot place on a side of their kink: those within
     `factor` times float32's worst error at that activation (PyTorch's float32 forward against
     its float64 one on the same weights and batch) of a kink, the closest first.
@@ -701,7 +755,7 @@ def undecidable_kinks(family: str, onnx_path: Path, x: np.ndarray, factor: float
     inputs = {}
     for dtype in (torch.float64, torch.float32):
         model, _, _ = _with_onnx_weights(family, onnx_path, (), dtype)
-        inputs[dtype] = (model, _activation_inputs(model, torch.as_tensor(np.asarray(x), dtype=dtype)))
+        inputs[dtype] = (model, _activation_inputs(model, _tensors(x, dtype)))
     model, exact = inputs[torch.float64]
     modules = dict(model.named_modules())
     found = []

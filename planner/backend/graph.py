@@ -16,7 +16,7 @@ differentiation: frozen and trainable BN layers both use running statistics (sca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import numpy as np
@@ -50,7 +50,7 @@ def check_importable(model: Model) -> None:
 
 
 def _imported(model: Model, batch: int) -> relax.Function:
-    """The model as one Relax function `(x, *parameters)` for a step of `batch` samples; imported
+    """The model as one Relax function `(*inputs, *parameters)` for a step of `batch` samples; imported
     once per model and batch (shapes are folded for the batch, see `planner.fixups`)."""
     key = (model.sha256, batch)
     if key in _IMPORTED:
@@ -62,7 +62,7 @@ def _imported(model: Model, batch: int) -> relax.Function:
     mod, _ = relax.frontend.detach_params(mod)
     mod = _untangle_clip(mod)
     func = mod["main"]
-    expected = 1 + len(model.initializers)
+    expected = len(model.inputs) + len(model.initializers)
     if len(func.params) != expected:  # the frontend keeps initializers in graph order
         raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
     func = func.without_attr("params").without_attr("num_input")
@@ -360,12 +360,12 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     if model.fixed_batch not in (None, B):
         raise CandidateFailed(f"model has a fixed batch size {model.fixed_batch}; cannot use batch {B}")
     func = _imported(model, B)
-    x, *pvars = func.params
+    n_inputs = len(model.inputs)
     if splits or quantized or adapters:
-        func, names = _with_stored_weights(func, names, splits, quantized, adapters)
-        x, *pvars = func.params
+        func, names = _with_stored_weights(func, n_inputs, names, splits, quantized, adapters)
+    xs, pvars = func.params[:n_inputs], func.params[n_inputs:]
     by_name = dict(zip(names, pvars))
-    params = [x] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
+    params = [*xs] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
     func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
     func = func.with_attr("global_symbol", PREDICT_FUNC)
     backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
@@ -381,7 +381,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     optimizer = make_optimizer(candidate)
     labels = relax.TensorType((B,), LABEL_DTYPE)
     full = backbone[PREDICT_FUNC]
-    prefix, differentiated = _frozen_prefix(full, len(trainable))
+    prefix, differentiated = _frozen_prefix(full, n_inputs, len(trainable))
 
     def differentiate(func: relax.Function) -> tvm.IRModule:
         try:
@@ -392,22 +392,22 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
             raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
 
     kept: tuple[str, ...] = ()
-    n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)
+    n_leading = n_inputs if prefix is None else len(prefix.ret_ty.fields)  # the differentiated part's non-weight inputs
     if candidate.recompute != Recompute.NONE:
-        differentiated, kept = _recomputing(model, candidate, differentiated, n_inputs, [*frozen, *trainable], differentiate)
-    differentiated = _weights_rebuilt_in_backward(differentiated, n_inputs)
+        differentiated, kept = _recomputing(model, candidate, differentiated, n_leading, [*frozen, *trainable], differentiate)
+    differentiated = _weights_rebuilt_in_backward(differentiated, n_leading)
     trainer = differentiate(differentiated)
 
     lr_dtype = str(optimizer.dtype)
     step, state_types, kernels = _fused_step(
-        trainer, prefix, n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum
+        trainer, prefix, full.params[:n_inputs], n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum
     )
     out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
     for gv, kernel in kernels.items():
         out[gv] = kernel
     sig = StepSignature(
-        input_name=model.input_name,
-        input_shape=(B * candidate.grad_accum, *model.input_shape),
+        inputs=model.inputs,
+        batch_size=B * candidate.grad_accum,
         micro_batch=B,
         frozen=tuple(frozen),
         trainable=tuple(trainable),
@@ -564,12 +564,13 @@ class _RebuildAtUse(relax.PyExprMutator):
 
 def _with_stored_weights(
     func: relax.Function,
+    n_inputs: int,
     names: list[str],
     splits: dict[str, tuple[int, int]],
     quantized: dict[str, int],
     adapters: dict[str, tuple[int, int]],
 ) -> tuple[relax.Function, list[str]]:
-    """`func(x, *initializers)` taking each weight the way `planner.backend.weights` stores it,
+    """`func(*inputs, *initializers)` (`n_inputs` inputs) taking each weight the way `planner.backend.weights` stores it,
     and the stored names of its weight parameters in order (TVM's own names for the weights it
     imported are not always the initializers', `onnx::MatMul_430`).
 
@@ -579,8 +580,8 @@ def _with_stored_weights(
     is used. A weight with an adapter is taken with its factors B and A, and B·A is added to it
     where it is used: the gradient reaches the factors only.
     """
-    x, *pvars = func.params
-    new_params: list[relax.Var] = [x]
+    pvars = func.params[n_inputs:]
+    new_params: list[relax.Var] = list(func.params[:n_inputs])
     stored: list[str] = []
     rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
     for name, var in zip(names, pvars):
@@ -699,9 +700,9 @@ def _undifferentiable(binding: relax.VarBinding) -> bool:
     return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.get_attr("FPrimalGradient") is None
 
 
-def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Function | None, relax.Function]:
-    """`func(x, *frozen, *trainable)` split where the trainable parameters first come in: the
-    prefix `(x, *frozen) -> (t1, …, tk)` computes the tensors before the first op that depends on
+def _frozen_prefix(func: relax.Function, n_inputs: int, n_trainable: int) -> tuple[relax.Function | None, relax.Function]:
+    """`func(*inputs, *frozen, *trainable)` (`n_inputs` model inputs) split where the trainable
+    parameters first come in: the prefix `(*inputs, *frozen) -> (t1, …, tk)` computes the tensors before the first op that depends on
     a trainable parameter, in program order; the rest becomes `(t1, …, tk, *frozen, *trainable)`.
 
     Why: Relax's gradient pass asks every op between the input and the loss for its gradient, even
@@ -717,7 +718,7 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
     if len(blocks) != 1 or not all(isinstance(b, relax.VarBinding) for b in blocks[0].bindings):
         return None, func
     bindings = list(blocks[0].bindings)
-    x, *weights = func.params
+    xs, weights = list(func.params[:n_inputs]), list(func.params[n_inputs:])
     trainable = set(weights[len(weights) - n_trainable :])
     depends: set[relax.Var] = set(trainable)
     for b in bindings:
@@ -731,10 +732,10 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
     if not before:
         return None, func
     used = {v for b in after for v in relax.analysis.free_vars(b.value)} | set(relax.analysis.free_vars(func.body.body))
-    boundary = [v for v in [x, *(b.var for b in before)] if v in used]
+    boundary = [v for v in [*xs, *(b.var for b in before)] if v in used]
     frozen = weights[: len(weights) - n_trainable]
-    fresh = [relax.Var(v.name, v.ty) for v in (x, *frozen)]
-    prefix = _function("frozen_prefix", fresh, before, relax.Tuple(boundary), dict(zip([x, *frozen], fresh)))
+    fresh = [relax.Var(v.name, v.ty) for v in (*xs, *frozen)]
+    prefix = _function("frozen_prefix", fresh, before, relax.Tuple(boundary), dict(zip([*xs, *frozen], fresh)))
     inputs = [relax.Var(v.name, v.ty) for v in boundary]
     params = [relax.Var(v.name, v.ty) for v in weights]
     mapping = dict(zip([*boundary, *weights], [*inputs, *params]))
@@ -743,7 +744,12 @@ def _frozen_prefix(func: relax.Function, n_trainable: int) -> tuple[relax.Functi
 
 
 def _fused_step(
-    trainer: tvm.IRModule, prefix: relax.Function | None, n_trainable: int, lr_dtype: str, accum: int = 1
+    trainer: tvm.IRModule,
+    prefix: relax.Function | None,
+    model_inputs: Sequence[relax.Var],
+    n_trainable: int,
+    lr_dtype: str,
+    accum: int = 1,
 ) -> tuple[relax.Function, list[relax.TensorType], dict[tvm.ir.GlobalVar, tvm.tirx.PrimFunc]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
     learning rate is the last optimizer state, returned as it came (`_runtime_lr`).
@@ -752,18 +758,22 @@ def _fused_step(
     are never materialised at all. With `accum` > 1 the step takes `accum` micro-batches at once
     and unrolls their forward/backward passes one after another, summing gradients: memory
     planning reuses one micro-batch's activations for the next, so the step holds the
-    activations of one micro-batch plus the gradient accumulators.
+    activations of one micro-batch plus the gradient accumulators. `model_inputs`: the
+    model's inputs at one micro-batch, which the step takes at `accum` micro-batches.
     """
     adjoint = trainer["backbone_loss_adjoint"]
     optim = _runtime_lr(trainer["optimizer"], lr_dtype)
     adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
-    n_inputs = 1 if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
+    n_inputs = len(model_inputs) if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
     micro = [relax.Var(v.name, v.ty) for v in adjoint.params]
-    x_ty = (prefix.params[0] if prefix is not None else micro[0]).ty
     y_ty = micro[-1].ty
-    B = int(x_ty.shape[0])
-    x = relax.Var("x", relax.TensorType([B * accum, *[int(d) for d in x_ty.shape][1:]], x_ty.dtype))
-    y = relax.Var(micro[-1].name, relax.TensorType([B * accum], y_ty.dtype))
+    B = int(y_ty.shape[0])
+
+    def whole(v: relax.Var) -> relax.Var:  # an input at every micro-batch of the step
+        return relax.Var(v.name, relax.TensorType([B * accum, *[int(d) for d in v.ty.shape][1:]], v.ty.dtype))
+
+    xs = [whole(v) for v in model_inputs]
+    y = whole(micro[-1])
     weights = micro[n_inputs:-1]
     state_types = list(optim.params[2].ty.fields)
     states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
@@ -773,16 +783,19 @@ def _fused_step(
     bb = relax.BlockBuilder(trainer)
     prefix_gv = bb.add_func(prefix, "frozen_prefix") if prefix is not None else None
     optim_gv = bb.add_func(optim, "update")
-    with bb.function(STEP_FUNC, [x, *weights, *states, lr, y]):
+    with bb.function(STEP_FUNC, [*xs, *weights, *states, lr, y]):
         with bb.dataflow():
             loss, grads = None, None
             for i in range(accum):
-                xi = x if accum == 1 else bb.emit(relax.op.strided_slice(x, axes=[0], begin=[i * B], end=[(i + 1) * B]))
-                yi = y if accum == 1 else bb.emit(relax.op.strided_slice(y, axes=[0], begin=[i * B], end=[(i + 1) * B]))
+
+                def part(v: relax.Var, i: int = i) -> relax.Expr:  # micro-batch i of a whole-step input
+                    return v if accum == 1 else bb.emit(relax.op.strided_slice(v, axes=[0], begin=[i * B], end=[(i + 1) * B]))
+
+                xi, yi = [part(v) for v in xs], part(y)
                 if prefix is None:
-                    inputs = [xi]
+                    inputs = xi
                 else:  # what the frozen prefix computes, the differentiated rest's inputs
-                    cut = bb.emit(relax.Call(prefix_gv, [xi, *weights[: len(prefix.params) - 1]]))
+                    cut = bb.emit(relax.Call(prefix_gv, [*xi, *weights[: len(prefix.params) - len(xs)]]))
                     inputs = [bb.emit(relax.TupleGetItem(cut, j)) for j in range(n_inputs)]
                 res = bb.emit(relax.Call(adjoint_gv, [*inputs, *weights, yi]))
                 li = bb.emit(relax.TupleGetItem(res, 0))

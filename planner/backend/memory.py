@@ -124,13 +124,13 @@ def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str,
     `workspaces` (from `kernel_workspaces`) adds the kernels' own scratch.
     """
     params = list(planned.params)
-    # Inputs to the step: x, frozen..., trainable..., states..., labels
-    n_frozen, n_train, n_state = len(sig.frozen), len(sig.trainable), len(sig.optim_states)
-    frozen_b = sum(_ty_bytes(p.ty) for p in params[1 : 1 + n_frozen])
-    train_vars = params[1 + n_frozen : 1 + n_frozen + n_train]
+    # Inputs to the step: the model's inputs..., frozen..., trainable..., states..., labels
+    n_in, n_frozen, n_train, n_state = len(sig.inputs), len(sig.frozen), len(sig.trainable), len(sig.optim_states)
+    frozen_b = sum(_ty_bytes(p.ty) for p in params[n_in : n_in + n_frozen])
+    train_vars = params[n_in + n_frozen : n_in + n_frozen + n_train]
     train_b = sum(_ty_bytes(p.ty) for p in train_vars)
-    state_b = sum(_ty_bytes(p.ty) for p in params[1 + n_frozen + n_train : 1 + n_frozen + n_train + n_state])
-    batch_b = _ty_bytes(params[0].ty) + _ty_bytes(params[-1].ty)
+    state_b = sum(_ty_bytes(p.ty) for p in params[n_in + n_frozen + n_train : n_in + n_frozen + n_train + n_state])
+    batch_b = sum(_ty_bytes(p.ty) for p in params[:n_in]) + _ty_bytes(params[-1].ty)
     grad_vars = _gradient_vars(planned, train_vars)
 
     pool_free: dict[int, int] = {}  # page-rounded size -> free blocks

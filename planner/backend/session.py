@@ -1,13 +1,13 @@
 """Run a compiled training step: hold the weights on a device, step, predict, export.
 
 One class serves the accuracy runs, the latency measurement and `planner run`, so all three call
-the library the same way: `train_step(x, *frozen, *trainable, *optim_states, labels)` returns the
+the library the same way: `train_step(*inputs, *frozen, *trainable, *optim_states, labels)` returns the
 loss and the updated trainable weights and optimizer states, which become the next step's inputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,23 @@ def load_step(library: Path | str) -> tvm.runtime.Module:
         raise
 
 
+# A batch of model inputs: one array for a model of one input, else one per input in its order.
+Inputs = np.ndarray | Sequence[np.ndarray]
+
+
+def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+    """A batch of the step's shapes for timing it (kernel times do not depend on the values):
+    standard normal floats; ones for integer inputs, an id every vocabulary has and a mask that
+    attends everywhere."""
+    xs = [
+        np.ones((sig.batch_size, *i.shape), i.dtype)
+        if i.integer
+        else rng.standard_normal((sig.batch_size, *i.shape)).astype(i.dtype)
+        for i in sig.inputs
+    ]
+    return xs, np.arange(sig.batch_size) % sig.n_classes
+
+
 class TrainingSession:
     """A compiled step loaded on `device` with a full set of weights."""
 
@@ -57,10 +74,19 @@ class TrainingSession:
     def _put(self, array: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(array, order="C"), self.device)
 
-    def step_args(self, x: np.ndarray, y: np.ndarray) -> list:
-        return [self._put(x.astype("float32")), *self.frozen, *self.trainable, *self.states, self._put(y.astype(LABEL_DTYPE))]
+    def _inputs(self, x: Inputs) -> list[np.ndarray]:
+        """`x` as the step's input arrays, each in its input's dtype: one array for a model of one
+        input, else one per input in the signature's order."""
+        arrays = [x] if isinstance(x, np.ndarray) else list(x)
+        if len(arrays) != len(self.sig.inputs):
+            raise ValueError(f"the step takes {len(self.sig.inputs)} inputs, given {len(arrays)}")
+        return [np.asarray(a).astype(i.dtype, copy=False) for a, i in zip(arrays, self.sig.inputs)]
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+    def step_args(self, x: Inputs, y: np.ndarray) -> list:
+        inputs = [self._put(a) for a in self._inputs(x)]
+        return [*inputs, *self.frozen, *self.trainable, *self.states, self._put(y.astype(LABEL_DTYPE))]
+
+    def step(self, x: Inputs, y: np.ndarray) -> float:
         """One training step on a full batch; returns its loss."""
         # set_input/invoke_stateful/get_outputs work alike on a local and an RPC device, where a
         # returned tuple cannot be indexed directly. The VM module's own set_input: the Python
@@ -74,24 +100,25 @@ class TrainingSession:
         self.states = list(out[1 + n :])
         return float(out[0].numpy()) / self.sig.loss_scale
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    def logits(self, x: Inputs) -> np.ndarray:
         """Logits for any number of samples (the compiled batch is padded for the last chunk)."""
         B = self.sig.micro_batch
+        arrays = self._inputs(x)
         chunks = []
-        for i in range(0, len(x), B):
-            part = x[i : i + B].astype("float32")
-            pad = B - len(part)
-            if pad:
-                part = np.concatenate([part, np.zeros((pad, *part.shape[1:]), "float32")])
-            out = self.vm[PREDICT_FUNC](self._put(part), *self.frozen, *self.trainable).numpy()
+        for i in range(0, len(arrays[0]), B):
+            parts = [a[i : i + B] for a in arrays]
+            pad = B - len(parts[0])
+            if pad:  # repeats of the last sample: a padding row is a valid input (a token id, a mask) too
+                parts = [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
+            out = self.vm[PREDICT_FUNC](*map(self._put, parts), *self.frozen, *self.trainable).numpy()
             chunks.append(out[: B - pad])
         return np.concatenate(chunks) if chunks else np.zeros((0, self.sig.n_classes), "float32")
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    def evaluate(self, x: Inputs, y: np.ndarray) -> tuple[float, float]:
         """(mean cross-entropy, accuracy) on a labelled set."""
         return self.evaluate_chunks([(x, y)])
 
-    def evaluate_chunks(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
+    def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
         """(mean cross-entropy, accuracy) over labelled chunks: a set too large to hold at once."""
         loss_sum, correct, n = 0.0, 0, 0
         for x, y in chunks:

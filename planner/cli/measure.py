@@ -119,12 +119,14 @@ def inspect(
         for layer in m.layers
     ]
     if json_out:
-        print(json.dumps({"model": str(m.path), "sha256": m.sha256, "input": m.input_name, "layers": rows}, indent=2))
+        described = [i.to_json() for i in m.inputs]
+        print(json.dumps({"model": str(m.path), "sha256": m.sha256, "inputs": described, "layers": rows}, indent=2))
         return
-    # escaped: rich reads `[batch, 3, 32, 32]` (or a bracket in a name) as markup and drops it
-    table = Table(
-        title=escape(f"{m.path.name}: input {m.input_name} [batch, {', '.join(map(str, m.input_shape))}], {m.n_classes} classes")
+    inputs = ", ".join(
+        f"{i.name} [batch, {', '.join(map(str, i.shape))}]{'' if i.dtype == 'float32' else ' ' + i.dtype}" for i in m.inputs
     )
+    # escaped: rich reads `[batch, 3, 32, 32]` (or a bracket in a name) as markup and drops it
+    table = Table(title=escape(f"{m.path.name}: input{'s' if len(m.inputs) > 1 else ''} {inputs}, {m.n_classes} classes"))
     # a layer's name is what schemes and spaces refer to: shown whole, never cut
     table.add_column("layer", no_wrap=True, min_width=max((len(r["layer"]) for r in rows), default=5))
     for col in ("op", "parameters", "bytes", "output", "trainable"):

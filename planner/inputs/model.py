@@ -1,7 +1,7 @@
 """Load and validate an ONNX classifier, and describe its layers.
 
-planner trains models with one image-like input whose first dimension is the batch and one
-`[batch, classes]` logits output. Everything else about a model (layers, parameters, shapes,
+planner trains models whose inputs (an image, features, token ids and an attention mask) all
+have the batch as their first dimension, with one `[batch, classes]` logits output. Everything else about a model (layers, parameters, shapes,
 which layers can be trained) is read here once, so later stages never re-parse ONNX.
 """
 
@@ -21,7 +21,7 @@ from planner.errors import BadInput, first_line
 from planner.inputs.fixups import constant_values, for_import, name_nodes, tensor_types, untie_identities
 from planner.inputs.names import layer_name, standalone_name
 from planner.inputs.trainability import blocking_nodes, layer_problem
-from planner.types import Mode, ModeKind
+from planner.types import Mode, ModeKind, ModelInput
 
 # Which inputs of an op are its weight and its bias; other parameters it takes are frozen buffers.
 _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
@@ -93,8 +93,7 @@ class Model:
     proto: onnx.ModelProto  # the model's graph with its weights loaded, nodes named, ties undone
     sha256: str  # of the model file and its external data files
     data_files: tuple[str, ...]  # external data files, relative to the model's folder
-    input_name: str
-    input_shape: tuple[int, ...]  # without the batch dimension
+    inputs: tuple[ModelInput, ...]  # every graph input that is not an initializer, in graph order
     fixed_batch: int | None  # the batch the model was exported with, when it is not symbolic
     n_classes: int
     parameters: tuple[str, ...]  # initializers that are parameters, in graph order
@@ -105,6 +104,16 @@ class Model:
         """Every parameter by ONNX name, in graph order (the order TVM imports them)."""
         wanted = set(self.parameters)
         return {t.name: numpy_helper.to_array(t) for t in self.proto.graph.initializer if t.name in wanted}
+
+    @property
+    def only_input(self) -> ModelInput:
+        """The model's one input, for data that has one array per sample (images, `x` arrays)."""
+        if len(self.inputs) != 1:
+            names = ", ".join(i.name for i in self.inputs)
+            raise BadInput(
+                f"{self.path.name} takes {len(self.inputs)} inputs ({names}): give one array per input, named as the input"
+            )
+        return self.inputs[0]
 
     @property
     def data_paths(self) -> dict[str, Path]:
@@ -158,13 +167,11 @@ def load_model(path: str | Path) -> Model:
     graph = proto.graph
     init_names = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in init_names]
-    if len(inputs) != 1:
-        raise BadInput(f"{path}: planner needs exactly one model input, found {len(inputs)}")
-    dims = inputs[0].type.tensor_type.shape.dim
-    if len(dims) < 2:
-        raise BadInput(f"{path}: input '{inputs[0].name}' must be [batch, ...], got rank {len(dims)}")
-    if any(not d.HasField("dim_value") for d in dims[1:]):
-        raise BadInput(f"{path}: input '{inputs[0].name}' has dynamic non-batch dimensions")
+    if not inputs:
+        raise BadInput(f"{path}: the model takes no input")
+    batches = {d.dim_value if d.HasField("dim_value") else d.dim_param for i in inputs for d in i.type.tensor_type.shape.dim[:1]}
+    if len(batches) > 1:
+        raise BadInput(f"{path}: the inputs' first dimensions differ ({', '.join(map(str, batches))}); each must be the batch")
     if len(graph.output) != 1:
         raise BadInput(f"{path}: planner needs exactly one output (logits), found {len(graph.output)}")
     out_dims = graph.output[0].type.tensor_type.shape.dim
@@ -176,13 +183,38 @@ def load_model(path: str | Path) -> Model:
         proto=proto,
         sha256=digest.hexdigest(),
         data_files=tuple(data_files),
-        input_name=inputs[0].name,
-        input_shape=tuple(d.dim_value for d in dims[1:]),
-        fixed_batch=dims[0].dim_value if dims[0].HasField("dim_value") else None,
+        inputs=tuple(_model_input(path, i) for i in inputs),
+        fixed_batch=batch if isinstance(batch := next(iter(batches)), int) and batch > 0 else None,
         n_classes=out_dims[1].dim_value,
         parameters=parameters,
-        layers=_layers(proto, parameters, inputs[0].name),
+        layers=_layers(proto, parameters),
     )
+
+
+# The input types a step takes: float32 features, integer token ids and masks.
+_INPUT_TYPES: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.BOOL: "bool",
+}
+
+
+def _model_input(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
+    """One graph input as a `ModelInput`, or BadInput when planner cannot feed it."""
+    tensor = value.type.tensor_type
+    dims = tensor.shape.dim
+    if len(dims) < 2:
+        raise BadInput(f"{path}: input '{value.name}' must be [batch, ...], got rank {len(dims)}")
+    if any(not d.HasField("dim_value") for d in dims[1:]):
+        raise BadInput(
+            f"{path}: input '{value.name}' has dynamic non-batch dimensions "
+            f"[{', '.join(d.dim_param or str(d.dim_value) for d in dims)}]; export it with a fixed sequence length"
+        )
+    if tensor.elem_type not in _INPUT_TYPES:
+        kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+        raise BadInput(f"{path}: input '{value.name}' is {kind}; planner feeds float32, int64, int32 or bool inputs")
+    return ModelInput(value.name, tuple(d.dim_value for d in dims[1:]), _INPUT_TYPES[tensor.elem_type])
 
 
 def _external_data(proto: onnx.ModelProto, path: Path) -> list[str]:
@@ -237,7 +269,7 @@ def _parameters(graph: onnx.GraphProto) -> tuple[str, ...]:
     return tuple(n for n, t in floats.items() if n in slotted or math.prod(t.dims) > 1)
 
 
-def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...], input_name: str) -> list[Layer]:
+def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
     """The layer table, read off the graph as TVM will see it (shapes folded), so a layer is
     called trainable only when nothing but real computation lies between it and the logits."""
     try:

@@ -69,6 +69,11 @@ def _legacy_path(node: onnx.NodeProto) -> str | None:
     return path or None
 
 
+def module_path(node: onnx.NodeProto) -> str | None:
+    """The module path a node records, by either exporter (None when it records none)."""
+    return _metadata_path(node) or _legacy_path(node)
+
+
 def layer_name(nodes: Iterable[onnx.NodeProto], params: Iterable[str], taken: set[str]) -> str:
     """The name for a layer made of `nodes` owning `params` (weight first): the module path its
     parameters carry, else the module path its node records, else its node name — the first
@@ -84,7 +89,10 @@ def layer_name(nodes: Iterable[onnx.NodeProto], params: Iterable[str], taken: se
 
 def standalone_name(node: onnx.NodeProto, param: str, taken: set[str]) -> str:
     """The name of a parameter used on its own (a class token, a positional embedding): the
-    parameter's own PyTorch name when it has one, else as for any layer."""
+    parameter's own PyTorch name when it has one, else as for any layer. An embedding table (a
+    Gather's data) is its module's weight, so its layer is the module (`embed`, not `embed.weight`)."""
+    if node.op_type == "Gather" and node.input[0] == param:
+        return layer_name([node], [param], taken)
     if is_pytorch_name(param) and param not in taken:
         return param
     return layer_name([node], [param], taken)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from planner.backend.graph import STEP_FUNC
-from planner.backend.session import TrainingSession
+from planner.backend.session import TrainingSession, example_batch
 from planner.types import Latency
 
 
@@ -19,8 +19,7 @@ def time_step(session: TrainingSession, repeats: int, device: str, repeat_ms: fl
     device). One timed warm-up step sets how many steps each repeat averages (~`repeat_ms`).
     """
     sig = session.sig
-    x = np.random.default_rng(0).standard_normal(sig.input_shape).astype("float32")
-    y = np.arange(sig.batch_size) % sig.n_classes
+    x, y = example_batch(sig, np.random.default_rng(0))
     vm = session.vm
     vm.set_input(STEP_FUNC, *session.step_args(x, y))
     warm = vm.time_evaluator("invoke_stateful", session.device, number=1, repeat=1)(STEP_FUNC)

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from planner.backend.compile import CompiledStep
-from planner.backend.session import TrainingSession
+from planner.backend.session import TrainingSession, example_batch
 from planner.types import KernelTime, StepProfile
 
 RUNTIME = "(runtime)"
@@ -28,8 +28,7 @@ def profile_step(compiled: CompiledStep, weights: dict[str, np.ndarray], *, step
     session = TrainingSession(compiled.library, compiled.signature, weights)
     sig = compiled.signature
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(sig.input_shape).astype(np.float32)
-    y = rng.integers(0, sig.n_classes, sig.batch_size)
+    x, y = example_batch(sig, rng)
     for _ in range(steps):
         session.step(x, y)
     seconds: defaultdict[str, float] = defaultdict(float)

@@ -109,7 +109,7 @@ def assemble(
         model=ModelInfo(
             path=str(model.path),
             sha256=model.sha256,
-            inputs=[ModelInput(name=model.input_name, shape=["batch", *model.input_shape], dtype="float32")],
+            inputs=[ModelInput(name=i.name, shape=["batch", *i.shape], dtype=i.dtype) for i in model.inputs],
             data_files=list(model.data_files),
         ),
         dataset=DatasetInfo.model_validate({**dataset.to_json(), "sha256": dataset.sha256}),

@@ -72,4 +72,4 @@ def load_dataset(
     else:
         steps = list(preprocess.steps if isinstance(preprocess, Preprocess) else preprocess or [])
     where = "--preprocess" if not isinstance(preprocess, Preprocess) else "the recorded preprocessing"
-    return load_images(path, model, Preprocess.complete(steps, model.input_shape, where), known, progress)
+    return load_images(path, model, Preprocess.complete(steps, model.only_input.shape, where), known, progress)

@@ -35,6 +35,7 @@ from planner.digest import file_sha256
 from planner.errors import BadInput, EnvironmentFailure
 from planner.inputs.data._base import VAL_FRACTION, DataFormat, Dataset, Progress, Rows, Split, check_train_labels, class_indices
 from planner.inputs.model import Model
+from planner.types import ModelInput
 
 CHUNK_BYTES = 8 << 20  # what a validation or unpacking pass holds at a time
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip member's local file header (30 bytes)
@@ -67,17 +68,18 @@ class _Array:
 
 
 class _ArrayRows(Rows):
-    """Rows [start, stop) of an `_Array`, as float32: a batch is its runs of consecutive rows."""
+    """Rows [start, stop) of an `_Array`, as `dtype` (the model input's): a batch is its runs of
+    consecutive rows."""
 
-    def __init__(self, array: _Array, start: int, stop: int) -> None:
-        self.array, self.start, self.stop = array, start, stop
+    def __init__(self, array: _Array, start: int, stop: int, dtype: str = "float32") -> None:
+        self.array, self.start, self.stop, self.dtype = array, start, stop, dtype
 
     def __len__(self) -> int:
         return self.stop - self.start
 
     def take(self, index: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
         index = np.asarray(index, np.int64)
-        out = np.empty((len(index), *self.array.shape[1:]), np.float32)
+        out = np.empty((len(index), *self.array.shape[1:]), self.dtype)
         if not len(index):
             return out
         order = np.argsort(index, kind="stable")
@@ -87,6 +89,19 @@ class _ArrayRows(Rows):
             for run_pos, run in zip(np.split(np.arange(len(rows)), breaks), np.split(rows, breaks)):
                 out[order[run_pos]] = self.array._pread(f, int(run[0]), int(run[-1]) + 1)
         return out
+
+
+class _InputRows(Rows):
+    """The rows of a model with several inputs: one `_ArrayRows` per input, taken together."""
+
+    def __init__(self, parts: list[_ArrayRows]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return len(self.parts[0])
+
+    def take(self, index: np.ndarray, rng: np.random.Generator | None = None) -> tuple[np.ndarray, ...]:
+        return tuple(p.take(index) for p in self.parts)
 
 
 def _npy_at(f: IO[bytes], path: Path, offset: int, name: str) -> _Array:
@@ -106,7 +121,19 @@ def _npy_at(f: IO[bytes], path: Path, offset: int, name: str) -> _Array:
     return _Array(path, f.tell(), tuple(shape), dtype)
 
 
-SAMPLES, LABELS = ("x", "x_train", "x_val"), ("y", "y_train", "y_val")  # the arrays read; others are ignored
+LABELS = ("y", "y_train", "y_val")
+
+
+def sample_names(model: Model) -> tuple[str, ...]:
+    """The arrays that hold a model's samples: `x` for a model of one input, else one per input,
+    named as the input (`input_ids`, `attention_mask`); each also as NAME_train and NAME_val.
+    These and `LABELS` are the arrays read; others are ignored."""
+    return ("x",) if len(model.inputs) == 1 else tuple(i.name for i in model.inputs)
+
+
+def _wanted(model: Model) -> tuple[str, ...]:
+    return (*(f"{n}{s}" for n in sample_names(model) for s in ("", "_train", "_val")), *LABELS)
+
 
 # what zipfile and its decompressors raise on members they cannot read: damaged data, an
 # encrypted member (RuntimeError), a method or flag it does not implement (Deflate64, patched data)
@@ -114,7 +141,7 @@ UNREADABLE = (zipfile.BadZipFile, zlib.error, lzma.LZMAError, EOFError, RuntimeE
 
 
 def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, into: Path) -> Path:
-    """A compressed member as `into/NAME.npy` (streamed; `name` is one of `SAMPLES`, never the
+    """A compressed member as `into/NAME.npy` (streamed; `name` is one of `sample_names`, never the
     member's own path, which may climb out of the cache), reused when its CRC-32 still holds."""
     into.mkdir(parents=True, exist_ok=True)
     path = into / f"{name}.npy"
@@ -140,7 +167,9 @@ def _unpack(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, into: Path) -
     return path
 
 
-def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str, list[str]]:
+def _zipped(
+    path: Path, scratch: Path, wanted: tuple[str, ...]
+) -> tuple[dict[str, _Array], dict[str, np.ndarray], str, list[str]]:
     """A `.npz`: its sample arrays located (compressed ones unpacked into `scratch`), its label
     arrays read whole, the file's sha256, and the names of all its arrays."""
     sha256 = file_sha256(path)  # streamed: never a copy of the file in memory
@@ -155,7 +184,7 @@ def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.
                 continue
             name = info.filename[:-4]
             names.append(name)
-            if name not in SAMPLES + LABELS:
+            if name not in wanted:
                 continue
             if info.flag_bits & 0x1:
                 raise BadInput(f"{path}: {name} is encrypted; save the arrays with np.savez")
@@ -175,12 +204,12 @@ def _zipped(path: Path, scratch: Path) -> tuple[dict[str, _Array], dict[str, np.
     return arrays, labels, sha256, names
 
 
-def _unzipped(path: Path) -> tuple[dict[str, _Array], dict[str, np.ndarray], str, list[str]]:
+def _unzipped(path: Path, wanted: tuple[str, ...]) -> tuple[dict[str, _Array], dict[str, np.ndarray], str, list[str]]:
     """A folder of `.npy` files, read as `_zipped` reads a `.npz`; its sha256 is of the name and
     sha256 of every array it reads."""
     arrays, labels, digest = {}, {}, hashlib.sha256()
     names = sorted(f.stem for f in path.glob("*.npy") if not f.name.startswith("."))
-    for name in (n for n in names if n in SAMPLES + LABELS):
+    for name in (n for n in names if n in wanted):
         file = path / f"{name}.npy"
         try:
             digest.update(json.dumps([name, file_sha256(file)]).encode())
@@ -218,47 +247,55 @@ def _whole(path: Path, name: str, opener: Callable[[], IO[bytes]]) -> np.ndarray
 
 def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path, progress: Progress = None) -> Dataset:
     """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val: the members
-    of a `.npz`, or the `.npy` files of a folder."""
+    of a `.npz`, or the `.npy` files of a folder. A model of several inputs takes one array per
+    input instead of `x`, named as the input (`input_ids_train`, `attention_mask_train`, ...)."""
     folder = path.is_dir()
-    arrays, found_ys, sha256, names = _unzipped(path) if folder else _zipped(path, scratch)
+    keys = sample_names(model)
+    arrays, found_ys, sha256, names = _unzipped(path, _wanted(model)) if folder else _zipped(path, scratch, _wanted(model))
     found = arrays.keys() | found_ys.keys()
-    if {"x_train", "y_train", "x_val", "y_val"} <= found:
-        xs = {s: (arrays[f"x_{s}"], 0, arrays[f"x_{s}"].shape[0] if arrays[f"x_{s}"].shape else 0) for s in ("train", "val")}
+    xs: dict[str, list[tuple[_Array, int, int]]]  # split -> each input's (array, first row, end row)
+    if {f"{k}_{s}" for k in keys for s in ("train", "val")} | {"y_train", "y_val"} <= found:
+        xs = {s: [(a, 0, a.shape[0] if a.shape else 0) for a in (arrays[f"{k}_{s}"] for k in keys)] for s in ("train", "val")}
         ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")}
-        split = "x_train/x_val as given"
-    elif {"x", "y"} <= found:
-        x, y = arrays["x"], found_ys["y"]
-        n = x.shape[0] if x.shape else 0
+        split = f"{keys[0]}_train/{keys[0]}_val as given"
+    elif {*keys, "y"} <= found:
+        y = found_ys["y"]
+        n = arrays[keys[0]].shape[0] if arrays[keys[0]].shape else 0
         if y.ndim == 0:
             raise BadInput(f"{path}: y has shape (); planner needs one label per sample, shape ({n},)")
         if len(y) != n:
-            raise BadInput(f"{path}: x holds {n} samples but y holds {len(y)} labels")
+            raise BadInput(f"{path}: {keys[0]} holds {n} samples but y holds {len(y)} labels")
         cut = n - max(1, int(round(n * VAL_FRACTION)))
-        xs = {"train": (x, 0, cut), "val": (x, cut, n)}
+        xs = {"train": [(arrays[k], 0, cut) for k in keys], "val": [(arrays[k], cut, n) for k in keys]}
         ys = {"train": y[:cut], "val": y[cut:]}
-        split = f"the last {VAL_FRACTION:.0%} of x as val"
+        split = f"the last {VAL_FRACTION:.0%} of {keys[0]} as val"
     else:
         what = ".npy files" if folder else "arrays"
-        raise BadInput(f"{path}: expected {what} x_train, y_train, x_val, y_val (or x, y); found {', '.join(names) or 'none'}")
+        wanted = ", ".join([*(f"{k}_train" for k in keys), "y_train", *(f"{k}_val" for k in keys), "y_val"])
+        raise BadInput(f"{path}: expected {what} {wanted} (or {', '.join(keys)}, y); found {', '.join(names) or 'none'}")
     named = [ys[s].dtype.kind in "US" for s in ys]
     if any(named):  # class names: mapped over both splits together, so an index means one class
         if not all(named):
             raise BadInput(f"{path}: one split's labels are names and the other's are numbers; use one kind")
-        for s, (_, start, stop) in xs.items():
+        for s, [(_, start, stop), *_] in xs.items():
             if ys[s].shape != (stop - start,):
                 raise BadInput(f"{path}: {s} labels have shape {ys[s].shape}; planner needs one class name per sample")
         both = [*_as_text(path, ys["train"]), *_as_text(path, ys["val"])]
         indices, classes = class_indices(path, both, classes, model.n_classes)
         ys = {"train": indices[: len(ys["train"])], "val": indices[len(ys["train"]) :]}
-    splits, done, total = {}, 0, sum(stop - start for _, start, stop in xs.values())
-    for s, (array, start, stop) in xs.items():
-        _check_samples(path, s, array, model)
-        labels = _labels(path, s, stop - start, ys[s], model.n_classes)
-        for checked in _check_values(path, s, array, start, stop):
-            done += checked
-            if progress is not None:
-                progress(done, total)
-        splits[s] = Split(_ArrayRows(array, start, stop), labels)
+    splits, done, total = {}, 0, sum(stop - start for parts in xs.values() for _, start, stop in parts)
+    for s, parts in xs.items():
+        rows = []
+        for key, spec, (array, start, stop) in zip(keys, model.inputs, parts):
+            where = s if len(keys) == 1 else f"{key} ({s})"
+            _check_samples(path, where, array, spec, parts[0][2] - parts[0][1], stop - start)
+            for checked in _check_values(path, where, array, spec, start, stop):
+                done += checked
+                if progress is not None:
+                    progress(done, total)
+            rows.append(_ArrayRows(array, start, stop, spec.dtype))
+        labels = _labels(path, s, len(rows[0]), ys[s], model.n_classes)
+        splits[s] = Split(rows[0] if len(rows) == 1 else _InputRows(rows), labels)
     check_train_labels(path, splits["train"], splits["val"])
     return Dataset(
         source=path.resolve(),
@@ -284,22 +321,36 @@ def _as_text(path: Path, names: np.ndarray) -> list[str]:
         ) from None
 
 
-def _check_samples(path: Path, name: str, array: _Array, model: Model) -> None:
-    if not np.issubdtype(array.dtype, np.number) or np.issubdtype(array.dtype, np.complexfloating):
-        raise BadInput(f"{path}: {name} samples are {array.dtype}, not real numbers")
-    if tuple(array.shape[1:]) != model.input_shape:
+def _check_samples(path: Path, name: str, array: _Array, spec: ModelInput, n: int, count: int) -> None:
+    """An input's array against the input it feeds (`n`: the samples the first input holds,
+    `count`: this array's)."""
+    if spec.integer and not np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_:
         raise BadInput(
-            f"{path}: {name} samples have shape {tuple(array.shape[1:])}, the model's input "
-            f"'{model.input_name}' needs {model.input_shape}"
+            f"{path}: {name} samples are {array.dtype}; the model's input '{spec.name}' takes {spec.dtype} (ids, masks)"
         )
+    if not np.issubdtype(array.dtype, np.number) and array.dtype != np.bool_ or np.issubdtype(array.dtype, np.complexfloating):
+        raise BadInput(f"{path}: {name} samples are {array.dtype}, not real numbers")
+    if tuple(array.shape[1:]) != spec.shape:
+        raise BadInput(
+            f"{path}: {name} samples have shape {tuple(array.shape[1:])}, the model's input '{spec.name}' needs {spec.shape}"
+        )
+    if count != n:
+        raise BadInput(f"{path}: {name} holds {count} samples, the first input's array {n}")
 
 
-def _check_values(path: Path, name: str, array: _Array, start: int, stop: int) -> Iterator[int]:
-    """Every value finite and within float32 (what the model computes in), a chunk at a time;
-    yields the samples of each chunk checked."""
+def _check_values(path: Path, name: str, array: _Array, spec: ModelInput, start: int, stop: int) -> Iterator[int]:
+    """Every value finite and within float32 (what the model computes in) or, for an integer
+    input, within its type, a chunk at a time; yields the samples of each chunk checked."""
     step = max(1, CHUNK_BYTES // max(1, array.row_bytes))
     for lo in range(start, stop, step):
         chunk = array.read(lo, min(lo + step, stop))
+        if spec.integer:
+            if chunk.size and spec.dtype != "bool" and not np.can_cast(chunk.dtype, spec.dtype):
+                info = np.iinfo(spec.dtype)
+                if chunk.min() < info.min or chunk.max() > info.max:
+                    raise BadInput(f"{path}: {name} holds values beyond {spec.dtype}, which the input '{spec.name}' takes")
+            yield len(chunk)
+            continue
         if not np.isfinite(chunk).all():
             raise BadInput(f"{path}: {name} samples contain NaN or Inf")
         with np.errstate(over="ignore"):

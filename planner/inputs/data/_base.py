@@ -49,16 +49,20 @@ _DESCRIPTIONS = {
 }
 
 
+# A batch of samples: one array for a model of one input, else a tuple of one per input.
+Samples = np.ndarray | tuple[np.ndarray, ...]
+
+
 class Rows(ABC):
-    """The samples of one split, read by index; each a float32 model input."""
+    """The samples of one split, read by index; each a model input (or one per input)."""
 
     @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
-    def take(self, index: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
-        """Samples `index`, in that order, as one float32 array; `rng` draws the training view's
-        augmentation (formats without augmentation ignore it)."""
+    def take(self, index: np.ndarray, rng: np.random.Generator | None = None) -> Samples:
+        """Samples `index`, in that order, in the model inputs' dtypes; `rng` draws the training
+        view's augmentation (formats without augmentation ignore it)."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +78,13 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def batch(self, index: np.ndarray, augment: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, index: np.ndarray, augment: Sequence[int] | None = None) -> tuple[Samples, np.ndarray]:
         """Samples and labels `index`; `augment` (seed, step) seeds the training view's random steps,
         so a fine-tune draws the same augmentation whenever it is rerun or trained on."""
         rng = np.random.default_rng(list(augment)) if augment is not None else None
         return self.rows.take(index, rng), self.labels[index].astype(np.int64)
 
-    def chunks(self, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def chunks(self, size: int) -> Iterator[tuple[Samples, np.ndarray]]:
         """The whole split in file order, `size` samples at a time (evaluation's view)."""
         for start in range(0, len(self), size):
             yield self.batch(np.arange(start, min(start + size, len(self))))

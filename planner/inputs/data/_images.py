@@ -211,7 +211,7 @@ def load_images(
     splits, done, total = {}, 0, sum(len(files) for files, _ in groups.values())
     for s in ("val", "train"):  # val first: its samples are the ones every trial evaluates
         files, y = groups[s]
-        rows = _ImageRows(s, files, spec, model.input_shape, cache)
+        rows = _ImageRows(s, files, spec, model.only_input.shape, cache)
         for i, file in enumerate(files):
             try:
                 data = file.read_bytes()
