@@ -179,6 +179,25 @@ class TokenClassifier(nn.Module):
         return self.fc2(torch.relu(self.fc1(pooled)))
 
 
+class SensorCNN(nn.Module):
+    """Activity recognition on IMU windows: input [batch, 6, 45] (six axes, an odd window),
+    logits [batch, 10]. Three Conv1d-BatchNorm-ReLU blocks (kernel 5 padded 2; kernel 3, stride 2;
+    a depthwise kernel 3), global average pooling, Linear(32->10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def block(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1) -> nn.Sequential:
+            conv = nn.Conv1d(c_in, c_out, k, stride=stride, padding=k // 2, groups=groups)
+            return nn.Sequential(conv, nn.BatchNorm1d(c_out), nn.ReLU())
+
+        self.features = nn.Sequential(block(6, 16, 5), block(16, 32, 3, stride=2), block(32, 32, 3, groups=32))
+        self.head = nn.Linear(32, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=2))
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -195,6 +214,7 @@ FAMILIES: dict[str, Family] = {
         Family("encoder_prenorm", (16, 8), lambda: EncoderClassifier(norm_first=True)),
         Family("encoder_postnorm", (16, 8), lambda: EncoderClassifier(norm_first=False)),
         Family("token_bag", (12,), TokenClassifier, tokens=Tokens(length=12, vocab=64)),
+        Family("sensor_cnn", (6, 45), SensorCNN),
     )
 }
 
