@@ -28,8 +28,8 @@ from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
-from planner.backend.conv1d import as_conv2d
 from planner.backend import recompute
+from planner.backend.conv1d import as_conv2d
 from planner.backend.tir import accumulate_kernel, scale_kernel
 from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
