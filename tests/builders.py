@@ -16,8 +16,8 @@ from onnx.reference.ops._op import OpRunUnaryNum
 
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.inputs.model import load_model
-from planner.types import Candidate
+from planner.inputs.model import Model, load_model
+from planner.types import Candidate, StepSignature
 
 
 def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: int = 3) -> Path:
@@ -273,6 +273,186 @@ def _silu(nodes, p, h, C, rng):  # SiLU as exporters write it (squeeze-excitatio
     return "o"
 
 
+def _scalar(nodes, name, value, dtype=np.float32):
+    return _const(nodes, name, np.array(value, dtype))
+
+
+def _gelu_tanh(nodes, p, h, C, rng):  # GPT-2's NewGELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    nodes.append(helper.make_node("Pow", [h, _scalar(nodes, "three", 3.0)], ["cube"], name="op_pow"))
+    nodes.append(helper.make_node("Mul", ["cube", _scalar(nodes, "coef", 0.044715)], ["cubed"], name="op_coef"))
+    nodes.append(helper.make_node("Add", [h, "cubed"], ["inner"], name="op_inner"))
+    nodes.append(helper.make_node("Mul", ["inner", _scalar(nodes, "scale", math.sqrt(2 / math.pi))], ["arg"], name="op_scale"))
+    nodes.append(helper.make_node("Tanh", ["arg"], ["t"], name="op_tanh"))
+    nodes.append(helper.make_node("Add", ["t", _scalar(nodes, "one", 1.0)], ["t1"], name="op_one"))
+    nodes.append(helper.make_node("Mul", [h, _scalar(nodes, "half", 0.5)], ["hh"], name="op_half"))
+    nodes.append(helper.make_node("Mul", ["hh", "t1"], ["o"], name="op"))
+    return "o"
+
+
+def _rms_norm_upcast(nodes, p, h, C, rng):  # Llama's RMSNorm: w * (x * rsqrt(mean(x^2) + eps)).to(dtype), x upcast
+    nodes.append(helper.make_node("Cast", [h], ["xd"], name="op_upcast", to=TensorProto.DOUBLE))
+    nodes.append(helper.make_node("Pow", ["xd", _scalar(nodes, "two", 2.0, np.float64)], ["sq"], name="op_pow"))
+    nodes.append(helper.make_node("ReduceMean", ["sq", _const(nodes, "axes", np.array([-1], np.int64))], ["ms"], name="op_mean"))
+    nodes.append(helper.make_node("Add", ["ms", _scalar(nodes, "eps", 1e-6, np.float64)], ["mse"], name="op_eps"))
+    nodes.append(helper.make_node("Sqrt", ["mse"], ["rms"], name="op_sqrt"))
+    nodes.append(helper.make_node("Reciprocal", ["rms"], ["rrms"], name="op_reciprocal"))
+    nodes.append(helper.make_node("Mul", ["xd", "rrms"], ["nd"], name="op_normalize"))
+    nodes.append(helper.make_node("Cast", ["nd"], ["n"], name="op_downcast", to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("Mul", [p("op.w", rng.uniform(0.5, 1.5, C)), "n"], ["o"], name="op"))
+    return "o"
+
+
+def _rms_norm_div(nodes, p, h, C, rng):  # T5-style RMSNorm in float32, the rsqrt written as a division
+    nodes.append(helper.make_node("Pow", [h, _scalar(nodes, "two", 2.0)], ["sq"], name="op_pow"))
+    nodes.append(helper.make_node("ReduceMean", ["sq", _const(nodes, "axes", np.array([-1], np.int64))], ["ms"], name="op_mean"))
+    nodes.append(helper.make_node("Add", ["ms", _scalar(nodes, "eps", 1e-6)], ["mse"], name="op_eps"))
+    nodes.append(helper.make_node("Sqrt", ["mse"], ["rms"], name="op_sqrt"))
+    nodes.append(helper.make_node("Div", [h, "rms"], ["o"], name="op"))
+    return "o"
+
+
+def _rope(nodes, p, h, C, rng):  # Llama's rotary embedding over the last axis: x cos + rotate_half(x) sin
+    half = 3
+    inv_freq = 1.0 / 10000 ** (np.arange(0, 2 * half, 2) / (2 * half))
+    angles = np.arange(6)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([angles, angles], axis=-1)
+    axes = _const(nodes, "axes", np.array([-1], np.int64))
+    mid, end = _const(nodes, "mid", np.array([half], np.int64)), _const(nodes, "end", np.array([2 * half], np.int64))
+    nodes.append(helper.make_node("Slice", [h, _const(nodes, "start", np.array([0], np.int64)), mid, axes], ["x1"], name="op_x1"))
+    nodes.append(helper.make_node("Slice", [h, mid, end, axes], ["x2"], name="op_x2"))
+    nodes.append(helper.make_node("Neg", ["x2"], ["nx2"], name="op_neg"))
+    nodes.append(helper.make_node("Concat", ["nx2", "x1"], ["rot"], name="op_rotate", axis=-1))
+    nodes.append(helper.make_node("Mul", [h, _const(nodes, "cos", np.cos(emb).astype(np.float32))], ["hc"], name="op_cos"))
+    nodes.append(helper.make_node("Mul", ["rot", _const(nodes, "sin", np.sin(emb).astype(np.float32))], ["rs"], name="op_sin"))
+    nodes.append(helper.make_node("Add", ["hc", "rs"], ["o"], name="op"))
+    return "o"
+
+
+def _causal_attention(nodes, p, h, C, rng):
+    """Each channel's 6x6 map as 6 tokens: scores plus a learned position bias (T5's), the causal
+    mask a Trilu of a constant, masked with -inf before the softmax (as exporters write it)."""
+    nodes.append(helper.make_node("Trilu", [_const(nodes, "ones", np.ones((6, 6), bool))], ["causal"], name="op_causal", upper=0))
+    nodes.append(helper.make_node("Transpose", [h], ["ht"], name="op_t", perm=[0, 1, 3, 2]))
+    nodes.append(helper.make_node("MatMul", [h, "ht"], ["s"], name="op_scores"))
+    nodes.append(helper.make_node("Mul", ["s", _scalar(nodes, "scale", 0.5)], ["ss"], name="op_scale"))
+    nodes.append(helper.make_node("Add", ["ss", p("op.bias", rng.normal(0, 0.5, (6, 6)))], ["sb"], name="op"))
+    nodes.append(helper.make_node("Where", ["causal", "sb", _scalar(nodes, "ninf", -np.inf)], ["masked"], name="op_mask"))
+    nodes.append(helper.make_node("Softmax", ["masked"], ["a"], name="op_softmax", axis=-1))
+    nodes.append(helper.make_node("MatMul", ["a", h], ["o"], name="op_context"))
+    return "o"
+
+
+def _trilu(nodes, p, h, C, rng):  # Trilu on the gradient path: the lower triangle plus half the strict upper one
+    nodes.append(helper.make_node("Trilu", [h], ["lower"], name="op_tril", upper=0))
+    nodes.append(helper.make_node("Trilu", [h, _scalar(nodes, "k", 1, np.int64)], ["upper"], name="op_triu", upper=1))
+    nodes.append(helper.make_node("Mul", ["upper", _scalar(nodes, "half", 0.5)], ["upper2"], name="op_half"))
+    nodes.append(helper.make_node("Add", ["lower", "upper2"], ["o"], name="op"))
+    return "o"
+
+
+def _tokens(nodes, h, C):
+    """h [N, C, 6, 6] as a sequence of 36 tokens of width C, [N, 36, C]."""
+    nodes.append(
+        helper.make_node("Reshape", [h, _const(nodes, "seq_shape", np.array([0, C, 36], np.int64))], ["hs"], name="tok_r")
+    )
+    nodes.append(helper.make_node("Transpose", ["hs"], ["tokens"], name="tok_t", perm=[0, 2, 1]))
+    return "tokens"
+
+
+def _input_ids(nodes):
+    """Token ids read off the model input, [N, 36] int64 (small integers, 0 the padding id)."""
+    flat = _const(nodes, "ids_shape", np.array([0, 36], np.int64))
+    nodes.append(helper.make_node("Reshape", ["x", flat], ["xf"], name="ids_r"))
+    nodes.append(helper.make_node("Mul", ["xf", _scalar(nodes, "ids_scale", 2.0)], ["xs"], name="ids_scale"))
+    nodes.append(helper.make_node("Cast", ["xs"], ["ids"], name="ids_cast", to=TensorProto.INT64))
+    return "ids"
+
+
+def _pooled(nodes, pooled):
+    """[N, C] -> [N, C, 1, 1], for the pattern model's GlobalAveragePool."""
+    nodes.append(
+        helper.make_node("Unsqueeze", [pooled, _const(nodes, "pool_axes", np.array([2, 3], np.int64))], ["o"], name="op_4d")
+    )
+    return "o"
+
+
+def _last_token(nodes, p, h, C, rng):
+    """GPT2ForSequenceClassification as the dynamo exporter writes its pooling: the last non-pad
+    token `(arange(S) * (ids != pad)).argmax(-1)`, then `logits[arange(batch), last]` a GatherND
+    of the two index tensors stacked."""
+    tokens, ids = _tokens(nodes, h, C), _input_ids(nodes)
+    nodes.append(helper.make_node("Equal", [ids, _scalar(nodes, "pad", 0, np.int64)], ["is_pad"], name="op_eq"))
+    nodes.append(helper.make_node("Not", ["is_pad"], ["non_pad"], name="op_not"))
+    nodes.append(helper.make_node("Cast", ["non_pad"], ["non_pad_i"], name="op_cast", to=TensorProto.INT32))
+    nodes.append(helper.make_node("Shape", [ids], ["seq_len"], name="op_seq_shape", start=1, end=2))
+    nodes.append(helper.make_node("Cast", ["seq_len"], ["seq_len_i"], name="op_seq_cast", to=TensorProto.INT32))
+    nodes.append(helper.make_node("Squeeze", ["seq_len_i"], ["seq"], name="op_seq_scalar"))
+    zero_i, one_i = _scalar(nodes, "zero_i", 0, np.int32), _scalar(nodes, "one_i", 1, np.int32)
+    nodes.append(helper.make_node("Range", [zero_i, "seq", one_i], ["positions"], name="op_positions"))
+    nodes.append(helper.make_node("Mul", ["positions", "non_pad_i"], ["kept"], name="op_kept"))
+    nodes.append(helper.make_node("ArgMax", ["kept"], ["last"], name="op_argmax", axis=-1, keepdims=0))
+    nodes.append(helper.make_node("Shape", [h], ["batch"], name="op_batch_shape", start=0, end=1))
+    nodes.append(helper.make_node("Squeeze", ["batch"], ["batch_n"], name="op_batch_scalar"))
+    zero, one = _scalar(nodes, "zero", 0, np.int64), _scalar(nodes, "one", 1, np.int64)
+    nodes.append(helper.make_node("Range", [zero, "batch_n", one], ["rows"], name="op_rows"))
+    minus1 = _const(nodes, "minus1", np.array([-1], np.int64))
+    nodes.append(helper.make_node("Unsqueeze", ["rows", minus1], ["rows1"], name="op_rows1"))
+    nodes.append(helper.make_node("Unsqueeze", ["last", minus1], ["last1"], name="op_last1"))
+    nodes.append(helper.make_node("Concat", ["rows1", "last1"], ["index"], name="op_index", axis=-1))
+    nodes.append(helper.make_node("GatherND", [tokens, "index"], ["pooled"], name="op"))
+    return _pooled(nodes, "pooled")
+
+
+def _gather_nd_repeated(nodes, p, h, C, rng):  # GatherND picking one token twice: the gradient must add up
+    nodes.append(helper.make_node("Transpose", [_tokens(nodes, h, C)], ["by_token"], name="op_t", perm=[1, 0, 2]))
+    picks = _const(nodes, "picks", np.array([[35], [7], [35]], np.int64))
+    nodes.append(helper.make_node("GatherND", ["by_token", picks], ["picked"], name="op"))
+    nodes.append(helper.make_node("Transpose", ["picked"], ["pt"], name="op_back", perm=[1, 2, 0]))
+    nodes.append(helper.make_node("Unsqueeze", ["pt", _const(nodes, "ax", np.array([3], np.int64))], ["o"], name="op_4d"))
+    return "o"
+
+
+def _mean_pooling(nodes, p, h, C, rng):
+    """A text encoder's masked mean pooling (sentence-transformers): sum(tokens * mask) /
+    clamp(sum(mask), 1e-9), the attention mask an integer tensor cast to float."""
+    tokens, ids = _tokens(nodes, h, C), _input_ids(nodes)
+    nodes.append(helper.make_node("Equal", [ids, _scalar(nodes, "pad", 0, np.int64)], ["is_pad"], name="op_eq"))
+    nodes.append(helper.make_node("Not", ["is_pad"], ["attend"], name="op_not"))
+    nodes.append(helper.make_node("Cast", ["attend"], ["mask"], name="op_mask", to=TensorProto.INT64))
+    nodes.append(helper.make_node("Unsqueeze", ["mask", _const(nodes, "minus1", np.array([-1], np.int64))], ["m3"], name="op_m3"))
+    nodes.append(helper.make_node("Shape", [tokens], ["tshape"], name="op_tshape"))
+    nodes.append(helper.make_node("Expand", ["m3", "tshape"], ["me"], name="op_expand"))
+    nodes.append(helper.make_node("Cast", ["me"], ["mf"], name="op_maskf", to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("Mul", [tokens, "mf"], ["masked"], name="op_masked"))
+    seq = _const(nodes, "seq_axis", np.array([1], np.int64))
+    nodes.append(helper.make_node("ReduceSum", ["masked", seq], ["total"], name="op", keepdims=0))
+    nodes.append(helper.make_node("ReduceSum", ["mf", seq], ["count"], name="op_count", keepdims=0))
+    nodes.append(helper.make_node("Clip", ["count", _scalar(nodes, "tiny", 1e-9)], ["count1"], name="op_clamp"))
+    nodes.append(helper.make_node("Div", ["total", "count1"], ["pooled"], name="op_mean"))
+    return _pooled(nodes, "pooled")
+
+
+def _top1_routing(nodes, p, h, C, rng):
+    """Switch Transformer's top-1 router over the channels: each position scaled by its top gate
+    probability, picked by `one_hot(argmax)` cast to float, and dropped when that probability is
+    below 0.3 (a ReduceMax only compared). The argmax, the one-hot, the comparison and the casts
+    from integer and boolean lie on the gradient's way but pass none."""
+    nodes.append(helper.make_node("Softmax", [h], ["gates"], name="op_gates", axis=1))
+    nodes.append(helper.make_node("ArgMax", [h], ["top"], name="op_argmax", axis=1, keepdims=0))
+    depth, values = _scalar(nodes, "experts", C, np.int64), _const(nodes, "off_on", np.array([0, 1], np.int64))
+    nodes.append(helper.make_node("OneHot", ["top", depth, values], ["onehot"], name="op_onehot", axis=1))
+    nodes.append(helper.make_node("Cast", ["onehot"], ["onehot_f"], name="op_onehot_f", to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("Mul", ["gates", "onehot_f"], ["picked"], name="op_pick"))
+    axis = _const(nodes, "axis", np.array([1], np.int64))
+    nodes.append(helper.make_node("ReduceSum", ["picked", axis], ["gate"], name="op_gate", keepdims=1))
+    nodes.append(helper.make_node("ReduceMax", ["gates", axis], ["peak"], name="op_peak", keepdims=1))
+    nodes.append(helper.make_node("Greater", ["peak", _scalar(nodes, "capacity", 0.3)], ["routed"], name="op_routed"))
+    nodes.append(helper.make_node("Cast", ["routed"], ["keep"], name="op_keep", to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("Mul", ["gate", "keep"], ["scale"], name="op_scale"))
+    nodes.append(helper.make_node("Mul", [h, "scale"], ["o"], name="op"))
+    return "o"
+
+
 OP_PATTERNS: dict[str, Body] = {
     "Relu": _unary("Relu"),
     "Clip(ReLU6)": _clip,
@@ -310,6 +490,16 @@ OP_PATTERNS: dict[str, Body] = {
     "Where": _where,
     "BatchedMatMul+Softmax": _attention,
     "SiLU": _silu,
+    "Pow+Tanh(GPT-2 GELU)": _gelu_tanh,
+    "RMSNorm(Cast+Pow+Sqrt+Reciprocal)": _channels_last(_rms_norm_upcast),
+    "RMSNorm(Pow+Sqrt+Div)": _channels_last(_rms_norm_div),
+    "Neg(rotary embedding)": _rope,
+    "CausalAttention(Trilu+Where -inf+Softmax)": _causal_attention,
+    "Trilu": _trilu,
+    "GatherND(last token)": _last_token,
+    "GatherND(repeated)": _gather_nd_repeated,
+    "ReduceSum(mean pooling)": _mean_pooling,
+    "ReduceSum+Cast(top-1 routing)": _top1_routing,
 }
 TRAINABLE_OP = {
     "Conv1x1",
@@ -322,6 +512,8 @@ TRAINABLE_OP = {
     "MatMul+Transpose",
     "Gather(table)",
     "Expand(token)",
+    "RMSNorm(Cast+Pow+Sqrt+Reciprocal)",
+    "CausalAttention(Trilu+Where -inf+Softmax)",
 }
 
 
@@ -391,19 +583,24 @@ def float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.nda
         m.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[t.name].astype(np.float64), t.name))
     for v in list(m.graph.input) + list(m.graph.output):
         v.type.tensor_type.elem_type = TensorProto.DOUBLE
-    for node in m.graph.node:  # constants (e.g. Clip bounds) must be float64 too
+    for node in m.graph.node:  # constants (e.g. Clip bounds) and casts back to float32 must be float64 too
         if node.op_type == "Constant":
             arr = numpy_helper.to_array(node.attribute[0].t)
             if arr.dtype == np.float32:
                 node.attribute[0].t.CopyFrom(numpy_helper.from_array(arr.astype(np.float64), node.attribute[0].t.name))
+        if node.op_type == "Cast" and node.attribute[0].i == TensorProto.FLOAT:
+            node.attribute[0].i = TensorProto.DOUBLE
     logits = ReferenceEvaluator(m, new_ops=[Erf, Gelu]).run(None, {m.graph.input[0].name: x.astype(np.float64)})[0]
     logits = logits - logits.max(axis=1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     return float(-logp[np.arange(len(y)), y].mean())
 
 
-def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int = 12, h: float = 1e-6) -> dict[str, float]:
-    """Relative error of planner's gradient of each trainable parameter vs finite differences.
+def step_gradients(
+    path: Path, trainable: tuple, batch: int = 4, rng: np.random.Generator | None = None
+) -> tuple[Model, StepSignature, dict, np.ndarray, np.ndarray, dict]:
+    """planner's gradient of each trainable parameter for one batch drawn from `rng` (seeded 1 by
+    default): (model, step signature, weights before, x, y, gradients by parameter name).
 
     SGD with lr = 1 makes the compiled step compute p - grad, so grad = p_before - p_after.
     """
@@ -415,17 +612,25 @@ def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int =
     )
     w0 = {k: v.astype(np.float32) for k, v in model.initializers.items()}
     session = TrainingSession(step.library, step.signature, w0)
-    rng = np.random.default_rng(1)
-    x = rng.normal(0, 1, (batch, *model.input_shape)).astype(np.float32)
+    rng = rng or np.random.default_rng(1)
+    x = rng.normal(0, 1, (batch, *model.only_input.shape)).astype(np.float32)
     y = rng.integers(0, model.n_classes, batch)
     session.step(x, y)
     w1 = session.weights()
+    names = [n.removesuffix("@head") for n in step.signature.trainable]
+    return model, step.signature, w0, x, y, {n: w0[n].astype(np.float64) - w1[n].astype(np.float64) for n in names}
+
+
+def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int = 12, h: float = 1e-6) -> dict[str, float]:
+    """Relative error of planner's gradient of each trainable parameter vs finite differences."""
+    rng = np.random.default_rng(1)  # the batch, then the entries checked
+    model, signature, w0, x, y, grads = step_gradients(path, trainable, batch, rng)
     errors = {}
-    for name in (n.removesuffix("@head") for n in step.signature.trainable):
-        grad = (w0[name].astype(np.float64) - w1[name].astype(np.float64)).ravel()
+    for name, full in grads.items():
+        grad = full.ravel()
         region = np.ones(w0[name].shape, bool)  # a ratio update trains only the first k channels
-        if name in step.signature.splits:
-            axis, k = step.signature.splits[name]
+        if name in signature.splits:
+            axis, k = signature.splits[name]
             region = np.moveaxis(region, axis, 0)
             region[k:] = False
             region = np.moveaxis(region, 0, axis)

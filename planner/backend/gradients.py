@@ -1,4 +1,4 @@
-"""Gradients TVM 0.27 lacks, or keeps more memory for, registered with Relax's own mechanism.
+"""Gradients TVM 0.27 lacks, gets wrong, or keeps more memory for, registered with Relax's own mechanism.
 
 Each is checked against float64 finite differences (tests/test_gradients.py) and, in the models
 PyTorch exports, against PyTorch autograd (tests/test_pytorch_families.py). `register()` installs
@@ -185,12 +185,50 @@ def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
     return [back(dx, x), back(dgamma, gamma), back(dbeta, beta)]
 
 
+def _trilu_grad(orig_var, orig_call, output_grad, ctx):
+    """y = tril(x, k) or triu(x, k): a mask of x's positions, so dy/dx is the same mask of the
+    output gradient. TVM 0.27 has none for tril, and its triu gradient returns one partial for the
+    op's two arguments (x and the PrimValue k), which its gradient pass rejects."""
+    k = orig_call.args[1]
+    return [relax.Call(orig_call.op, [output_grad, k]), no_grad(k)]
+
+
+def _is_float(expr: relax.Expr) -> bool:
+    return str(expr.ty.dtype).startswith(("float", "bfloat"))
+
+
+def _astype_grad(orig_var, orig_call, output_grad, ctx):
+    """y = astype(x, dtype): between float types dy/dx casts the output gradient back to x's type;
+    a cast to or from an integer or boolean type passes none. TVM's gradient casts the gradient
+    into the integer type and hands it upstream, where an argmax (no gradient) behind the cast
+    fails the whole pass, and a float -> int -> float round trip would pass a truncated gradient
+    for what is a step function."""
+    x = orig_call.args[0]
+    if not (_is_float(x) and _is_float(orig_var)):
+        return [no_grad(x)]
+    return [relax.op.astype(output_grad, x.ty.dtype)]
+
+
+def _gather_nd_grad(orig_var, orig_call, output_grad, ctx):
+    """y = gather_nd(x, indices) (batch_dims 0): each index tuple picks a slice of x, so dx is
+    the output gradient scatter-added into zeros of x's shape (a slice picked twice gets both).
+    Each index is clamped to its axis first: TVM's scatter_nd writes wherever an index points."""
+    x, indices = orig_call.args
+    if int(orig_call.attrs.batch_dims) != 0:
+        raise ValueError("planner's gather_nd gradient takes batch_dims 0 only")
+    depth = _shape(indices)[-1]
+    dtype = str(indices.ty.dtype)
+    last = relax.const([d - 1 for d in _shape(x)[:depth]], dtype)
+    clamped = relax.op.minimum(relax.op.maximum(indices, relax.const(0, dtype)), last)
+    return [relax.op.scatter_nd(relax.op.zeros_like(x), clamped, output_grad, "add"), no_grad(indices)]
+
+
 _REGISTERED = False
 
 
 def register() -> None:
     """Install planner's gradients into Relax (once per process): those TVM 0.27 lacks, and its
-    own ReLU, conv2d and take gradients replaced (see each function for why)."""
+    own ReLU, conv2d, take, triu and astype gradients replaced (see each function for why)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -201,10 +239,14 @@ def register() -> None:
         ("relax.squeeze", _squeeze_grad),
         ("relax.strided_slice", _strided_slice_grad),
         ("relax.nn.layer_norm", _layer_norm_grad),
+        ("relax.tril", _trilu_grad),
+        ("relax.gather_nd", _gather_nd_grad),
     ):
         if tvm.ir.Op.get(op).get_attr("FPrimalGradient") is None:
             register_gradient(op, grad)
     register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)
     register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
     register_gradient("relax.take", _take_grad, level=11)  # TVM's takes one-dimensional indices only
+    register_gradient("relax.triu", _trilu_grad, level=11)  # TVM's returns too few partials
+    register_gradient("relax.astype", _astype_grad, level=11)  # TVM's passes gradients into integer paths
     _REGISTERED = True

@@ -25,6 +25,7 @@ PASSES_GRADIENT: frozenset[str] = frozenset(
         "Add",
         "AveragePool",
         "BatchNormalization",
+        "Cast",
         "Clip",
         "Concat",
         "Conv",
@@ -33,6 +34,7 @@ PASSES_GRADIENT: frozenset[str] = frozenset(
         "Expand",
         "Flatten",
         "Gather",
+        "GatherND",
         "Gelu",
         "Gemm",
         "GlobalAveragePool",
@@ -43,17 +45,23 @@ PASSES_GRADIENT: frozenset[str] = frozenset(
         "MatMul",
         "MaxPool",
         "Mul",
+        "Neg",
+        "Pow",
+        "Reciprocal",
         "ReduceMean",
+        "ReduceSum",
         "Relu",
         "Reshape",
         "Sigmoid",
         "Slice",
         "Softmax",
         "Split",
+        "Sqrt",
         "Squeeze",
         "Sub",
         "Tanh",
         "Transpose",
+        "Trilu",
         "Unsqueeze",
         "Where",
     }
@@ -73,6 +81,13 @@ def node_gradient_problem(node: onnx.NodeProto, constants: Mapping[str, np.ndarr
     steps = constants.get(node.input[4]) if node.op_type == "Slice" and len(node.input) > 4 else None
     if steps is not None and (np.asarray(steps) < 0).any():
         return f"node '{node.name}' (Slice) reverses a tensor (a negative step): no gradient in planner"
+    # x ** e passes dx = e * x ** (e - 1) * dy; a computed exponent would need de = y * ln(x) * dy,
+    # undefined (NaN) wherever x <= 0, as a squared or cubed activation has it half the time.
+    if node.op_type == "Pow" and node.input[1] not in constants:
+        return f"node '{node.name}' (Pow) has a computed exponent: planner differentiates x ** constant only"
+    batch_dims = next((a.i for a in node.attribute if a.name == "batch_dims"), 0)
+    if node.op_type == "GatherND" and batch_dims:
+        return f"node '{node.name}' (GatherND) has batch_dims {batch_dims}: planner differentiates batch_dims 0 only"
     return None
 
 
@@ -85,9 +100,10 @@ def blocking_nodes(
     """For each node, the first problem on its path to the model output ('' when none).
 
     Walks the graph backwards from the outputs: a node is blocked when any consumer of its output
-    is blocked or cannot pass a gradient itself. No gradient flows along an integer or boolean
-    tensor (an index, a mask), so such edges block nothing, and neither does a consumer whose
-    outputs are all such tensors (a comparison, an argmax).
+    is blocked or cannot pass a gradient itself. A gradient flows only along float tensors the
+    outputs depend on through float tensors: an integer or boolean tensor (an index, a mask) blocks
+    nothing, and neither does a consumer whose outputs reach the outputs through such tensors only
+    (a comparison, an argmax, or a ReduceMax whose result is only compared).
     """
 
     def carries_gradient(name: str) -> bool:
@@ -97,12 +113,15 @@ def blocking_nodes(
     for node in nodes:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+    # the float tensors a gradient reaches, grown backwards from the outputs
+    reached = set(filter(carries_gradient, outputs))
     result: dict[str, str] = {}
     for node in reversed(nodes):  # ONNX nodes are topologically sorted
         problem = ""
         for out in filter(carries_gradient, node.output):
             for user in consumers.get(out, []):
-                if any(map(carries_gradient, user.output)):
+                if any(name in reached for name in user.output):
+                    reached.add(out)
                     problem = problem or result[user.name] or (node_gradient_problem(user, constants) or "")
         result[node.name] = problem
     return result
