@@ -98,6 +98,9 @@ class Family:
     build: Callable[[], nn.Module]  # the architecture; its initial weights are all replaced
     num_classes: int = NUM_CLASSES
     tokens: Tokens | None = None  # text: `input_ids` and `attention_mask` instead of `x`
+    # modules whose parameter the dynamo exporter folds into a value it stores (a position table
+    # looked up at the fixed positions 0..L-1: `planner.inputs.names.folded_values`): no layer there
+    folded_by_dynamo: frozenset[str] = frozenset()
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -161,6 +164,46 @@ class EncoderClassifier(nn.Module):
         return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
 
 
+class SequenceClassifier(nn.Module):
+    """A Hugging Face `*ForSequenceClassification` model built from a small config (random
+    weights, nothing downloaded), called as exported models are: `(input_ids, attention_mask)`
+    -> logits."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        _torchvision_models()  # transformers imports torchvision: its C-op registrations stubbed first
+        import transformers
+
+        common = dict(vocab_size=64, num_labels=NUM_CLASSES, pad_token_id=0)
+        if kind == "bert":
+            config = transformers.BertConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=16,
+                **common,
+            )
+            self.model = transformers.BertForSequenceClassification(config)
+        elif kind == "gpt2":
+            config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, **common)
+            self.model = transformers.GPT2ForSequenceClassification(config)
+        else:
+            config = transformers.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=16,
+                **common,
+            )
+            self.model = transformers.LlamaForSequenceClassification(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
 class TokenClassifier(nn.Module):
     """Text classifier on token ids and an attention mask: input_ids, attention_mask [batch, 12],
     logits [batch, 10]. An embedding table (vocabulary 64, width 16), the mean of the unmasked
@@ -215,6 +258,21 @@ FAMILIES: dict[str, Family] = {
         Family("encoder_postnorm", (16, 8), lambda: EncoderClassifier(norm_first=False)),
         Family("token_bag", (12,), TokenClassifier, tokens=Tokens(length=12, vocab=64)),
         Family("sensor_cnn", (6, 45), SensorCNN),
+        Family(
+            "bert",
+            (12,),
+            lambda: SequenceClassifier("bert"),
+            tokens=Tokens(length=12, vocab=64),
+            folded_by_dynamo=frozenset({"model.bert.embeddings.position_embeddings"}),
+        ),
+        Family(
+            "gpt2",
+            (12,),
+            lambda: SequenceClassifier("gpt2"),
+            tokens=Tokens(length=12, vocab=64),
+            folded_by_dynamo=frozenset({"model.transformer.wpe"}),
+        ),
+        Family("llama", (12,), lambda: SequenceClassifier("llama"), tokens=Tokens(length=12, vocab=64)),
     )
 }
 
@@ -270,8 +328,12 @@ def _draw(module: nn.Module, name: str, shape: torch.Size, rng: np.random.Genera
         return rng.normal(0.5, 0.1, size)
     if name.endswith("bias"):
         return rng.normal(0.0, 0.1, size)
-    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
+    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)) or type(module).__name__.endswith(
+        "RMSNorm"
+    ):
         return rng.uniform(0.7, 1.3, size)
+    if type(module).__name__ == "Conv1D" and len(size) == 2:  # transformers' GPT-2 Linear, stored [in, out]
+        return rng.normal(0.0, 1.0 / math.sqrt(size[0]), size)
     if isinstance(module, (nn.modules.conv._ConvNd, nn.Linear, nn.MultiheadAttention)) and len(size) >= 2:
         fan_in = math.prod(size[1:])
         gain = math.sqrt(2.0) if isinstance(module, nn.modules.conv._ConvNd) else 1.0
@@ -363,23 +425,25 @@ def _folded_module(family: str) -> tuple[nn.Module, frozenset[str]]:
     return folded, frozenset(norms - left)
 
 
-def pytorch_layer_names(family: str) -> set[str]:
-    """What a PyTorch user calls the trainable layers of `family`.
+def pytorch_layer_names(family: str, exporter: Exporter = "legacy") -> set[str]:
+    """What a PyTorch user calls the trainable layers of `family` as `exporter` writes it.
 
     The paths of the torch.nn modules that own parameters directly (`layer1.0.conv1`,
     `encoder.layers.0.self_attn` for its packed input projection, `...self_attn.out_proj`), and
     the full names of parameters that user-written modules own directly (`class_token`,
     `encoder.pos_embedding`, `pos`): those are layers on their own. A BatchNorm folded into its
-    conv is not a layer of the exported graph; the conv is.
+    conv is not a layer of the exported graph; the conv is. transformers' `Conv1D` (GPT-2's Linear,
+    its weight stored [in, out]) is a layer as a Linear is. The dynamo exporter's folded modules
+    (`Family.folded_by_dynamo`) are none in its exports.
     """
     model = _seeded_module(family)
     _, folded = _folded_module(family)
     names: set[str] = set()
     for path, module in model.named_modules():
         own = [name for name, _ in module.named_parameters(recurse=False)]
-        if not own or path in folded:
+        if not own or path in folded or (exporter == "dynamo" and path in _family(family).folded_by_dynamo):
             continue
-        if type(module).__module__.startswith("torch.nn."):
+        if type(module).__module__.startswith("torch.nn.") or type(module).__name__ == "Conv1D":
             names.add(path)
         else:
             names.update(f"{path}.{name}" if path else name for name in own)
@@ -664,7 +728,9 @@ def _with_onnx_weights(
                 param = params[ref.name]
                 param.copy_(torch.from_numpy(ref.to_torch(inits[onnx_name], tuple(param.shape))))
                 covered.add(ref.name)
-    missing = [n for n, p in params.items() if n not in covered and bool(torch.any(p != 0))]
+    # a folded module's parameter is in no initializer: the value the exporter stored is computed from it
+    folded = {f"{m}.{n}" for m in _family(family).folded_by_dynamo for n, _ in model.get_submodule(m).named_parameters()}
+    missing = [n for n, p in params.items() if n not in covered | folded and bool(torch.any(p != 0))]
     if missing:
         raise ValueError(f"{family}: PyTorch tensors in no initializer of {onnx_path}: {missing}")
     return model.to(dtype), mapping, inits

@@ -29,7 +29,7 @@ from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
 from planner.backend import recompute
-from planner.backend.conv1d import as_conv2d
+from planner.backend.rewrites import for_training
 from planner.backend.tir import accumulate_kernel, scale_kernel
 from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
@@ -62,7 +62,7 @@ def _imported(model: Model, batch: int) -> relax.Function:
         raise BadInput(f"TVM cannot import {model.path.name}: {last_line(exc)}") from None
     mod, _ = relax.frontend.detach_params(mod)
     mod = _untangle_clip(mod)
-    func = as_conv2d(mod["main"])
+    func = for_training(mod["main"])
     expected = len(model.inputs) + len(model.initializers)
     if len(func.params) != expected:  # the frontend keeps initializers in graph order
         raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")

@@ -19,7 +19,7 @@ from onnx import external_data_helper, numpy_helper
 
 from planner.errors import BadInput, first_line
 from planner.inputs.fixups import constant_values, for_import, name_nodes, tensor_types, untie_identities
-from planner.inputs.names import layer_name, standalone_name
+from planner.inputs.names import folded_values, layer_name, standalone_name
 from planner.inputs.trainability import blocking_nodes, layer_problem
 from planner.types import Mode, ModeKind, ModelInput
 
@@ -259,9 +259,11 @@ def _parameters(graph: onnx.GraphProto) -> tuple[str, ...]:
 
     A parameter fills a weight, bias or buffer slot of a layer op, or is a tensor of more than one
     value used anywhere (a class token, a positional embedding). A float scalar elsewhere — an
-    attention scale, an epsilon — is a constant: it is never trained and is baked into the step.
+    attention scale, an epsilon — is a constant: it is never trained and is baked into the step;
+    so is a value the exporter computed and stored (`names.folded_values`).
     """
-    floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    folded = folded_values(graph)
+    floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and t.name not in folded}
     slotted: set[str] = set()
     for node in graph.node:
         if node.op_type in _WEIGHT_BIAS_SLOTS:

@@ -96,3 +96,26 @@ def standalone_name(node: onnx.NodeProto, param: str, taken: set[str]) -> str:
     if is_pytorch_name(param) and param not in taken:
         return param
     return layer_name([node], [param], taken)
+
+
+_FX_ARGUMENT = re.compile(r"%([A-Za-z_][\w]*)")
+
+
+def folded_values(graph: onnx.GraphProto) -> set[str]:
+    """Initializers the dynamo exporter computed rather than found: values of the PyTorch
+    program it folded into constants, never parameters.
+
+    Why: its optimizer folds every computation on constants, and to it a parameter is a constant
+    too: BERT's `position_embeddings(arange(12))` is stored as `embedding_2` [1, 12, 32], Llama's
+    rotary `cos`/`sin` (from the `inv_freq` buffer) as `unsqueeze_14`. Trained, such a tensor
+    would be a parameter no PyTorch module has. Each node records the FX node it came from
+    (`pkg.torch.onnx.fx_node`: `... args = (%add_8, %embedding_2)`); an initializer named as an
+    FX node is such a value (parameters are FX placeholders, `%p_...`, stored under their
+    PyTorch names)."""
+    inits = {t.name for t in graph.initializer}
+    found: set[str] = set()
+    for node in graph.node:
+        record = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), None)
+        if record is not None and "](args = " in record:
+            found.update(name for name in _FX_ARGUMENT.findall(record.split("](args = ", 1)[1]) if name in inits)
+    return found
