@@ -70,7 +70,9 @@ def test_other_opsets_train_like_pytorch(family, exporter, opset):
     _check_one_step(family, path)
 
 
-@pytest.mark.parametrize("family, exporter", [("vit", "legacy"), ("encoder_prenorm", "dynamo"), ("mobilenet_v3_small", "dynamo")])
+@pytest.mark.parametrize(
+    "family, exporter", [("vit", "legacy"), ("encoder_prenorm", "dynamo"), ("mobilenet_v3_small", "dynamo"), ("bert", "dynamo")]
+)
 def test_last_layers_with_gradient_accumulation_train_like_pytorch(family, exporter):
     """The last layers only, two micro-batches per step: the frozen front runs outside the
     differentiated function (per micro-batch), and the step is PyTorch's on the whole batch."""
@@ -79,7 +81,9 @@ def test_last_layers_with_gradient_accumulation_train_like_pytorch(family, expor
     _check_one_step(family, path, [layer.name for layer in model.layers[-5:]], accum=2)
 
 
-@pytest.mark.parametrize("family, exporter", [("vit", "legacy"), ("resnet18", "dynamo"), ("mobilenet_v2", "dynamo")])
+@pytest.mark.parametrize(
+    "family, exporter", [("vit", "legacy"), ("resnet18", "dynamo"), ("mobilenet_v2", "dynamo"), ("gpt2", "legacy")]
+)
 def test_recomputing_steps_train_like_pytorch(family, exporter):
     """Every layer trained with `recompute: auto`, and with one listed layer's input kept over two
     micro-batches (their gradients summed in place, an OpenBLAS weight gradient adding onto the
@@ -130,18 +134,43 @@ def _check_one_step(
         assert any(not wrong(reference) for reference in flipped), off
 
 
-@pytest.mark.parametrize("family, exporter", [("vit", "legacy"), ("vit", "dynamo"), ("mobilenet_v2", "dynamo")])
+# language models: LoRA where it is used on them, the attention and MLP projections
+_PROJECTIONS = {
+    "gpt2": ("attn.c_attn", "mlp.c_fc"),
+    "llama": ("self_attn.q_proj", "self_attn.v_proj"),
+    "bert": ("attention.self.query", "attention.self.value"),
+}
+
+
+@pytest.mark.parametrize(
+    "family, exporter",
+    [
+        ("vit", "legacy"),
+        ("vit", "dynamo"),
+        ("mobilenet_v2", "dynamo"),
+        ("gpt2", "legacy"),
+        ("gpt2", "dynamo"),
+        ("llama", "dynamo"),
+        ("bert", "legacy"),
+    ],
+)
 def test_lora_adapters_train_like_pytorch(family, exporter):
-    """LoRA on a patch-embedding or first Conv, a 1×1 Conv or a Linear, and the last layer: the
-    adapters' step is PyTorch's gradient of the merged weight W + B·A through the product,
-    dB = dW·Aᵀ and dA = Bᵀ·dW, with W's gradient from PyTorch autograd in float64 on a model
-    holding the merged weights."""
+    """LoRA on a patch-embedding or first Conv, a 1×1 Conv or a Linear, and the last layer (on a
+    language model: its attention and MLP projections, every block's): the adapters' step is
+    PyTorch's gradient of the merged weight W + B·A through the product, dB = dW·Aᵀ and
+    dA = Bᵀ·dW, with W's gradient from PyTorch autograd in float64 on a model holding the merged
+    weights."""
     from planner.backend.weights import adapter_delta, adapter_shapes, lora_a, lora_b
 
     path = tf.export(family, exporter)
     model = api.inspect(path)
     fits = [layer for layer in model.layers if layer.max_rank >= 2]
-    chosen = {layer.name: rank for layer, rank in zip((fits[0], fits[len(fits) // 2], fits[-1]), (2, 4, 2))}
+    if family in _PROJECTIONS:
+        projections = [layer for layer in fits if layer.name.endswith(_PROJECTIONS[family])]
+        assert len(projections) == 2 * len(_PROJECTIONS[family]), [layer.name for layer in fits]  # two blocks
+        chosen = {layer.name: (2, 4)[i % 2] for i, layer in enumerate(projections)}
+    else:
+        chosen = {layer.name: rank for layer, rank in zip((fits[0], fits[len(fits) // 2], fits[-1]), (2, 4, 2))}
     rng = np.random.default_rng(0)
     weights, merged = dict(model.initializers), dict(model.initializers)
     for name, rank in chosen.items():
@@ -213,6 +242,24 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
         for data_file in model.data_files:  # the plan directory stands alone
             assert (out / data_file).read_bytes() == (path.parent / data_file).read_bytes()
     assert peak["full"] > peak["last"], peak
+
+
+SEQUENCE_CASES = [c for c in CASES if tf.FAMILIES[c.values[0]].tokens is not None or c.values[0] == "sensor_cnn"]
+
+
+@pytest.mark.parametrize("family, exporter", SEQUENCE_CASES)
+def test_sequence_models_plan_with_the_default_space_and_run(family, exporter, tmp_path):
+    """Text and sensor models as exported: `planner plan` with the default space finishes with a
+    plan that records every input (token ids and masks as int64), and `planner run` trains it on
+    the same arrays."""
+    path = tf.export(family, exporter)
+    data = _dataset(tmp_path / "data.npz", family, n=40)
+    result = api.plan(model=path, data=data, out=tmp_path / "plan", trials=2, accuracy_steps=4, latency_repeats=2)
+    assert result.plan is not None
+    recorded = json.loads((tmp_path / "plan" / "plan.json").read_text())["model"]["inputs"]
+    assert [(i["name"], i["dtype"]) for i in recorded] == [(i.name, i.dtype) for i in api.inspect(path).inputs]
+    ran = api.run(tmp_path / "plan", data=data, steps=4, out=tmp_path / "ran")
+    assert np.isfinite(ran.after["loss"])
 
 
 def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):

@@ -23,6 +23,8 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from planner.inputs.recurrent import unroll_recurrent
+
 # Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
 # big is better computed by the step than stored in it.
 _MAX_FOLDED_ELEMENTS = 1 << 20
@@ -140,8 +142,9 @@ def bind_batch(proto: onnx.ModelProto, batch: int) -> None:
 
 def for_import(proto: onnx.ModelProto, batch: int, parameters: set[str]) -> onnx.ModelProto:
     """A copy of `proto` as planner hands it to TVM: batch `batch`, every initializer that is
-    not in `parameters` a Constant node, and every computation on constants (shapes included)
-    folded into a Constant."""
+    not in `parameters` a Constant node, every GRU, LSTM and RNN node unrolled over its fixed
+    sequence (`planner.inputs.recurrent`: TVM imports none of them), and every computation on
+    constants (shapes included) folded into a Constant."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     bind_batch(out, batch)
@@ -155,6 +158,7 @@ def for_import(proto: onnx.ModelProto, batch: int, parameters: set[str]) -> onnx
     nodes = [_constant(n, v) for n, v in values.items()] + list(g.node)
     del g.node[:]
     g.node.extend(nodes)
+    unroll_recurrent(out)
     while _fold_constants(out, values, opset):  # a folded shape lets inference see further
         pass
     return out

@@ -277,6 +277,8 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
     try:
         analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters))
         types = tensor_types(analysed)
+    except BadInput:  # a fix-up's own refusal (a GRU with partial sequence lengths) says what it is
+        raise
     except Exception as exc:  # onnx's shape inference and reference ops raise assorted types
         raise BadInput(f"ONNX shape inference failed: {first_line(exc)}") from None
     graph = analysed.graph
