@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, CandidateFailed, MeasureFailed, NoFeasiblePlan
-from planner.inputs.data import load_dataset
+from planner.inputs.data import bind_lengths, load_dataset
 from planner.inputs.defaults import (
     DEFAULT_ACCURACY_STEPS,
     DEFAULT_DATA,
@@ -42,9 +42,12 @@ from planner.plans.directory import (
     REPORT_MD,
     STEP_LIBRARY,
     STUDY_FILE,
+    TOKENIZER_FILE,
     TRIALS_FILE,
+    data_files,
     locked,
     model_files,
+    plan_tokenizer,
     prepare_out_dir,
     read_plan,
     study_storage_writes,
@@ -165,6 +168,7 @@ def plan(
     model: str | Path | None = None,
     data: str | Path | None = None,
     preprocess: str | Path | None = None,
+    tokenizer: str | Path | None = None,
     target: str = DEFAULT_TARGET,
     space: str | Path | None = None,
     trials: int = DEFAULT_TRIALS,
@@ -206,11 +210,14 @@ def plan(
     The plan is the feasible trial chosen by `policy` (`memory`: least peak memory among those
     within `accuracy_tolerance` of the best accuracy; `latency`; `accuracy`).
 
-    - `model`, `data`: an ONNX classifier and a dataset (a `.npz`, an image folder or a CSV of
-      `path,label`, see `planner.load_dataset`); both None plans the bundled example.
+    - `model`, `data`: an ONNX classifier and a dataset (a `.npz`, an image folder, a CSV of
+      `path,label`, or text: a CSV of `text,label` or JSON Lines, see `planner.load_dataset`);
+      both None plans the bundled example.
     - `preprocess`: for images, the preprocessing spec — torchvision-style text such as
       "Resize(72), CenterCrop(64), Normalize(mean=[0.5], std=[0.5])" or a YAML path; what it
       leaves open is completed from the model, and the plan records the whole of it.
+    - `tokenizer`: for text, the tokenizer.json (Hugging Face tokenizers) that makes it token
+      ids, truncated and padded to the model's length; the plan keeps a copy and records how.
     - `target`, `space`: a shipped name (`planner.list_targets()`, `search_spaces/`) or a YAML path.
     - `storage`: an Optuna storage URL (or journal file path) that keeps the study, so the same
       call resumes it and `work` joins it; None keeps the study in memory. `study` names it.
@@ -250,7 +257,10 @@ def plan(
     make_sampler(sampler, seed)  # an unknown sampler fails before anything is written
     m = load_model(Path(model) if model else DEFAULT_MODEL)
     cache = check_cache_dir(cache_dir or default_cache_dir())  # a file, read-only: one line, no trial burnt
-    dataset = load_dataset(Path(data) if data else DEFAULT_DATA, m, preprocess=preprocess, cache_dir=cache, progress=on_data)
+    dataset = load_dataset(
+        Path(data) if data else DEFAULT_DATA, m, preprocess=preprocess, tokenizer=tokenizer, cache_dir=cache, progress=on_data
+    )
+    m = bind_lengths(m, dataset)
     hw = resolve_target(target, tracker=tracker, key=key)
     family = _budget_family(budgets, hw)
     if family:  # the study keeps what fits the largest; each budget picks among those
@@ -264,7 +274,7 @@ def plan(
     out = prepare_out_dir(out)  # a file, a read-only or foreign directory: one line before any trial
     with locked(out):  # a second `plan` into the same `out` is refused, not raced
         config = {
-            "model": m.sha256,
+            "model": m.key,
             "dataset": dataset.sha256,
             "target": hw.identity(),
             "space": sp.model_dump(mode="json"),
@@ -276,6 +286,7 @@ def plan(
             "model": str(m.path.resolve()),
             "data": str(dataset.source),
             "preprocess": dataset.preprocess.to_json() if dataset.preprocess is not None else None,
+            "tokenizer": str(dataset.tokenizer.path.resolve()) if dataset.tokenizer is not None else None,
             "classes": list(dataset.classes) if dataset.classes is not None else None,
             "target": _where(target),
             "space": _where(str(space)) if space else None,
@@ -321,7 +332,7 @@ def plan(
             written = assemble(
                 m, dataset, within, judged, picked, pareto, compiled, {**selection, **extra}, study_info, seed, tune_trials
             )
-            return _write(where, written, compiled, m, judged)
+            return _write(where, written, compiled, m, judged, data_files(dataset))
 
         # each budget's directory first: plan.json in `out`, written last, names them all
         family_plans = []
@@ -418,11 +429,13 @@ def work(
         Path(inputs["data"]),
         m,
         preprocess=_recorded_preprocess(inputs.get("preprocess"), "the study's preprocessing"),
+        tokenizer=inputs.get("tokenizer"),  # the dataset's sha256, checked below, covers the tokenizer's
         classes=inputs.get("classes"),
         cache_dir=cache,
         progress=on_data,
     )
-    if (m.sha256, dataset.sha256) != (config["model"], config["dataset"]):
+    m = bind_lengths(m, dataset)
+    if (m.key, dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")
     hw = resolve_target(inputs["target"], tracker=inputs["tracker"], key=inputs["key"])
     sp = load_space(inputs["space"]).for_target(hw.precisions).for_model(m)
@@ -450,6 +463,7 @@ def measure(
     data: str | Path,
     out: str | Path,
     preprocess: str | Path | None = None,
+    tokenizer: str | Path | None = None,
     target: str = DEFAULT_TARGET,
     seed: int = 0,
     accuracy_steps: int = DEFAULT_ACCURACY_STEPS,
@@ -467,7 +481,8 @@ def measure(
         print(result.plan.metrics.step_latency_ms.median, result.plan.selection.feasible)
 
     The plan is written even when the scheme breaks the target's budgets — it is what was asked
-    to be measured; `plan.selection.feasible` says whether it fits. `profile` also times each
+    to be measured; `plan.selection.feasible` says whether it fits. `preprocess` and `tokenizer`
+    as in `plan`. `profile` also times each
     kernel of the step (`PlanResult.profile`: time per step and GFLOP/s, slowest first), on
     this machine: a target measured on boards cannot be profiled here.
     """
@@ -479,7 +494,8 @@ def measure(
     _check_settings(seed=seed, accuracy_steps=accuracy_steps, latency_repeats=latency_repeats, tune_trials=tune_trials)
     m = load_model(model)
     cache = check_cache_dir(cache_dir or default_cache_dir())
-    dataset = load_dataset(data, m, preprocess=preprocess, cache_dir=cache)
+    dataset = load_dataset(data, m, preprocess=preprocess, tokenizer=tokenizer, cache_dir=cache)
+    m = bind_lengths(m, dataset)
     hw = resolve_target(target, tracker=tracker, key=key)
     if profile and hw.boards is not None:
         raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on '{hw.boards.key}' boards")
@@ -522,7 +538,7 @@ def measure(
         accuracy_seed=seed,
         tune_trials=tune_trials,
     )
-    written = _write(out, result, compiled, m, [rec])
+    written = _write(out, result, compiled, m, [rec], data_files(dataset))
     step_profile = None
     if profile:
         from planner.measurement.profile import profile_step
@@ -581,7 +597,8 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     )
     result = Plan.model_validate(retargeted.model_dump())  # the edited plan, validated as any read one
     trials = report_content.from_plan_dir(plan_dir).trials  # the study that chose the plan
-    return _write(Path(out), result, compiled, m, trials)
+    tokenizer = plan_tokenizer(plan_dir, original)
+    return _write(Path(out), result, compiled, m, trials, {TOKENIZER_FILE: tokenizer} if tokenizer is not None else {})
 
 
 def check_target(name: str, *, tracker: str | None = None, key: str | None = None) -> dict[str, str]:
@@ -658,13 +675,14 @@ def report(plan_dir: str | Path | None = None, *, storage: str | None = None, st
     return json.dumps(content.to_json(), indent=2) + "\n"
 
 
-def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: list[TrialRecord]) -> Plan:
-    """The plan directory; returns the plan with its files' hashes."""
+def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: list[TrialRecord], data: dict[str, Path]) -> Plan:
+    """The plan directory, with the files its data needs (`data`: `data_files`); returns the plan
+    with its files' hashes."""
     content = report_content.from_plan(plan, model, trials)
     return write_plan_dir(
         out,
         plan,
-        files={STEP_LIBRARY: compiled.library, **model_files(model)},
+        files={STEP_LIBRARY: compiled.library, **model_files(model), **data},
         weights=model.initializers,
         texts={
             REPORT_MD: markdown.render(content),

@@ -422,19 +422,26 @@ class ModelInput:
     different model (and TVM refuses it)."""
 
     name: str
-    shape: tuple[int, ...]  # without the batch dimension
+    shape: tuple[int | str, ...]  # without the batch dimension; a str is a dynamic length (`sequence`)
     dtype: str = "float32"
 
     @property
     def integer(self) -> bool:
         return self.dtype.startswith(("int", "uint")) or self.dtype == "bool"
 
+    @property
+    def static(self) -> tuple[int, ...]:
+        """The shape, every length bound (see `Model.bind`)."""
+        if not all(isinstance(d, int) for d in self.shape):
+            raise ValueError(f"input '{self.name}' has unbound lengths {self.shape}")
+        return tuple(int(d) for d in self.shape)
+
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
     def from_json(cls, d: dict) -> ModelInput:
-        return cls(str(d["name"]), tuple(int(n) for n in d["shape"]), str(d["dtype"]))
+        return cls(str(d["name"]), tuple(n if isinstance(n, str) else int(n) for n in d["shape"]), str(d["dtype"]))
 
 
 @dataclass(frozen=True)

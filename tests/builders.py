@@ -100,6 +100,83 @@ def blobs(path: Path, n: int = 240, n_classes: int = 3, seed: int = 0, shape=(1,
     return path
 
 
+# --- text: a token model, texts whose class a keyword gives, a tokenizer trained on them -------
+
+KEYWORDS = {"sport": ("ball", "goal", "team"), "food": ("bread", "soup", "salt"), "music": ("song", "drum", "band")}
+FILLER = tuple("the a of and to in is it on for was with as at by this that from or but".split())
+
+
+def token_bag(path: Path, vocab: int = 64, length: int | str = 12, n_classes: int = 3, mask_length: int | None = None) -> Path:
+    """A text classifier on `input_ids` and `attention_mask` [batch, length] int64 (a str `length`:
+    a dynamic one of that name): rows of an embedding table `embed` [vocab, 8] averaged over the
+    sequence, scaled by the share of tokens attended, then Gemm(8->C). `mask_length` makes the
+    mask another length than the ids."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (vocab, 8)).astype(np.float32), "embed"),
+        numpy_helper.from_array(rng.normal(0, 0.5, (n_classes, 8)).astype(np.float32), "fc.w"),
+        numpy_helper.from_array(np.zeros(n_classes, np.float32), "fc.b"),
+        numpy_helper.from_array(np.array([1], np.int64), "seq_axis"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embed", "input_ids"], ["tokens"], name="embedding"),
+        helper.make_node("ReduceMean", ["tokens", "seq_axis"], ["pooled"], name="pool", keepdims=0),
+        helper.make_node("Cast", ["attention_mask"], ["mask"], name="mask_f", to=TensorProto.FLOAT),
+        helper.make_node("ReduceMean", ["mask", "seq_axis"], ["attended"], name="share", keepdims=1),
+        helper.make_node("Mul", ["pooled", "attended"], ["scaled"], name="scale"),
+        helper.make_node("Gemm", ["scaled", "fc.w", "fc.b"], ["logits"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "token_bag",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", length]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["N", mask_length or length]),
+        ],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", n_classes])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def keyword_texts(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(text, class) pairs, a learnable task: a class's keyword among its first words, in 2 to 16
+    filler words, so some texts are longer than a 12-token model takes (truncated) and most are
+    shorter (padded), and the keyword survives truncation."""
+    rng = np.random.default_rng(seed)
+    classes = sorted(KEYWORDS)
+    pairs = []
+    for i in range(n):
+        label = classes[i % len(classes)]
+        words = [str(w) for w in rng.choice(FILLER, int(rng.integers(2, 17)))]
+        words.insert(int(rng.integers(0, 4)), str(rng.choice(KEYWORDS[label])))
+        pairs.append((" ".join(words).capitalize(), label))
+    return pairs
+
+
+def word_tokenizer(path: Path, texts: list[str], *, pad: str | None = "[PAD]", extra_words: int = 0) -> Path:
+    """A WordLevel tokenizer trained on `texts` with Hugging Face tokenizers (in code, nothing
+    downloaded), saved as `path`: lower-cased, split on whitespace and punctuation, each text
+    `[CLS] ... [SEP]`; `pad` its padding token (None: none), `extra_words` made-up words more in
+    its vocabulary."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = [t for t in (pad, "[UNK]", "[CLS]", "[SEP]") if t is not None]
+    words = [f"word{i}" for i in range(extra_words)]
+    tokenizer.train_from_iterator([*texts, *words], trainers.WordLevelTrainer(special_tokens=specials))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[(t, tokenizer.token_to_id(t)) for t in ("[CLS]", "[SEP]")]
+    )
+    tokenizer.save(str(path))
+    return path
+
+
 # --- one op between a trainable conv and the head: does a correct gradient flow through it? -----
 
 Body = Callable[[list, Callable, str, int, np.random.Generator], str]

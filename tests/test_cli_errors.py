@@ -19,7 +19,7 @@ import onnx
 import pytest
 from PIL import Image
 
-from builders import blobs, free_port, tiny_cnn
+from builders import blobs, free_port, keyword_texts, tiny_cnn, token_bag, word_tokenizer
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
 from processes import planner
@@ -75,6 +75,31 @@ class Ctx:
         path.write_text(text)
         return str(path)
 
+    def text(self, name: str, text: str | None = None, *, tokenizer: str | None = None, model: str | None = None) -> list[str]:
+        """`--model` a token_bag (ids and mask of 12, vocabulary 64), `--data` `name` holding
+        `text` (default: 30 keyword texts as a CSV), `--tokenizer` one trained on those texts."""
+        path = self.tmp / name
+        if text is None:
+            path.write_text("text,label\n" + "".join(f"{t},{c}\n" for t, c in keyword_texts(30)))
+        else:
+            path.write_text(text)
+        if tokenizer is None:
+            tokenizer = str(word_tokenizer(self.tmp / "tok.json", [t for t, _ in keyword_texts(30)]))
+        model = model or str(token_bag(self.tmp / "bag.onnx"))
+        return ["--model", model, "--data", str(path), "--tokenizer", tokenizer]
+
+    def token_npz(self, name: str, length: int = 12, **arrays) -> list[str]:
+        """`--model` a token_bag, `--data` token ids, masks and labels (some replaced by `arrays`)."""
+        rng = np.random.default_rng(0)
+        data = {
+            "input_ids": rng.integers(0, 64, (60, 12)),
+            "attention_mask": np.ones((60, length), np.int64),
+            "y": np.arange(60) % 3,
+            **arrays,
+        }
+        np.savez(self.tmp / name, **data)  # type: ignore[arg-type]
+        return ["--model", str(token_bag(self.tmp / "bag.onnx")), "--data", str(self.tmp / name)]
+
 
 CASES: dict[str, Callable[[Ctx], Case]] = {}
 
@@ -119,13 +144,22 @@ def _(ctx):
     return Case(ctx.plan("--model", str(truncated)), "not a valid ONNX model")
 
 
-@case("non-batch dynamic dims")
+@case("an unnamed dynamic non-batch dim")
 def _(ctx):
     dynamic = ctx.tmp / "dynamic.onnx"
     proto = onnx.load(ctx.model)
-    proto.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
+    proto.graph.input[0].type.tensor_type.shape.dim[2].Clear()  # neither a size nor a name
     onnx.save(proto, dynamic)
-    return Case(ctx.plan("--model", str(dynamic)), "dynamic non-batch dimensions")
+    return Case(ctx.plan("--model", str(dynamic)), "has an unnamed dynamic dimension")
+
+
+@case("inputs sharing a dynamic length given arrays of two lengths")
+def _(ctx):
+    model = str(token_bag(ctx.tmp / "dynamic.onnx", length="sequence"))
+    rng = np.random.default_rng(0)
+    ids, mask = rng.integers(0, 64, (60, 12)), np.ones((60, 10), np.int64)
+    np.savez(ctx.tmp / "two.npz", input_ids=ids, attention_mask=mask, y=np.arange(60) % 3)
+    return Case(ctx.plan("--model", model, "--data", str(ctx.tmp / "two.npz")), "with sequence = 12 as in the other inputs")
 
 
 @case("space lists a layer behind an op without gradient")
@@ -430,6 +464,93 @@ def _(ctx):
 @case("a single class")
 def _(ctx):
     return Case(ctx.plan("--data", ctx.npz("one-class", y=np.zeros(240, dtype=np.int64))), "with a single class")
+
+
+# --- text and token ids ------------------------------------------------------------------------
+
+
+@case("a tokenizer larger than the model's embedding table")
+def _(ctx):
+    from tokenizers import Tokenizer
+
+    big = word_tokenizer(ctx.tmp / "big.json", [t for t, _ in keyword_texts(30)], extra_words=64)
+    size = Tokenizer.from_file(str(big)).get_vocab_size()
+    return Case(
+        ctx.text("texts.csv", tokenizer=str(big)),
+        f"vocabulary has {size} tokens, but bag.onnx's embedding table 'embed' has 64 rows",
+    )
+
+
+@case("token ids beyond the embedding table")
+def _(ctx):
+    ids = np.random.default_rng(0).integers(0, 64, (60, 12))
+    ids[7, 3] = 64
+    return Case(ctx.token_npz("ids.npz", input_ids=ids), "holds token id 64, outside the model's embedding table 'embed'")
+
+
+@case("an attention mask of the wrong shape")
+def _(ctx):
+    return Case(ctx.token_npz("mask.npz", length=10), "attention_mask (train) samples have shape (10,), the model's input")
+
+
+@case("text for a model whose attention mask is not as long as its ids")
+def _(ctx):
+    model = str(token_bag(ctx.tmp / "short-mask.onnx", mask_length=10))
+    return Case(ctx.text("texts.csv", model=model), "input 'attention_mask' takes shape (10,), but 'input_ids' (12,)")
+
+
+@case("text for a model that takes no token ids")
+def _(ctx):
+    args = ctx.text("texts.csv", model=str(ctx.model))
+    return Case(args, "tiny.onnx's inputs are x: text feeds a model whose inputs are named so")
+
+
+@case("a text row without a label")
+def _(ctx):
+    return Case(ctx.text("texts.csv", "text,label\nthe ball,sport\nthe soup,\n"), "texts.csv: row 2 has no label")
+
+
+@case("an empty text")
+def _(ctx):
+    return Case(
+        ctx.text("texts.jsonl", '{"text": "the ball", "label": "sport"}\n{"text": " ", "label": "food"}\n'),
+        "line 2's text is empty",
+    )
+
+
+@case("a JSON line without a label")
+def _(ctx):
+    return Case(
+        ctx.text("texts.jsonl", '{"text": "the ball", "label": "sport"}\n{"text": "the soup"}\n'), 'line 2 has no "label"'
+    )
+
+
+@case("a text CSV without a label column")
+def _(ctx):
+    return Case(ctx.text("texts.csv", "text,class\nthe ball,sport\n"), "no label column; a text CSV's header is text,label")
+
+
+@case("a tokenizer file that is not a tokenizer")
+def _(ctx):
+    return Case(ctx.text("texts.csv", tokenizer=ctx.yaml("tok.json", '{"vocab": [1, 2]}')), "tok.json is not a tokenizer file")
+
+
+@case("a tokenizer without a padding token")
+def _(ctx):
+    unpadded = word_tokenizer(ctx.tmp / "unpadded.json", [t for t, _ in keyword_texts(30)], pad=None)
+    return Case(ctx.text("texts.csv", tokenizer=str(unpadded)), "the tokenizer has no padding token ([PAD] or <pad>)")
+
+
+@case("--tokenizer for data that is not text")
+def _(ctx):
+    tok = word_tokenizer(ctx.tmp / "tok.json", ["the ball"])
+    return Case(ctx.plan("--tokenizer", str(tok)), "holds arrays, not text: a --tokenizer applies to text")
+
+
+@case("text without --tokenizer")
+def _(ctx):
+    args = ctx.text("texts.csv")
+    return Case(args[: args.index("--tokenizer")], "holds text: give the --tokenizer that makes it the model's token ids")
 
 
 # --- target and space YAML ---------------------------------------------------------------------

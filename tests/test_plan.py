@@ -44,8 +44,8 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
         assert (out / name).is_file(), name
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema_version"] == 3
-    assert plan["dataset"]["format"] == "npz" and plan["dataset"]["preprocess"] is None
+    assert plan["schema_version"] == 4
+    assert plan["dataset"]["format"] == "npz" and plan["dataset"]["preprocess"] is None and plan["dataset"]["tokenizer"] is None
     # every file a run loads carries its sha256, which `run` checks before loading anything
     assert plan["files"].keys() == {"train_step.so", "weights.npz", "model.onnx"}
     for name, digest in plan["files"].items():
@@ -79,6 +79,16 @@ def test_a_version_2_plan_still_reads_as_a_plan_of_arrays(tiny_plan, tmp_path):
     (old / "plan.json").write_text(json.dumps(raw))
     plan = read_plan(old)
     assert plan.dataset.format == "npz" and plan.dataset.preprocess is None and plan.dataset.classes is None
+
+
+def test_a_version_3_plan_still_reads_as_a_plan_without_a_tokenizer(tiny_plan, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(tiny_plan.out, old)
+    raw = json.loads((old / "plan.json").read_text())
+    raw["schema_version"] = 3
+    del raw["dataset"]["tokenizer"]
+    (old / "plan.json").write_text(json.dumps(raw))
+    assert read_plan(old).dataset.tokenizer is None
 
 
 def test_rerun_resumes_instead_of_repeating(tiny_plan, tiny_model, tiny_data):

@@ -23,6 +23,7 @@ import torch_families as tf  # noqa: E402
 from planner import api  # noqa: E402
 from planner.backend.compile import BuildOptions, compile_candidate  # noqa: E402
 from planner.backend.session import TrainingSession  # noqa: E402
+from planner.errors import BadInput  # noqa: E402
 from planner.types import Candidate  # noqa: E402
 from processes import planner  # noqa: E402
 
@@ -260,6 +261,28 @@ def test_sequence_models_plan_with_the_default_space_and_run(family, exporter, t
     assert [(i["name"], i["dtype"]) for i in recorded] == [(i.name, i.dtype) for i in api.inspect(path).inputs]
     ran = api.run(tmp_path / "plan", data=data, steps=4, out=tmp_path / "ran")
     assert np.isfinite(ran.after["loss"])
+
+
+@pytest.mark.parametrize("exporter", tf.EXPORTERS)
+def test_a_dynamic_sequence_length_is_bound_by_the_data(exporter, tmp_path):
+    """BERT exported with a dynamic sequence length: inspected at any length; measured at the
+    data's (10, not the export's 12), which the plan records; `run` trains at that length and
+    refuses data of another one in one line."""
+    path = tf.export("bert", exporter, dynamic_length=True)
+    model = api.inspect(path)
+    assert [i.shape for i in model.inputs] == [("sequence",), ("sequence",)]
+    (ids, mask), y = tf.sample_batch("bert", 24, seed=3)
+    np.savez(tmp_path / "short.npz", input_ids=ids[:, :10], attention_mask=mask[:, :10], y=y)
+    scheme = _scheme(tmp_path / "full.yaml", [(layer.name, "full") for layer in model.layers])
+    result = api.measure(
+        path, scheme=scheme, data=tmp_path / "short.npz", out=tmp_path / "plan", accuracy_steps=2, latency_repeats=2
+    )
+    assert [i.shape for i in result.plan.model.inputs] == [["batch", 10], ["batch", 10]]
+    ran = api.run(tmp_path / "plan", data=tmp_path / "short.npz", steps=3, out=tmp_path / "ran")
+    assert np.isfinite(ran.after["loss"])
+    np.savez(tmp_path / "long.npz", input_ids=ids, attention_mask=mask, y=y)
+    with pytest.raises(BadInput, match=r"needs \(10,\)"):
+        api.run(tmp_path / "plan", data=tmp_path / "long.npz", steps=3, out=tmp_path / "ran-long")
 
 
 def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):

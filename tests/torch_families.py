@@ -5,8 +5,11 @@ Tests use this to check planner's gradients against PyTorch itself on graphs mad
 
 - `FAMILIES`: torchvision classifiers and two small transformer encoders, each at a small input
   size (odd and even sizes: padding, `ceil_mode` pooling and strided convs differ between them);
-  `sample_batch(family, n)` gives inputs and labels.
-- `export(family, exporter)`: the ONNX file, cached per torch/torchvision version.
+  text classifiers on `input_ids` and `attention_mask` (a token bag, and Hugging Face BERT, GPT-2
+  and Llama from small configs) and a Conv1d sensor CNN; `sample_batch(family, n)` gives inputs
+  (one array, or a tuple of one per input) and labels.
+- `export(family, exporter)`: the ONNX file, cached per torch/torchvision version
+  (`dynamic_length`: with a dynamic sequence length).
 - `torch_module(family)`: the same eval-mode model with the same weights.
 - `reference_update(family, onnx_path, x, y, lr, names)`: every named initializer after one plain
   SGD step on the mean cross-entropy, computed by PyTorch autograd (float64 by default) on the
@@ -502,11 +505,13 @@ def _quiet() -> Iterator[None]:
             os.close(saved[1])
 
 
-def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None) -> None:
+def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None, dynamic_length: bool) -> None:
     model = torch_module(family)
     names = _family(family).input_names
     args = tuple(_tensors(sample_batch(family, 2, seed=1)[0], torch.float32))  # batch 2: a batch of 1 would be specialized
-    batch = torch.export.Dim("batch")
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence", max=_family(family).input_shape[0])
+    dims = {0: batch, 1: length} if dynamic_length else {0: batch}
+    axes = {0: "batch", 1: "sequence"} if dynamic_length else {0: "batch"}
     with _quiet():
         if exporter == "dynamo":
             torch.onnx.export(
@@ -517,7 +522,7 @@ def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None) -
                 output_names=["logits"],
                 dynamo=True,
                 opset_version=opset,
-                dynamic_shapes=tuple({0: batch} for _ in names),
+                dynamic_shapes=tuple(dims for _ in names),
                 external_data=True,
                 verbose=False,
             )
@@ -530,12 +535,15 @@ def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None) -
                 output_names=["logits"],
                 dynamo=False,
                 opset_version=opset,
-                dynamic_axes={**{n: {0: "batch"} for n in names}, "logits": {0: "batch"}},
+                dynamic_axes={**{n: axes for n in names}, "logits": {0: "batch"}},
             )
 
 
-def export(family: str, exporter: Exporter, directory: Path | None = None, opset: int | None = None) -> Path:
-    """`torch_module(family)` exported to ONNX: input `x`, output `logits`, dynamic batch, the
+def export(
+    family: str, exporter: Exporter, directory: Path | None = None, opset: int | None = None, dynamic_length: bool = False
+) -> Path:
+    """`torch_module(family)` exported to ONNX: input `x` (or `input_ids`, `attention_mask`),
+    output `logits`, dynamic batch (and, `dynamic_length`, a dynamic sequence length `sequence`), the
     exporter's default opset unless `opset` says another. Returns the .onnx path (dynamo: its weights in `<name>.onnx.data`
     beside it).
 
@@ -549,7 +557,9 @@ def export(family: str, exporter: Exporter, directory: Path | None = None, opset
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     root = Path(directory) if directory is not None else default_export_dir()
-    entry = root / f"{family}-{exporter}{'' if opset is None else f'-opset{opset}'}-{_recipe()}"
+    entry = (
+        root / f"{family}-{exporter}{'' if opset is None else f'-opset{opset}'}{'-dynlen' if dynamic_length else ''}-{_recipe()}"
+    )
     path = entry / f"{family}.onnx"
     if path.exists():
         return path
@@ -557,7 +567,7 @@ def export(family: str, exporter: Exporter, directory: Path | None = None, opset
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     try:
-        _export_to(family, exporter, staging / path.name, opset)
+        _export_to(family, exporter, staging / path.name, opset, dynamic_length)
         try:
             staging.rename(entry)
         except OSError:

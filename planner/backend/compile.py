@@ -99,7 +99,7 @@ def code_id() -> str:
 def cache_key(model: Model, candidate: Candidate, build: BuildOptions) -> str:
     blob = json.dumps(
         {
-            "model": model.sha256,
+            "model": model.key,
             "candidate": {k: v for k, v in candidate.to_json().items() if k != "lr"},  # a step input
             "target": str(build.target),
             "toolchain": build.toolchain,

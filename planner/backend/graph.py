@@ -47,13 +47,15 @@ _CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must re
 
 def check_importable(model: Model) -> None:
     """Raise BadInput now, not in every trial, when TVM's ONNX frontend cannot read the model."""
+    if model.unbound:  # a sequence length the data has not set yet: the ops TVM must read are the same at any
+        model = model.bind([[d if isinstance(d, int) else _CHECK_BATCH for d in i.shape] for i in model.inputs], "a check")
     _imported(model, model.fixed_batch or _CHECK_BATCH)
 
 
 def _imported(model: Model, batch: int) -> relax.Function:
     """The model as one Relax function `(*inputs, *parameters)` for a step of `batch` samples; imported
     once per model and batch (shapes are folded for the batch, see `planner.fixups`)."""
-    key = (model.sha256, batch)
+    key = (model.key, batch)
     if key in _IMPORTED:
         return _IMPORTED[key]
     try:

@@ -45,9 +45,9 @@ def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np
     standard normal floats; ones for integer inputs, an id every vocabulary has and a mask that
     attends everywhere."""
     xs = [
-        np.ones((sig.batch_size, *i.shape), i.dtype)
+        np.ones((sig.batch_size, *i.static), i.dtype)
         if i.integer
-        else rng.standard_normal((sig.batch_size, *i.shape)).astype(i.dtype)
+        else rng.standard_normal((sig.batch_size, *i.static)).astype(i.dtype)
         for i in sig.inputs
     ]
     return xs, np.arange(sig.batch_size) % sig.n_classes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -46,8 +47,17 @@ TuneOpt = Annotated[
 DATA_HELP = (
     "dataset: a .npz (x_train/y_train/x_val/y_val, or x/y; labels as indices or names) or a folder of "
     "the same arrays as .npy files, a folder of images with one subfolder per class (train/ and val/ "
-    "inside, or a 20 % split is drawn), or a CSV of path,label rows"
+    "inside, or a 20 % split is drawn), a CSV of path,label rows, or text: a CSV with a text,label header "
+    'or a .jsonl of {"text", "label"} (with --tokenizer)'
 )
+TokenizerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="text: the tokenizer.json (Hugging Face tokenizers) that makes each text the model's token ids, "
+        "truncated and padded to the model's length; the plan keeps a copy, and `planner run` tokenises with it",
+        show_default=False,
+    ),
+]
 PreprocessOpt = Annotated[
     str | None,
     typer.Option(

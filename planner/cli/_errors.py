@@ -37,6 +37,7 @@ FLAGS = {
     "host": "--host",
     "allow_remote": "--allow-remote",
     "budgets": "--budgets",
+    "tokenizer": "--tokenizer",
 }
 _PARAM = re.compile(r"`([a-z_]+)`")
 INTERRUPTED = 130

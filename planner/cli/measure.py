@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, TokenizerOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import guard
 from planner.cli._output import note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET
@@ -24,6 +24,7 @@ def measure(
     ],
     data: Annotated[Path, typer.Option(help=DATA_HELP)],
     preprocess: PreprocessOpt = None,
+    tokenizer: TokenizerOpt = None,
     target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = DEFAULT_TARGET,
     out: Annotated[Path, typer.Option(help="plan directory to write")] = Path("plan"),
     seed: Annotated[int, typer.Option(help="fine-tuning seed")] = 0,
@@ -52,6 +53,7 @@ def measure(
             scheme=scheme,
             data=data,
             preprocess=preprocess,
+            tokenizer=tokenizer,
             target=target,
             out=out,
             seed=seed,

@@ -17,7 +17,12 @@ from planner.inputs.defaults import DEFAULT_RUN_STEPS
 @app.command()
 def run(
     plan_dir: Annotated[Path, typer.Argument(help="a plan directory written by `planner plan`")] = Path("plan"),
-    data: Annotated[Path | None, typer.Option(help="dataset [default: the plan's]")] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="dataset, made the model's input as the plan's was (its preprocessing, its tokenizer) [default: the plan's]"
+        ),
+    ] = None,
     steps: Annotated[int, typer.Option(help="training steps")] = DEFAULT_RUN_STEPS,
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="where weights.npz and model.onnx go [default: PLAN_DIR/finetuned]")

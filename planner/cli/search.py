@@ -8,7 +8,18 @@ from typing import Annotated, Literal
 
 import typer
 
-from planner.cli._app import DATA_HELP, KeyOpt, OverlapOpt, PreprocessOpt, QuietOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._app import (
+    DATA_HELP,
+    KeyOpt,
+    OverlapOpt,
+    PreprocessOpt,
+    QuietOpt,
+    TokenizerOpt,
+    TrackerOpt,
+    TuneOpt,
+    VerboseOpt,
+    app,
+)
 from planner.cli._errors import INTERRUPTED, guard
 from planner.cli._output import note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
@@ -19,6 +30,7 @@ def plan(
     model: Annotated[Path | None, typer.Option(help="ONNX classifier [default: the bundled digits example]")] = None,
     data: Annotated[Path | None, typer.Option(help=f"{DATA_HELP} [default: the example's]", show_default=False)] = None,
     preprocess: PreprocessOpt = None,
+    tokenizer: TokenizerOpt = None,
     target: Annotated[str, typer.Option(help="hardware target: a name in hw_targets/ or a YAML path")] = DEFAULT_TARGET,
     space: Annotated[
         str | None, typer.Option(help="search space: a name in search_spaces/ or a YAML path [default: per-layer]")
@@ -93,6 +105,7 @@ def plan(
                 model=model,
                 data=data,
                 preprocess=preprocess,
+                tokenizer=tokenizer,
                 target=target,
                 space=space,
                 out=out,

@@ -17,6 +17,7 @@ at them, so no computation on a weight is ever baked in.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -128,26 +129,33 @@ def _evaluate(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -
     return [np.asarray(v) for v in out]
 
 
-def bind_batch(proto: onnx.ModelProto, batch: int) -> None:
-    """The model's input and output batch dimension set to `batch` (in place)."""
+def bind_batch(proto: onnx.ModelProto, batch: int, lengths: Mapping[str, int]) -> None:
+    """The model's input and output batch dimension set to `batch`, and each dynamic length
+    named in `lengths` (a sequence length) to its size (in place)."""
     g = proto.graph
     inits = {t.name for t in g.initializer}
     for vi in [*(i for i in g.input if i.name not in inits), *g.output]:
         dims = vi.type.tensor_type.shape.dim
-        if dims and not dims[0].HasField("dim_value"):
-            dims[0].Clear()
-            dims[0].dim_value = batch
+        for axis, dim in enumerate(dims):
+            if dim.HasField("dim_value"):
+                continue
+            size = batch if axis == 0 else lengths[dim.dim_param] if dim.dim_param in lengths else None
+            if size is not None:
+                dim.Clear()
+                dim.dim_value = size
     del g.value_info[:]  # inferred for a symbolic batch; inferred again where needed
 
 
-def for_import(proto: onnx.ModelProto, batch: int, parameters: set[str]) -> onnx.ModelProto:
-    """A copy of `proto` as planner hands it to TVM: batch `batch`, every initializer that is
+def for_import(
+    proto: onnx.ModelProto, batch: int, parameters: set[str], lengths: Mapping[str, int] | None = None
+) -> onnx.ModelProto:
+    """A copy of `proto` as planner hands it to TVM: batch `batch`, dynamic lengths `lengths`, every initializer that is
     not in `parameters` a Constant node, every GRU, LSTM and RNN node unrolled over its fixed
     sequence (`planner.inputs.recurrent`: TVM imports none of them), and every computation on
     constants (shapes included) folded into a Constant."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
-    bind_batch(out, batch)
+    bind_batch(out, batch, lengths or {})
     g = out.graph
     opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 17)
     values = {t.name: numpy_helper.to_array(t) for t in g.initializer if t.name not in parameters}

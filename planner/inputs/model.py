@@ -8,8 +8,10 @@ which layers can be trained) is read here once, so later stages never re-parse O
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -31,8 +33,10 @@ _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
     "BatchNormalization": (1, 2),  # scale, bias; running mean/var (3, 4) stay frozen
     "LayerNormalization": (1, 2),  # scale, bias
 }
-# The batch the layer table is analysed at: the ops left once shapes are folded are the same at any batch.
+# The batch the layer table is analysed at: the ops left once shapes are folded are the same at any batch;
+# and the length every dynamic length (a sequence) is analysed at, for the same reason.
 _ANALYSIS_BATCH = 1
+_ANALYSIS_LENGTH = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,44 @@ class Model:
     n_classes: int
     parameters: tuple[str, ...]  # initializers that are parameters, in graph order
     layers: list[Layer]
+    lengths: dict[str, int] = field(default_factory=dict)  # dynamic input lengths bound (`bind`)
+
+    @property
+    def key(self) -> str:
+        """What identifies the model a step is built from: its files and the lengths bound."""
+        if not self.lengths:
+            return self.sha256
+        return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items())]).encode()).hexdigest()
+
+    @property
+    def unbound(self) -> tuple[str, ...]:
+        """The dynamic lengths (a sequence length) no data has bound yet."""
+        return tuple(dict.fromkeys(d for i in self.inputs for d in i.shape if isinstance(d, str)))
+
+    def bind(self, shapes: Sequence[Sequence[int]], where: str) -> Model:
+        """The model with its dynamic lengths set from `shapes`, one per input (after the batch):
+        the lengths the data has, as the batch is the candidate's. A fixed length must equal the
+        data's, and two inputs sharing a length (`input_ids`, `attention_mask`) must agree;
+        else BadInput naming `where` (the data)."""
+        if len(shapes) != len(self.inputs):
+            raise BadInput(f"{where}: {len(shapes)} arrays for the model's {len(self.inputs)} inputs")
+        lengths: dict[str, int] = {}
+        for spec, shape in zip(self.inputs, shapes):
+            if len(shape) != len(spec.shape):
+                raise BadInput(f"{where}: samples of shape {tuple(shape)}, the model's input '{spec.name}' needs {spec.shape}")
+            for dim, size in zip(spec.shape, shape):
+                if isinstance(dim, int) and dim != size or lengths.setdefault(str(dim), int(size)) != size:
+                    raise BadInput(
+                        f"{where}: samples of shape {tuple(shape)}, the model's input '{spec.name}' needs {spec.shape}"
+                        + (f" with {dim} = {lengths[str(dim)]} as in the other inputs" if isinstance(dim, str) else "")
+                    )
+        bound = {k: v for k, v in lengths.items() if k in self.unbound}
+        if not bound:
+            return self
+        inputs = tuple(
+            replace(i, shape=tuple(bound.get(d, d) if isinstance(d, str) else d for d in i.shape)) for i in self.inputs
+        )
+        return replace(self, inputs=inputs, lengths={**self.lengths, **bound})
 
     @cached_property
     def initializers(self) -> dict[str, np.ndarray]:
@@ -116,6 +158,14 @@ class Model:
         return self.inputs[0]
 
     @property
+    def image_shape(self) -> tuple[int, ...]:
+        """The one input's shape, which images are made into (they need a fixed size)."""
+        spec = self.only_input
+        if spec.shape != (shape := tuple(d for d in spec.shape if isinstance(d, int))):
+            raise BadInput(f"{self.path.name}: input '{spec.name}' {spec.shape} has dynamic sizes; images need a fixed size")
+        return shape
+
+    @property
     def data_paths(self) -> dict[str, Path]:
         """Each external data file: its name as the model refers to it -> where it is."""
         return {location: self.path.parent / location for location in self.data_files}
@@ -123,7 +173,11 @@ class Model:
     def import_proto(self, batch: int) -> onnx.ModelProto:
         """The graph as TVM imports it for a step of `batch` samples (see `planner.fixups`): a
         fresh copy, weights included, for the importer to read once."""
-        return for_import(self.proto, batch, set(self.parameters))
+        if self.unbound:
+            raise BadInput(
+                f"{self.path.name}: its inputs' lengths {', '.join(self.unbound)} are bound by the data; load data first"
+            )
+        return for_import(self.proto, batch, set(self.parameters), self.lengths)
 
     def layer(self, name: str) -> Layer:
         """A layer by its name, or by the name of an ONNX node in it."""
@@ -206,15 +260,12 @@ def _model_input(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
     dims = tensor.shape.dim
     if len(dims) < 2:
         raise BadInput(f"{path}: input '{value.name}' must be [batch, ...], got rank {len(dims)}")
-    if any(not d.HasField("dim_value") for d in dims[1:]):
-        raise BadInput(
-            f"{path}: input '{value.name}' has dynamic non-batch dimensions "
-            f"[{', '.join(d.dim_param or str(d.dim_value) for d in dims)}]; export it with a fixed sequence length"
-        )
+    if any(not d.HasField("dim_value") and not d.dim_param for d in dims[1:]):
+        raise BadInput(f"{path}: input '{value.name}' has an unnamed dynamic dimension; name it (dynamic_axes) or fix it")
     if tensor.elem_type not in _INPUT_TYPES:
         kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
         raise BadInput(f"{path}: input '{value.name}' is {kind}; planner feeds float32, int64, int32 or bool inputs")
-    return ModelInput(value.name, tuple(d.dim_value for d in dims[1:]), _INPUT_TYPES[tensor.elem_type])
+    return ModelInput(value.name, tuple(d.dim_value or d.dim_param for d in dims[1:]), _INPUT_TYPES[tensor.elem_type])
 
 
 def _external_data(proto: onnx.ModelProto, path: Path) -> list[str]:
@@ -275,7 +326,9 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
     """The layer table, read off the graph as TVM will see it (shapes folded), so a layer is
     called trainable only when nothing but real computation lies between it and the logits."""
     try:
-        analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters))
+        init_names = {t.name for t in proto.graph.initializer}
+        dynamic = {d.dim_param for i in proto.graph.input if i.name not in init_names for d in i.type.tensor_type.shape.dim[1:]}
+        analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters), dict.fromkeys(dynamic - {""}, _ANALYSIS_LENGTH))
         types = tensor_types(analysed)
     except BadInput:  # a fix-up's own refusal (a GRU with partial sequence lengths) says what it is
         raise

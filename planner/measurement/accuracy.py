@@ -105,7 +105,7 @@ class FineTune:
     def _path(self, steps: int) -> tuple[Path, str]:
         m, d, c = self.model, self.data, self.candidate
         key = hashlib.sha256(
-            json.dumps([m.sha256, d.sha256, c.to_json(), steps, self.seed, code_id()], sort_keys=True).encode()
+            json.dumps([m.key, d.sha256, c.to_json(), steps, self.seed, code_id()], sort_keys=True).encode()
         ).hexdigest()[:32]
         return self.cache_dir / "accuracy" / f"{key}.json", key
 
@@ -126,7 +126,7 @@ class FineTune:
         candidate spent a quarter of its fine-tune evaluating the untouched model)."""
         sig, m, d = session.sig, self.model, self.data
         splits = sorted(sig.splits.items()) if sig.quantized else []  # where the int8 channels start
-        blob = [m.sha256, d.sha256, str(self.candidate.precision), sorted(sig.quantized.items()), splits, code_id()]
+        blob = [m.key, d.sha256, str(self.candidate.precision), sorted(sig.quantized.items()), splits, code_id()]
         key = hashlib.sha256(json.dumps(blob).encode()).hexdigest()[:32]
         path = self.cache_dir / "accuracy" / "before" / f"{key}.json"
         cached = cachefile.read_json(path, key)

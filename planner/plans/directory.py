@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from planner import faults
 from planner.digest import file_sha256
 from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
+from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.plans.schema import READS, Plan
 from planner.search.urls import redact
@@ -50,9 +51,12 @@ REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 TRIALS_FILE = "trials.json"
 STUDY_FILE = "study.db"  # the CLI's study storage, when `--storage` is not given
+TOKENIZER_FILE = "tokenizer.json"  # text data: the tokenizer `run` makes new text token ids with
 # every name a plan directory holds: a model's external data file, copied in beside model.onnx,
 # must not be one of them
-RESERVED_NAMES = frozenset({PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, REPORT_MD, REPORT_HTML, TRIALS_FILE, STUDY_FILE})
+RESERVED_NAMES = frozenset(
+    {PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, REPORT_MD, REPORT_HTML, TRIALS_FILE, STUDY_FILE, TOKENIZER_FILE}
+)
 
 MARKER = ".planner"
 COMMIT = ".planner-commit"
@@ -370,6 +374,26 @@ def model_files(model: Model) -> dict[str, Path]:
             f"{model.path.name}: its external data file is named {clash[0]}, a name the plan directory uses; rename it (and re-save the model)"
         )
     return {MODEL_FILE: model.path, **model.data_paths}
+
+
+def data_files(dataset: Dataset) -> dict[str, Path]:
+    """The files the plan's data needs where the plan runs, as the plan directory holds them: text
+    data's tokenizer, so new text becomes token ids as the measured text did."""
+    return {TOKENIZER_FILE: dataset.tokenizer.path} if dataset.tokenizer is not None else {}
+
+
+def plan_tokenizer(plan_dir: Path, plan: Plan) -> Path | None:
+    """The plan's own copy of its tokenizer (None: its data is not text). `read_plan` verified it
+    against `files`; that sha256 must also be the one the dataset records, the tokenizer measured."""
+    recorded = plan.dataset.tokenizer
+    if recorded is None:
+        return None
+    if plan.files.get(TOKENIZER_FILE) != recorded.sha256:
+        raise BadInput(
+            f"{plan_dir / PLAN_FILE} records a tokenizer (sha256 {recorded.sha256[:12]}…) but not its copy "
+            f"{TOKENIZER_FILE} with that sha256; re-create the plan"
+        )
+    return plan_dir / TOKENIZER_FILE
 
 
 def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[str, np.ndarray], texts: dict[str, str]) -> Plan:

@@ -18,7 +18,7 @@ from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
-from planner.inputs.data import Dataset, data_format, load_dataset
+from planner.inputs.data import DataFormat, Dataset, Tokenization, data_format, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
 from planner.inputs.preprocess import Preprocess
@@ -29,6 +29,7 @@ from planner.plans.directory import (
     STEP_LIBRARY,
     WEIGHTS_FILE,
     locked,
+    plan_tokenizer,
     prepare_out_dir,
     read_plan,
     reading,
@@ -67,8 +68,9 @@ def run_plan(
         raise BadInput("`steps` must be at least 1")
     with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
         plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
-        model = load_model(plan_dir / MODEL_FILE)
-        dataset = _dataset(plan, Path(data or plan.dataset.source), model)
+        # the lengths the plan was measured at (a sequence length): its step takes no other
+        model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
+        dataset = _dataset(plan_dir, plan, Path(data or plan.dataset.source), model)
         weights = _weights(plan_dir / WEIGHTS_FILE, model)
         out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
         order_seed = seed if shuffle else None
@@ -113,19 +115,29 @@ def run_plan(
     return RunResult(before, after, steps, out, device)
 
 
-def _dataset(plan: Plan, path: Path, model) -> Dataset:
+def _dataset(plan_dir: Path, plan: Plan, path: Path, model) -> Dataset:
     """The data, made into model inputs as the plan's were: images by the plan's preprocessing,
-    class names mapped to the plan's indices. Arrays are the model's input as they are."""
-    recorded = plan.dataset.preprocess
-    preprocess = None
-    if not data_format(path).arrays:
+    text by the plan's own copy of its tokenizer, as recorded; class names mapped to the plan's
+    indices. Arrays are the model's input as they are."""
+    kind = data_format(path)
+    measured = DataFormat(plan.dataset.format).description
+    preprocess, tokenizer = None, None
+    if kind is DataFormat.TEXT:
+        copy = plan_tokenizer(plan_dir, plan)
+        if plan.dataset.tokenizer is None or copy is None:
+            raise BadInput(f"{path} holds text, but the plan was made with {measured} and has no tokenizer; plan with the text")
+        tokenizer = Tokenization.from_json(plan.dataset.tokenizer.model_dump(), copy)
+    elif not kind.arrays:
+        recorded = plan.dataset.preprocess
         if recorded is None:
             raise BadInput(
-                f"{path} holds images, but the plan was made with arrays and records no preprocessing; "
-                "give the arrays, or plan with the images"
+                f"{path} holds images, but the plan was made with {measured} and records no preprocessing; "
+                "give data like it, or plan with the images"
             )
         preprocess = Preprocess.from_json(recorded, "plan.json's dataset.preprocess")
-    return load_dataset(path, model, preprocess=preprocess, classes=plan.dataset.classes, cache_dir=default_cache_dir())
+    return load_dataset(
+        path, model, preprocess=preprocess, tokenizer=tokenizer, classes=plan.dataset.classes, cache_dir=default_cache_dir()
+    )
 
 
 def _weights(path: Path, model) -> dict[str, np.ndarray]:

@@ -28,8 +28,9 @@ from planner.types import (
     Updates,
 )
 
-SCHEMA_VERSION: Final = 3  # 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing
-READS: Final = (2, 3)  # a version-2 plan is a version-3 plan of a .npz
+# 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing; 4: text data's tokenizer
+SCHEMA_VERSION: Final = 4
+READS: Final = (2, 3, 4)  # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer
 Policy = Literal["memory", "latency", "accuracy"]
 
 
@@ -50,13 +51,26 @@ class ModelInfo(_Part):
     data_files: list[str] = Field(default=[], description="external data files, beside model.onnx in the plan directory")
 
 
+class TokenizerInfo(_Part):
+    """Text: how every text became the model's token ids, as Hugging Face tokenizers makes them."""
+
+    file: str = Field(description="the tokenizer.json, copied into the plan directory; `planner run` tokenises with this copy")
+    source: str = Field(description="where it was read from when the plan was made")
+    sha256: str
+    max_length: int = Field(ge=1, description="ids per text, the model's sequence length: longer texts truncated, shorter padded")
+    padding: Literal["left", "right"] = Field(description="the side pad ids go on")
+    truncation: Literal["left", "right"] = Field(description="the side a long text loses tokens from")
+    pad_id: int = Field(ge=0)
+    pad_token: str
+
+
 class DatasetInfo(_Part):
     source: str
-    sha256: str = Field(description="of the data, its labels and its preprocessing")
+    sha256: str = Field(description="of the data, its labels and its preprocessing or tokenization")
     n_train: int
     n_val: int
     n_classes: int
-    format: Literal["npz", "npy", "images", "csv"] = "npz"
+    format: Literal["npz", "npy", "images", "csv", "text"] = "npz"
     classes: list[str] | None = Field(default=None, description="class names by index, when the data names its classes")
     preprocess: list[dict] | None = Field(
         default=None,
@@ -64,6 +78,7 @@ class DatasetInfo(_Part):
         "transforms by name and parameters; `planner run` applies exactly these",
     )
     split: str = Field(default="", description="how train and val were drawn")
+    tokenizer: TokenizerInfo | None = None
 
 
 class TargetInfo(_Part):
@@ -258,7 +273,7 @@ class StudyInfo(_Part):
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2, 3]
+    schema_version: Literal[2, 3, 4]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo

@@ -17,7 +17,7 @@ from planner.errors import NoFeasiblePlan
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
-from planner.plans.directory import STEP_LIBRARY
+from planner.plans.directory import STEP_LIBRARY, TOKENIZER_FILE
 from planner.plans.schema import (
     SCHEMA_VERSION,
     Choice,
@@ -86,6 +86,14 @@ def metrics_json(t: TrialRecord) -> dict:
     return metrics
 
 
+def _dataset_json(dataset: Dataset) -> dict:
+    """What plan.json records of the data; a tokenizer is named by its copy in the plan directory."""
+    recorded = {**dataset.to_json(), "sha256": dataset.sha256}
+    if recorded["tokenizer"] is not None:
+        recorded["tokenizer"] = {"file": TOKENIZER_FILE, **recorded["tokenizer"]}
+    return recorded
+
+
 def assemble(
     model: Model,
     dataset: Dataset,
@@ -112,7 +120,7 @@ def assemble(
             inputs=[ModelInput(name=i.name, shape=["batch", *i.shape], dtype=i.dtype) for i in model.inputs],
             data_files=list(model.data_files),
         ),
-        dataset=DatasetInfo.model_validate({**dataset.to_json(), "sha256": dataset.sha256}),
+        dataset=DatasetInfo.model_validate(_dataset_json(dataset)),
         target=TargetInfo(name=target.name, tvm_target=target.tvm_target, device=target.device, toolchain=target.toolchain),
         choice=Choice.model_validate(choice_json(model, measured.candidate)),
         metrics=Metrics.model_validate(metrics_json(chosen)),

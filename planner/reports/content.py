@@ -132,12 +132,18 @@ def from_plan_dir(plan_dir: str | Path) -> ReportContent:
 
 
 def _data(plan: Plan) -> str:
-    """The data a plan was measured on, and how a file became the model's input."""
+    """The data a plan was measured on, and how a file (or a text) became the model's input."""
     d = plan.dataset
     kind = DataFormat(d.format).description
     text = f"{kind}, {d.source}: {d.n_train} train, {d.n_val} val ({d.split or 'as given'}), {d.n_classes} classes"
     if d.preprocess is not None:
         text += f"; preprocessing {Preprocess.from_json(d.preprocess, 'plan.json')}"
+    if d.tokenizer is not None:
+        t = d.tokenizer
+        text += (
+            f"; tokenised by {t.file} (sha256 {t.sha256[:12]}): {t.max_length} ids a text, "
+            f"padded on the {t.padding} with {t.pad_token} ({t.pad_id}), truncated on the {t.truncation}"
+        )
     return text
 
 

@@ -33,7 +33,18 @@ import numpy as np
 
 from planner.digest import file_sha256
 from planner.errors import BadInput, EnvironmentFailure
-from planner.inputs.data._base import VAL_FRACTION, DataFormat, Dataset, Progress, Rows, Split, check_train_labels, class_indices
+from planner.inputs.data._base import (
+    VAL_FRACTION,
+    DataFormat,
+    Dataset,
+    Embedding,
+    Progress,
+    Rows,
+    Split,
+    check_train_labels,
+    class_indices,
+    embeddings,
+)
 from planner.inputs.model import Model
 from planner.types import ModelInput
 
@@ -284,12 +295,13 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
         indices, classes = class_indices(path, both, classes, model.n_classes)
         ys = {"train": indices[: len(ys["train"])], "val": indices[len(ys["train"]) :]}
     splits, done, total = {}, 0, sum(stop - start for parts in xs.values() for _, start, stop in parts)
+    tables = embeddings(model)
     for s, parts in xs.items():
         rows = []
         for key, spec, (array, start, stop) in zip(keys, model.inputs, parts):
             where = s if len(keys) == 1 else f"{key} ({s})"
             _check_samples(path, where, array, spec, parts[0][2] - parts[0][1], stop - start)
-            for checked in _check_values(path, where, array, spec, start, stop):
+            for checked in _check_values(path, where, array, spec, start, stop, tables.get(spec.name)):
                 done += checked
                 if progress is not None:
                     progress(done, total)
@@ -330,7 +342,7 @@ def _check_samples(path: Path, name: str, array: _Array, spec: ModelInput, n: in
         )
     if not np.issubdtype(array.dtype, np.number) and array.dtype != np.bool_ or np.issubdtype(array.dtype, np.complexfloating):
         raise BadInput(f"{path}: {name} samples are {array.dtype}, not real numbers")
-    if tuple(array.shape[1:]) != spec.shape:
+    if len(array.shape) != 1 + len(spec.shape) or any(isinstance(d, int) and d != n for d, n in zip(spec.shape, array.shape[1:])):
         raise BadInput(
             f"{path}: {name} samples have shape {tuple(array.shape[1:])}, the model's input '{spec.name}' needs {spec.shape}"
         )
@@ -338,9 +350,13 @@ def _check_samples(path: Path, name: str, array: _Array, spec: ModelInput, n: in
         raise BadInput(f"{path}: {name} holds {count} samples, the first input's array {n}")
 
 
-def _check_values(path: Path, name: str, array: _Array, spec: ModelInput, start: int, stop: int) -> Iterator[int]:
+def _check_values(
+    path: Path, name: str, array: _Array, spec: ModelInput, start: int, stop: int, embedding: Embedding | None = None
+) -> Iterator[int]:
     """Every value finite and within float32 (what the model computes in) or, for an integer
-    input, within its type, a chunk at a time; yields the samples of each chunk checked."""
+    input, within its type and, for token ids, within the `embedding` table they index (a
+    Gather reads past it or wraps a negative id, silently); a chunk at a time; yields the samples
+    of each chunk checked."""
     step = max(1, CHUNK_BYTES // max(1, array.row_bytes))
     for lo in range(start, stop, step):
         chunk = array.read(lo, min(lo + step, stop))
@@ -349,6 +365,8 @@ def _check_values(path: Path, name: str, array: _Array, spec: ModelInput, start:
                 info = np.iinfo(spec.dtype)
                 if chunk.min() < info.min or chunk.max() > info.max:
                     raise BadInput(f"{path}: {name} holds values beyond {spec.dtype}, which the input '{spec.name}' takes")
+            if embedding is not None and chunk.size:
+                embedding.check(path, name, chunk)
             yield len(chunk)
             continue
         if not np.isfinite(chunk).all():

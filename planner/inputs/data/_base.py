@@ -8,20 +8,29 @@ batch, so memory stays a few batches whatever the dataset's size.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx
 
 from planner.errors import BadInput
+from planner.inputs.model import Model
 from planner.inputs.preprocess import Preprocess
+
+if TYPE_CHECKING:
+    from planner.inputs.data._text import Tokenization
 
 Progress = Callable[[int, int], None] | None  # (samples checked, of how many)
 VAL_FRACTION = 0.2
 SPLIT_SEED = 0  # the stratified split of a folder without train/ and val/: fixed, so `run` redraws it
+STRATIFIED = f"stratified: {VAL_FRACTION:.0%} of each class as val (seed {SPLIT_SEED})"
 
 
 class DataFormat(StrEnum):
@@ -29,6 +38,7 @@ class DataFormat(StrEnum):
     NPY = "npy"  # the same arrays as .npy files in a folder (an unzipped .npz)
     IMAGES = "images"  # one folder per class
     CSV = "csv"  # path,label rows next to the images
+    TEXT = "text"  # text,label rows (CSV or JSON Lines), made token ids by the user's tokenizer
 
     @property
     def description(self) -> str:
@@ -46,6 +56,7 @@ _DESCRIPTIONS = {
     DataFormat.NPY: "arrays in .npy files",
     DataFormat.IMAGES: "an image folder",
     DataFormat.CSV: "images listed in a CSV",
+    DataFormat.TEXT: "text",
 }
 
 
@@ -104,6 +115,7 @@ class Dataset:
     classes: tuple[str, ...] | None = None  # class names by index, when the data names them
     preprocess: Preprocess | None = None  # images only: how a file becomes the model's input
     split: str = ""  # how train and val were drawn
+    tokenizer: Tokenization | None = None  # text only: how a text becomes the model's token ids
 
     def to_json(self) -> dict:
         return {
@@ -115,6 +127,7 @@ class Dataset:
             "classes": list(self.classes) if self.classes is not None else None,
             "preprocess": self.preprocess.to_json() if self.preprocess is not None else None,
             "split": self.split,
+            "tokenizer": self.tokenizer.to_json() if self.tokenizer is not None else None,
         }
 
 
@@ -138,6 +151,81 @@ def class_indices(
         raise BadInput(f"{where}: {len(classes)} classes, but the model has {n_outputs} outputs")
     lookup = {c: i for i, c in enumerate(classes)}
     return np.fromiter((lookup[n] for n in names), np.int64, len(names)), classes
+
+
+def csv_labels(
+    where: str | Path, names: Sequence[str], known: Sequence[str] | None, n_outputs: int
+) -> tuple[np.ndarray, tuple[str, ...] | None]:
+    """Labels as a CSV (or JSON Lines) holds them, all text: whole numbers throughout are class
+    indices, as in a .npz (unless the plan names its classes); anything else is class names."""
+    if known is None and all(re.fullmatch(r"\d+", n) for n in names):
+        numbers = [int(n) for n in names]
+        if numbers and max(numbers) >= n_outputs:
+            raise BadInput(f"{where}: label {max(numbers)} is beyond the model's {n_outputs} outputs (0..{n_outputs - 1})")
+        return np.array(numbers, np.int64), None
+    return class_indices(where, names, known, n_outputs)
+
+
+def stratified_val(labels: np.ndarray) -> np.ndarray:
+    """Which samples are val: VAL_FRACTION of each class (at least one of a class with two or more),
+    drawn with a fixed seed so every run of the same data draws the same."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    val = np.zeros(len(labels), bool)
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        n = len(members)
+        k = min(n - 1, max(1, int(round(n * VAL_FRACTION)))) if n > 1 else 0
+        val[rng.permutation(members)[:k]] = True
+    return val
+
+
+# ops that carry token ids unchanged on their way to an embedding (GPT-2 reshapes them first)
+_CARRY_IDS = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The table an integer input indexes: a Gather of rows of an initializer, at the input's values."""
+
+    table: str
+    rows: int
+
+    def check(self, where: str | Path, name: str, ids: np.ndarray) -> None:
+        """Token ids `name` of `where` index rows of the table: 0 up to its row count."""
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.rows:
+            raise BadInput(
+                f"{where}: {name} holds token id {low if low < 0 else high}, outside the model's embedding table "
+                f"'{self.table}' ({self.rows} rows: ids 0..{self.rows - 1}); these are not this model's token ids"
+            )
+
+
+def embeddings(model: Model) -> dict[str, Embedding]:
+    """Each integer input that picks rows of a table (token ids: `Gather(embedding, input_ids)`),
+    with the smallest such table. An id beyond it is no error to ONNX Runtime's or TVM's Gather,
+    which read past the table or wrap a negative id, so data is checked against it here."""
+    graph = model.proto.graph
+    shapes = {t.name: tuple(t.dims) for t in graph.initializer}
+    users: dict[str, list[tuple[int, onnx.NodeProto]]] = defaultdict(list)
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            users[name].append((slot, node))
+    found = {}
+    for spec in (i for i in model.inputs if i.integer):
+        tables: list[Embedding] = []
+        carried, seen = [spec.name], {spec.name}
+        while carried:
+            for slot, node in users[carried.pop()]:
+                table = node.input[0]
+                if node.op_type == "Gather" and slot == 1 and table in shapes:
+                    axis = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+                    tables.append(Embedding(table, int(shapes[table][axis])))
+                elif node.op_type in _CARRY_IDS and slot == 0:
+                    carried += [o for o in node.output if o not in seen]
+                    seen.update(node.output)
+        if tables:
+            found[spec.name] = min(tables, key=lambda e: e.rows)
+    return found
 
 
 def check_train_labels(where: str | Path, train: Split, val: Split) -> None:

@@ -19,7 +19,6 @@ import hashlib
 import io
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +26,7 @@ from PIL import Image
 
 from planner.errors import BadInput
 from planner.inputs.data._base import (
-    SPLIT_SEED,
-    VAL_FRACTION,
+    STRATIFIED,
     DataFormat,
     Dataset,
     Progress,
@@ -36,6 +34,8 @@ from planner.inputs.data._base import (
     Split,
     check_train_labels,
     class_indices,
+    csv_labels,
+    stratified_val,
 )
 from planner.inputs.model import Model
 from planner.inputs.preprocess import Preprocess
@@ -150,19 +150,6 @@ def _csv(path: Path) -> tuple[list[tuple[Path, str]], list[str] | None]:
     return found, splits or None
 
 
-def _stratified(labels: np.ndarray) -> np.ndarray:
-    """Which samples are val: VAL_FRACTION of each class (at least one of a class with two or more),
-    drawn with a fixed seed so every run of the same data draws the same."""
-    rng = np.random.default_rng(SPLIT_SEED)
-    val = np.zeros(len(labels), bool)
-    for c in np.unique(labels):
-        members = np.flatnonzero(labels == c)
-        n = len(members)
-        k = min(n - 1, max(1, int(round(n * VAL_FRACTION)))) if n > 1 else 0
-        val[rng.permutation(members)[:k]] = True
-    return val
-
-
 def load_images(
     path: Path, model: Model, spec: Preprocess, classes: tuple[str, ...] | None, progress: Progress = None
 ) -> Dataset:
@@ -184,21 +171,15 @@ def load_images(
         else:
             parts, split = {"all": listed}, ""
     names = [c for items in parts.values() for _, c in items]
-    if kind is DataFormat.CSV and all(re.fullmatch(r"\d+", n) for n in names) and classes is None:
-        numbers = [int(n) for n in names]  # class indices, as in a .npz
-        if max(numbers) >= model.n_classes:
-            raise BadInput(
-                f"{path}: label {max(numbers)} is beyond the model's {model.n_classes} outputs (0..{model.n_classes - 1})"
-            )
-        labels = np.array(numbers, np.int64)
-        named = None
+    if kind is DataFormat.CSV:
+        labels, named = csv_labels(path, names, classes, model.n_classes)
     else:
         labels, named = class_indices(path, names, classes, model.n_classes)
     if "all" in parts:
-        val = _stratified(labels)
+        val = stratified_val(labels)
         files = [f for f, _ in parts["all"]]
         index = {"train": np.flatnonzero(~val), "val": np.flatnonzero(val)}
-        split = split or f"stratified: {VAL_FRACTION:.0%} of each class as val (seed {SPLIT_SEED})"
+        split = split or STRATIFIED
         groups = {s: ([files[i] for i in index[s]], labels[index[s]]) for s in index}
     else:
         n_train = len(parts["train"])
@@ -211,7 +192,7 @@ def load_images(
     splits, done, total = {}, 0, sum(len(files) for files, _ in groups.values())
     for s in ("val", "train"):  # val first: its samples are the ones every trial evaluates
         files, y = groups[s]
-        rows = _ImageRows(s, files, spec, model.only_input.shape, cache)
+        rows = _ImageRows(s, files, spec, model.image_shape, cache)
         for i, file in enumerate(files):
             try:
                 data = file.read_bytes()
