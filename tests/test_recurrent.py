@@ -303,3 +303,35 @@ def test_one_sgd_step_of_every_layer_matches_pytorch_autograd_in_float64(name, e
     errors = {n: _update_error(before[n], after[n], expected[n]) for n in model.parameters}
     print(f"{name}-{exporter}: worst update error {max(errors.values()):.2e} ({max(errors, key=errors.get)})")
     assert {n: f"{e:.2e}" for n, e in errors.items() if not e <= MAX_UPDATE_ERROR} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, exporter", [c for c in CASES if c.values[0] in ("gru-2-bi", "lstm-1-bi")])
+def test_recurrent_models_measure_and_plan_with_the_default_space(name, exporter, exports, tmp_path):
+    """`measure` of the full update and of the head alone (the full one holds more memory), and
+    `plan` with the default space finishing with a plan that `run` trains."""
+    path, _ = exports(name, exporter)
+    model = api.inspect(path)
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "data.npz", x=rng.normal(0, 1, (40, SEQ, FEATURES)).astype(np.float32), y=np.arange(40) % CLASSES)
+    peak = {}
+    for scheme, layers in (("full", [layer.name for layer in model.layers]), ("head", [model.layers[-1].name])):
+        entries = "\n".join(f"  - {{layer: '{n}', mode: full}}" for n in layers)
+        (tmp_path / f"{scheme}.yaml").write_text(
+            f"name: {scheme}\ntrainable:\n{entries}\nbatch_size: 4\noptimizer: {{name: sgd, lr: 0.01}}\n"
+        )
+        result = api.measure(
+            path,
+            scheme=tmp_path / f"{scheme}.yaml",
+            data=tmp_path / "data.npz",
+            out=tmp_path / scheme,
+            accuracy_steps=2,
+            latency_repeats=2,
+        )
+        peak[scheme] = result.plan.metrics.peak_memory_bytes.total
+    assert peak["full"] > peak["head"], peak
+    planned = api.plan(
+        model=path, data=tmp_path / "data.npz", out=tmp_path / "plan", trials=2, accuracy_steps=4, latency_repeats=2
+    )
+    assert planned.plan is not None
+    assert np.isfinite(api.run(tmp_path / "plan", steps=3, out=tmp_path / "ran").after["loss"])
