@@ -16,7 +16,7 @@ import optuna
 import psutil
 import pytest
 
-from builders import free_port
+from builders import free_port, token_bag
 from planner import api
 from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
 from planner.inputs.addresses import parse_host_port
@@ -167,6 +167,22 @@ def test_run_over_rpc_equals_a_local_run(boards, tiny_model, tiny_data, tmp_path
     local = api.run(tmp_path / "p", steps=40, out=tmp_path / "local", shuffle=False)
     remote = api.run(tmp_path / "p", steps=40, out=tmp_path / "remote", shuffle=False, tracker=boards.tracker, key=boards.key)
     assert remote.device == f"rpc:{boards.key}" and local.device == "local"
+    with np.load(tmp_path / "local" / "weights.npz") as a, np.load(tmp_path / "remote" / "weights.npz") as b:
+        for k in a.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-5)
+    assert remote.after["loss"] == pytest.approx(local.after["loss"], abs=1e-5)
+
+
+def test_a_text_model_trains_over_rpc_as_it_does_locally(boards, tmp_path):
+    """Token ids and an attention mask cross to the board as int64 and train there exactly as here."""
+    model = token_bag(tmp_path / "bag.onnx")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (60, 12))
+    np.savez(tmp_path / "text.npz", input_ids=ids, attention_mask=np.ones((60, 12), np.int64), y=ids[:, 0] % 3)
+    api.plan(model=model, data=tmp_path / "text.npz", out=tmp_path / "p", trials=2, accuracy_steps=10, latency_repeats=3)
+    local = api.run(tmp_path / "p", steps=20, out=tmp_path / "local", shuffle=False)
+    remote = api.run(tmp_path / "p", steps=20, out=tmp_path / "remote", shuffle=False, tracker=boards.tracker, key=boards.key)
+    assert remote.device == f"rpc:{boards.key}"
     with np.load(tmp_path / "local" / "weights.npz") as a, np.load(tmp_path / "remote" / "weights.npz") as b:
         for k in a.files:
             np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-5)
