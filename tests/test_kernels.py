@@ -1,6 +1,7 @@
 """planner's own lowerings, under planner's default schedule, compute what TVM's do: the
-transposed convolution by taps, and the OpenBLAS convolutions (forward, input and weight
-gradient) over odd and even sizes, strides, padding, bands and thread blocks."""
+transposed convolution by taps, the OpenBLAS convolutions (forward, input and weight
+gradient) over odd and even sizes, strides, padding, bands and thread blocks, and the softmax
+by rows. (The OpenBLAS matrix products: tests/test_matmul_kernels.py.)"""
 
 from __future__ import annotations
 
@@ -140,3 +141,48 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     out = tvm.runtime.tensor(total)
     tvm.compile(tvm.IRModule({"main": kernel}), target)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy), out)
     np.testing.assert_allclose(out.numpy(), total + results[0][2], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "shape, scale",
+    [
+        ((8, 4, 128, 128), 5.0),  # attention's scores
+        ((3, 5, 8), 1.0),  # rows one vector long, fewer than the threads' shares
+        ((7, 136), 30.0),  # odd rows, 17 vectors a row; exponentials that underflow
+        ((2, 16), 1e3),
+    ],
+)
+@pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
+def test_softmax_by_rows_equals_tvms_lowering(shape, scale, cores):
+    """`softmax_rows` (rows as vectors along them, fast exp) equals TVM's unscheduled softmax,
+    masked rows included (-1e9 and float32's lowest, as attention masks write them); a row
+    length no vector divides keeps TVM's kernel."""
+    target = tvm.target.Target({"kind": "llvm", **({"num-cores": cores} if cores else {})})
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * scale).astype("float32")
+    x[..., : shape[-1] // 2] = np.where(
+        rng.random(x[..., : shape[-1] // 2].shape) < 0.3, np.float32(-1e9), x[..., : shape[-1] // 2]
+    )
+    x.reshape(-1, shape[-1])[0, 1:] = np.finfo(np.float32).min
+    bb = relax.BlockBuilder()
+    v = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [v]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.softmax(v, axis=-1)))
+        bb.emit_func_output(out)
+    mine = legalize(target, Kernels.TVM)(bb.get())
+    assert "softmax_rows" in str(mine)
+    results = []
+    for mod in (relax.transform.LegalizeOps()(bb.get()), mine):
+        with target:
+            mod = default_schedule()(mod)
+        results.append(relax.VirtualMachine(relax.build(mod, target), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
+    assert not np.isnan(results[1]).any()
+    odd = relax.BlockBuilder()
+    w = relax.Var("x", relax.TensorType((4, 9), "float32"))
+    with odd.function("main", [w]):
+        with odd.dataflow():
+            out = odd.emit_output(odd.emit(relax.op.nn.softmax(w, axis=-1)))
+        odd.emit_func_output(out)
+    assert "softmax_rows" not in str(legalize(target, Kernels.TVM)(odd.get()))

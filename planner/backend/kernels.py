@@ -4,11 +4,17 @@ A strided convolution's input gradient is a transposed convolution, and TVM lowe
 `conv2d_transpose` by dilating its input with zeros and convolving that: at stride 2 three of
 every four multiply-adds multiply a zero (a tiny CNN's stride-2 layer: 58 MFLOP for 15 of work).
 `conv2d_transpose_taps` computes each output from only the kernel taps that land on it.
+
+A softmax over the last axis, TVM's way under planner's schedule, reduces each row's maximum with
+the rows as vector lanes (a gather from rows a row apart) and its sum of exponentials one lane
+at a time: 0.6 GFLOP/s, a BERT encoder's slowest kernel once its products went through OpenBLAS.
+`softmax_rows` reads each row as vectors along it.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import threading
 from pathlib import Path
@@ -16,8 +22,9 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 from tvm import relax, te, tirx
+from tvm.script import tirx as T
 
-from planner.backend import gemm
+from planner.backend import gemm, matmul
 from planner.backend.gemm import Lowering
 from planner.backend.libraries import load_openblas
 from planner.types import Kernels
@@ -69,6 +76,74 @@ def conv2d_transpose_taps(bb: relax.BlockBuilder, call: relax.Call) -> relax.Exp
         return te.compute(out_shape, tap, name="conv2d_transpose_taps", attrs={TAPS_STRIDES: [sh, sw]})
 
     return bb.call_te(compute, call.args[0], call.args[1], primfunc_name_hint="conv2d_transpose_taps")
+
+
+SOFTMAX_LANES = 8  # a row's partial maxima and sums, one per lane (fp32 lanes of a 256-bit vector)
+
+
+def softmax_rows(bb: relax.BlockBuilder, call: relax.Call, *, threads: int) -> relax.Expr:
+    """`relax.nn.softmax` over the last axis of a float32 tensor of static shape whose rows are
+    a multiple of `SOFTMAX_LANES` long: the pool's threads take contiguous shares of the rows,
+    each row read as vectors along it (`_softmax_kernel`). Anything else is TVM's lowering."""
+    ty = call.args[0].ty
+    shape = [int(d) for d in ty.shape] if ty.shape is not None and all(isinstance(d, tirx.IntImm) for d in ty.shape) else None
+    axis = int(call.attrs.axis)
+    if shape is None or ty.dtype != "float32" or axis not in (-1, len(shape) - 1) or shape[-1] % SOFTMAX_LANES:
+        return tvm.ir.Op.get("relax.nn.softmax").get_attr("FLegalize")(bb, call)
+    gv = bb.add_func(_softmax(tuple(shape), threads), "softmax_rows")
+    return relax.call_tir(gv, relax.Tuple([call.args[0]]), out_ty=call.ty)
+
+
+@functools.lru_cache(maxsize=256)
+def _softmax(shape: tuple[int, ...], threads: int) -> tirx.PrimFunc:
+    """`_softmax_kernel`, parsed once per shape, in a thread of its own (TVMScript reads every
+    frame of the stack that calls it: see `gemm`)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
+        return parser.submit(_softmax_kernel, shape, threads).result()
+
+
+def _softmax_kernel(shape: tuple[int, ...], threads: int) -> tirx.PrimFunc:
+    """y = exp(x - max) / Σ exp(x - max) per row: the maximum and the sum as `SOFTMAX_LANES`
+    partial ones, vectors along the row, folded into one at the row's end; the exponentials
+    written once and scaled in place (their `exp` vectorised by `schedule`'s fast form)."""
+    length, lanes = shape[-1], SOFTMAX_LANES
+    rows = functools.reduce(lambda a, b: a * b, shape[:-1], 1)
+    share = -(-rows // threads)
+    size = rows * length
+
+    @T.prim_func(private=True, s_tir=True)  # (its annotations are TVMScript's, not types: ignored below)
+    def softmax_rows(x: T.Buffer(shape, "float32"), y: T.Buffer(shape, "float32")):  # type: ignore[valid-type]
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        with T.sblock("root"):  # as TVM's reshape analysis expects of a kernel of one input
+            xs = T.decl_buffer((size,), "float32", data=x.data)
+            ys = T.decl_buffer((size,), "float32", data=y.data)
+            for th in T.parallel(threads):
+                part = T.decl_buffer((lanes,), "float32", scope="local")
+                total = T.decl_buffer((1,), "float32", scope="local")
+                for r in range(th * share, T.min((th + 1) * share, rows)):
+                    for lane in T.vectorized(lanes):
+                        part[lane] = xs[r * length + lane]
+                    for j in range(1, length // lanes):
+                        for lane in T.vectorized(lanes):
+                            part[lane] = T.max(part[lane], xs[r * length + j * lanes + lane])
+                    total[0] = part[0]
+                    for lane in range(1, lanes):
+                        total[0] = T.max(total[0], part[lane])
+                    for lane in T.vectorized(lanes):
+                        part[lane] = T.float32(0)
+                    for j in range(length // lanes):
+                        for lane in T.vectorized(lanes):
+                            ys[r * length + j * lanes + lane] = T.exp(xs[r * length + j * lanes + lane] - total[0])
+                            part[lane] = part[lane] + ys[r * length + j * lanes + lane]
+                    total[0] = part[0]
+                    for lane in range(1, lanes):
+                        total[0] = total[0] + part[lane]
+                    total[0] = T.float32(1) / total[0]
+                    for j in range(length // lanes):
+                        for lane in T.vectorized(lanes):
+                            ys[r * length + j * lanes + lane] = ys[r * length + j * lanes + lane] * total[0]
+
+    return softmax_rows
 
 
 class _Remembered:
@@ -148,11 +223,15 @@ def _same(a, b) -> bool:
 def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None = None) -> tvm.transform.Pass:
     """TVM's LegalizeOps with planner's lowerings in place of TVM's where they differ (with
     `kernels` OpenBLAS, dense convolutions and both their gradients through `gemm`, whose parsed
-    kernels a compile `cache` directory keeps), every lowering remembered across candidates
-    (`_Remembered`)."""
-    ops: dict[str, Lowering] = {"relax.nn.conv2d_transpose": conv2d_transpose_taps}
+    kernels a compile `cache` directory keeps, and matrix products through `matmul`, after its
+    `fold` of transposed operands), every lowering remembered across candidates (`_Remembered`)."""
     threads = gemm.pool_threads(target)
-    flavor = (str(target), kernels.value, threads, *gemm.limits())
+    ops: dict[str, Lowering] = {
+        "relax.nn.conv2d_transpose": conv2d_transpose_taps,
+        "relax.nn.softmax": functools.partial(softmax_rows, threads=threads),
+    }
+    flavor = (str(target), kernels.value, threads, *gemm.limits(), *matmul.limits())
+    before: list[tvm.transform.Pass] = []
     if kernels == Kernels.OPENBLAS:
         # loaded here too, not only where the step is loaded: a module built in-process (tests,
         # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
@@ -162,7 +241,9 @@ def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None 
         ops["relax.nn.conv2d_transpose"] = functools.partial(
             gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads, cache=cache
         )
-    return relax.transform.LegalizeOps({name: _Remembered(lower, flavor) for name, lower in (_registered() | ops).items()})
+        before, ops = [matmul.fold], ops | matmul.lowerings(threads)
+    lowered = relax.transform.LegalizeOps({name: _Remembered(lower, flavor) for name, lower in (_registered() | ops).items()})
+    return tvm.transform.Sequential([*before, lowered])
 
 
 @functools.cache

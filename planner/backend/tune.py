@@ -33,7 +33,6 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from planner.backend import gemm
 from planner.backend.graph import STEP_FUNC
 from planner.backend.link import linker
 from planner.inputs.targets import RpcRunner
@@ -163,6 +162,14 @@ def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, ob
     return builder, ms.runner.RPCRunner(config)
 
 
+def _written_scheduled(mod: tvm.IRModule) -> bool:
+    """Whether `mod`'s kernel was written scheduled (`tirx.is_scheduled` before any schedule ran:
+    the OpenBLAS kernels, the softmax by rows)."""
+    return any(
+        isinstance(f, tvm.tirx.PrimFunc) and bool((f.attrs or {}).get("tirx.is_scheduled")) for _, f in mod.functions_items()
+    )
+
+
 def tune(
     fused: tvm.IRModule,
     target: tvm.target.Target,
@@ -194,8 +201,9 @@ def tune(
         new = [
             task
             for task in ms.relax_integration.extract_tasks(step_only, target, module_equality=EQUALITY)
-            # a library kernel's work is a call MetaSchedule cannot schedule
-            if not database.has_workload(task.dispatched[0]) and not gemm.calls_openblas(task.dispatched[0])
+            # planner's own kernels are written scheduled: a library kernel's work is a call
+            # MetaSchedule cannot schedule, and the softmax by rows has no blocks to schedule
+            if not database.has_workload(task.dispatched[0]) and not _written_scheduled(task.dispatched[0])
         ]
         new.sort(key=lambda task: -estimate_tir_flops(task.dispatched[0]) * task.weight)
         new = new[: max(1, trials // TRIALS_PER_KERNEL)]
