@@ -24,7 +24,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -150,20 +149,6 @@ def LoRALinear(linear):  # noqa: N802  (a module factory, named as the module it
     return Adapted()
 
 
-def time_torch(step, repeats: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        number = 0
-        while time.perf_counter() - t0 < 0.05 or number == 0:
-            step()
-            number += 1
-        times.append((time.perf_counter() - t0) / number * 1e3)
-    return float(np.median(times))
-
-
 # --- planner ----------------------------------------------------------------------------------
 
 
@@ -199,6 +184,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from step_vs_pytorch import time_torch  # the same PyTorch timing as every step-vs-PyTorch row
+
     from planner.measurement.latency import time_step
     from planner.measurement.profile import profile_step
 
@@ -209,6 +196,8 @@ def main() -> None:
             compiled, session = planner_session(path, update, args.batch)
             step = torch_step(bert(args.length), update, args.batch, args.length)
             ours, theirs = [], []
+            for _ in range(3):  # PyTorch's first steps allocate: warmed up as planner's time evaluator is
+                step()
             for _ in range(args.rounds):
                 ours.append(time_step(session, args.repeats, "local").median)
                 theirs.append(time_torch(step, args.repeats))
