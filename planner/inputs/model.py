@@ -128,10 +128,11 @@ class Model:
             if len(shape) != len(spec.shape):
                 raise BadInput(f"{where}: samples of shape {tuple(shape)}, the model's input '{spec.name}' needs {spec.shape}")
             for dim, size in zip(spec.shape, shape):
-                if isinstance(dim, int) and dim != size or lengths.setdefault(str(dim), int(size)) != size:
+                fixed = dim if isinstance(dim, int) else lengths.setdefault(dim, int(size))
+                if fixed != size:
                     raise BadInput(
                         f"{where}: samples of shape {tuple(shape)}, the model's input '{spec.name}' needs {spec.shape}"
-                        + (f" with {dim} = {lengths[str(dim)]} as in the other inputs" if isinstance(dim, str) else "")
+                        + (f" with {dim} = {fixed} as in the other inputs" if isinstance(dim, str) else "")
                     )
         bound = {k: v for k, v in lengths.items() if k in self.unbound}
         if not bound:
