@@ -32,10 +32,10 @@ def test_tuned_kernels_are_recorded_shared_and_train_like_default_ones(tiny_mode
         accuracy_steps=5,
         latency_repeats=3,
         cache_dir=cache,
-        tune_trials=8,
+        tune_trials=4,
     )
     step = result.plan.step.model_dump()
-    assert step["tune_trials"] == 8 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
+    assert step["tune_trials"] == 4 and 1 <= len(step["tuned_kernels"]) <= step["kernels"]
     assert f"{len(step['tuned_kernels'])} of {step['kernels']} kernels" in result.plan.measurement.schedules
 
     # another candidate (the same layers, another optimizer: new update kernels), one trial of
@@ -77,7 +77,7 @@ def test_tuning_for_boards_behind_a_tracker_times_its_trials_there(tiny_model, t
             accuracy_steps=5,
             latency_repeats=3,
             cache_dir=tmp_path / "cache",
-            tune_trials=8,
+            tune_trials=4,
             tracker=boards.tracker,
             key=boards.key,
         )
