@@ -1,10 +1,10 @@
 """A text transformer's training step in planner (TVM) vs PyTorch eager, side by side, on this host.
 
     pip install -e '.[test]'          # PyTorch and transformers come with the test extra
-    python benchmarks/sequence_step.py [--threads 2] [--batch 8] [--length 128] [--rounds 3] [--profile]
+    python benchmarks/sequence_step.py [--threads 2] [--batch 8] [--length 128] [--vocab 2000] [--rounds 3] [--profile]
 
 A BERT-style encoder classifier built by Hugging Face transformers from a small config (vocabulary
-2,000, hidden 128, 2 layers of 4 heads, feed-forward 512; random weights, nothing downloaded),
+2,000 or `--vocab`: BERT's own is 30,522, hidden 128, 2 layers of 4 heads, feed-forward 512; random weights, nothing downloaded),
 taking `input_ids` and `attention_mask` [batch, length], exported with `torch.onnx.export`
 (dynamo=False). Two updates, the same weights, trainable set, plain SGD and thread count in both:
 
@@ -171,6 +171,7 @@ def planner_session(path: Path, update: str, batch: int):
 
 
 def main() -> None:
+    global VOCAB
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
@@ -178,8 +179,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per framework (median taken)")
     parser.add_argument("--profile", action="store_true", help="print planner's slowest kernels of each step")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="the token embedding table's rows")
     args = parser.parse_args()
     on_threads(args.threads)
+    VOCAB = args.vocab  # the table `bert` builds and `batch_of` draws from
 
     import torch
 
@@ -211,7 +214,9 @@ def main() -> None:
                 for k in profile.kernels[:12]:
                     rate = f"{k.gflops:.1f}" if k.gflops else "-"
                     print(f"  {k.name:60s} {k.seconds * 1e3:7.3f} ms  x{k.calls:<3d} {rate:>6s}")
-    print(f"\nBERT-style encoder (hidden 128, 2 layers), batch {args.batch}, length {args.length}, {args.threads} threads")
+    print(
+        f"\nBERT-style encoder (vocabulary {VOCAB}, hidden 128, 2 layers), batch {args.batch}, length {args.length}, {args.threads} threads"
+    )
     print("| update | planner ms | PyTorch eager ms | ratio | planner peak MiB |")
     print("|---|---:|---:|---:|---:|")
     for update, ours_ms, torch_ms, peak in rows:

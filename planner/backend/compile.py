@@ -30,7 +30,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner import __version__, cachefile
-from planner.backend import gemm, link, tune
+from planner.backend import gemm, link, sparse, tune
 from planner.backend.graph import STEP_FUNC, build_training_module, update_lr
 from planner.backend.inplace import in_place_candidates, update_in_place
 from planner.backend.kernels import legalize
@@ -116,6 +116,7 @@ def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_
     """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
     # planner's legalization first; TVM's own after it is then a no-op
     passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels, cache=cache_dir)] + cpu.legalize_passes(target)
+    mod = sparse.embedding_sgd(mod, threads=gemm.pool_threads(target))
     with target:
         fused = tvm.transform.Sequential(passes)(mod)
     if kernels == Kernels.OPENBLAS:

@@ -23,6 +23,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
+from planner.backend import sparse
 from planner.backend.graph import STEP_FUNC
 from planner.backend.tir import in_place_kernel
 from planner.types import StepSignature
@@ -89,8 +90,8 @@ def _updates(mod: tvm.IRModule, sig: StepSignature):
         return
     bindings = step.body.blocks[0].bindings
     bound = {b.var: b for b in bindings}
-    n_frozen = len(sig.frozen)
-    updated = list(step.params[1 + n_frozen : 1 + n_frozen + len(sig.trainable) + len(sig.optim_states)])
+    first = len(sig.inputs) + len(sig.frozen)  # the step takes `*inputs, *frozen, *trainable, *states, labels`
+    updated = list(step.params[first : first + len(sig.trainable) + len(sig.optim_states)])
     result = bound[step.body.body].value if step.body.body in bound else step.body.body
     if not isinstance(result, relax.Tuple) or len(result.fields) != 1 + len(updated):
         return
@@ -112,7 +113,8 @@ def in_place_candidates(fused: tvm.IRModule, sig: StepSignature) -> set[tuple[st
         call = binding.value
         args = list(call.args[1].fields)
         kernel = call.args[0].name_hint
-        if _elementwise_over(fused[kernel], args.index(old), len(args) + k):
+        scatter = fused[kernel].attrs.get(sparse.SCATTER) and (args.index(old), k) == (0, 0)
+        if scatter or _elementwise_over(fused[kernel], args.index(old), len(args) + k):
             found.add((kernel, args.index(old), len(args) + k))
     return found
 
@@ -120,7 +122,7 @@ def in_place_candidates(fused: tvm.IRModule, sig: StepSignature) -> set[tuple[st
 def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple[str, int, int]]) -> tuple[tvm.IRModule, int]:
     """The scheduled step `mod` with its updates moved up and done in place; also how many were.
 
-    The step's parameters are `x, *frozen, *trainable, *states, labels` and it returns
+    The step's parameters are `*inputs, *frozen, *trainable, *states, labels` and it returns
     `(loss, *new trainable, *new states)`; a returned value whose kernel is among `candidates`
     (from `in_place_candidates` on the same step before scheduling) overwrites its old value. The
     kernels keep their schedules (and tuning records); only their output buffer changes.
@@ -168,7 +170,8 @@ def update_in_place(mod: tvm.IRModule, sig: StepSignature, candidates: set[tuple
         ks = plans[at]
         outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
         indices = [ks.get(k, -1) for k in range(len(outs))]
-        kernel = in_place_kernel(mod[call.args[0]], ks, len(args))
+        func = mod[call.args[0]]
+        kernel = sparse.in_place(func) if func.attrs.get(sparse.SCATTER) else in_place_kernel(func, ks, len(args))
         gv = builder.add_func(kernel, f"{call.args[0].name_hint}_inplace")
         new_call = relax.op.call_tir_inplace(gv, call.args[1], indices, list(outs) if len(outs) > 1 else outs[0])
         if at not in moves:
