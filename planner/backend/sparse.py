@@ -106,7 +106,7 @@ def _match(b: relax.Binding, bound: dict, uses: dict, params: set):
     if not (
         source.same_as(table)
         and int(back.attrs.axis) == 0
-        and ty.dtype == "float32"
+        and ty.dtype == rows.ty.dtype == "float32"
         and len(ty.shape) == 2
         and len(rows.ty.shape) == 2
         and len(ids.ty.shape) == 1
