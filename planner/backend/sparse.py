@@ -10,8 +10,7 @@ rows; `embedding_sgd` does the same inside the fused step.
 What it replaces: `new = W - lr * take_backward(rows, W, ids, axis=0)` with the gradient read
 by nothing else (plain SGD, one micro-batch, the table not tied to another use: a tied GPT-2 head
 adds a dense gradient and keeps TVM's path). The kernel (`_kernel`) sums the rows of each id in
-the order the batch holds them — as TVM's scatter-add does, so the update is the dense one's to
-the bit — and subtracts each sum once: a padding id repeated hundreds of times is one rounding,
+the order the batch holds them — the sum TVM's scatter-add forms — and subtracts each sum once: a padding id repeated hundreds of times is one rounding,
 not hundreds. Momentum and Adam move every row's state each step (PyTorch's dense optimizers do
 too) and stay dense.
 
