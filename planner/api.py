@@ -40,7 +40,6 @@ from planner.plans.directory import (
     MODEL_FILE,
     REPORT_HTML,
     REPORT_MD,
-    STEP_LIBRARY,
     STUDY_FILE,
     TOKENIZER_FILE,
     TRIALS_FILE,
@@ -54,7 +53,7 @@ from planner.plans.directory import (
     write_plan_dir,
 )
 from planner.plans.schema import Plan, Policy
-from planner.plans.select import assemble, select
+from planner.plans.select import assemble, select, target_record
 from planner.reports import content as report_content
 from planner.reports import html as report_html
 from planner.reports import markdown
@@ -62,7 +61,7 @@ from planner.search.urls import redact
 from planner.types import RunResult, StepProfile, TrialRecord, TrialState
 
 if TYPE_CHECKING:
-    from planner.backend.compile import CompiledStep
+    from planner.backend import Artifact
 
 __all__ = ["plan", "work", "measure", "compile", "check_target", "inspect", "run", "report", "resolve_target", "PlanResult"]
 
@@ -118,6 +117,9 @@ def resolve_target(name: str, *, tracker: str | None = None, key: str | None = N
     if tracker is not None and key is not None:
         target = target.over_tracker(tracker, key)
     target.toolchain_path()  # a missing cross compiler is bad input, not N failed trials
+    from planner.measurement import runner_for
+
+    runner_for(target)  # an unknown back end or runner, or a pair that cannot work together: refused now
     return target
 
 
@@ -235,9 +237,10 @@ def plan(
 
     Inputs (and the boards, for an RPC target) are checked before anything is written.
     """
-    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate
+    from planner.backend import backend_for
+    from planner.backend.compile import check_cache_dir
     from planner.backend.graph import check_importable
-    from planner.measurement import capacity
+    from planner.measurement import runner_for
     from planner.search.evaluate import EvalSettings
     from planner.search.study import SearchSettings, make_sampler, open_study, pareto_numbers, run_study
 
@@ -269,7 +272,8 @@ def plan(
     layer_names = sp.layer_names(m)
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
-    capacity(hw)  # an unreachable tracker or a key without boards fails here (exit 3)
+    runner = runner_for(hw)
+    runner.capacity()  # an unreachable tracker or a key without boards fails here (exit 3)
 
     out = prepare_out_dir(out)  # a file, a read-only or foreign directory: one line before any trial
     with locked(out):  # a second `plan` into the same `out` is refused, not raced
@@ -317,7 +321,7 @@ def plan(
             if interrupted:
                 return PlanResult(None, out, records, interrupted=True)
             raise
-        build = BuildOptions.for_target(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
+        backend = backend_for(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
         selection = {
             "policy": policy,
             "accuracy_tolerance": accuracy_tolerance,
@@ -328,9 +332,9 @@ def plan(
         study_info = {"storage": redact(storage) if storage else None, "name": study}
 
         def write(where: Path, within: HardwareTarget, judged: list[TrialRecord], picked: TrialRecord, extra: dict) -> Plan:
-            compiled = compile_candidate(m, picked.measured().candidate, build)
+            compiled = backend.build(m, picked.measured().candidate)
             written = assemble(
-                m, dataset, within, judged, picked, pareto, compiled, {**selection, **extra}, study_info, seed, tune_trials
+                m, dataset, within, judged, picked, pareto, compiled, {**selection, **extra}, study_info, seed, backend, runner
             )
             return _write(where, written, compiled, m, judged, data_files(dataset))
 
@@ -417,7 +421,7 @@ def work(
     `overlap` as in `plan`.
     """
     from planner.backend.compile import check_cache_dir
-    from planner.measurement import capacity
+    from planner.measurement import runner_for
     from planner.search.evaluate import EvalSettings
     from planner.search.study import SearchSettings, open_study, run_study, stored_inputs
 
@@ -439,7 +443,7 @@ def work(
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({inputs['model']}, {inputs['data']})")
     hw = resolve_target(inputs["target"], tracker=inputs["tracker"], key=inputs["key"])
     sp = load_space(inputs["space"]).for_target(hw.precisions).for_model(m)
-    capacity(hw)
+    runner_for(hw).capacity()
     anchors = sp.anchors(m) if inputs["anchors"] and inputs["sampler"] == "tpe" else None
     evaluation = EvalSettings(
         inputs["seed"],
@@ -486,9 +490,9 @@ def measure(
     kernel of the step (`PlanResult.profile`: time per step and GFLOP/s, slowest first), on
     this machine: a target measured on boards cannot be profiled here.
     """
-    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate
+    from planner.backend.compile import CompiledStep, check_cache_dir
     from planner.backend.graph import check_importable
-    from planner.measurement import capacity
+    from planner.measurement import runner_for
     from planner.search.evaluate import EvalSettings, Evaluator
 
     _check_settings(seed=seed, accuracy_steps=accuracy_steps, latency_repeats=latency_repeats, tune_trials=tune_trials)
@@ -497,8 +501,9 @@ def measure(
     dataset = load_dataset(data, m, preprocess=preprocess, tokenizer=tokenizer, cache_dir=cache)
     m = bind_lengths(m, dataset)
     hw = resolve_target(target, tracker=tracker, key=key)
-    if profile and hw.boards is not None:
-        raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on '{hw.boards.key}' boards")
+    runner = runner_for(hw)
+    if profile and not runner.runs_here:
+        raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on {runner.device}")
     candidate = load_scheme(scheme).candidate(m)
     model_files(m)
     if candidate.precision not in hw.precisions:
@@ -507,18 +512,17 @@ def measure(
             f"{', '.join(hw.precisions)}"
         )
     check_importable(m)
-    capacity(hw)
+    runner.capacity()
     out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
     evaluation = EvalSettings(seed, accuracy_steps, latency_repeats, cache, tune_trials)
     attrs: dict = {}
+    evaluator = Evaluator(m, dataset, hw, evaluation)
     try:
-        constraints = Evaluator(m, dataset, hw, evaluation).evaluate(candidate, attrs.__setitem__)
+        constraints = evaluator.evaluate(candidate, attrs.__setitem__)
     except CandidateFailed as exc:
         raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
     rec = TrialRecord.from_attrs(0, TrialState.COMPLETE, attrs, constraints)
-    compiled = compile_candidate(
-        m, candidate, BuildOptions.for_target(hw, cache_dir=evaluation.cache_dir, tune_trials=tune_trials)
-    )
+    compiled = evaluator.backend.build(m, candidate)
     result = assemble(
         m,
         dataset,
@@ -536,13 +540,16 @@ def measure(
         },
         study={"storage": None, "name": None},
         accuracy_seed=seed,
-        tune_trials=tune_trials,
+        backend=evaluator.backend,
+        runner=runner,
     )
     written = _write(out, result, compiled, m, [rec], data_files(dataset))
     step_profile = None
     if profile:
         from planner.measurement.profile import profile_step
 
+        if not isinstance(compiled, CompiledStep):
+            raise BadInput(f"`profile` times the kernels of a VM library; the {hw.backend} back end builds {compiled.kind}")
         step_profile = profile_step(compiled, m.initializers, seed=seed)
     return PlanResult(written, out, [rec], profile=step_profile)
 
@@ -556,7 +563,10 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     `device` says where; `measurement.retargeted_from` says so); its memory is re-planned for
     the new build.
     """
-    from planner.backend.compile import BuildOptions, check_cache_dir, compile_candidate
+    from planner.backend import backend_for
+    from planner.backend.compile import check_cache_dir
+    from planner.measurement import runner_for
+    from planner.plans.select import step_record
 
     plan_dir = Path(plan_dir)
     _check_settings(tune_trials=tune_trials)
@@ -565,16 +575,15 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     hw = resolve_target(target)
     cache = check_cache_dir(cache_dir or default_cache_dir())
     prepare_out_dir(out, create=False)
-    compiled = compile_candidate(m, original.candidate, BuildOptions.for_target(hw, cache_dir=cache, tune_trials=tune_trials))
+    backend = backend_for(hw, cache_dir=cache, tune_trials=tune_trials)
+    compiled = backend.build(m, original.candidate)
     retargeted = original.model_copy(
         update={
-            "target": original.target.model_copy(
-                update={"name": hw.name, "tvm_target": hw.tvm_target, "device": hw.device, "toolchain": hw.toolchain}
-            ),
+            "target": target_record(hw, runner_for(hw)),
             "metrics": original.metrics.model_copy(
                 update={
                     "peak_memory_bytes": type(original.metrics.peak_memory_bytes)(**compiled.memory.to_json()),
-                    "library_bytes": compiled.library.stat().st_size,
+                    "library_bytes": compiled.stored_bytes,
                 }
             ),
             "measurement": original.measurement.model_copy(
@@ -583,16 +592,7 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
                     f"for {hw.name} to measure on this target"
                 }
             ),
-            "step": original.step.model_copy(
-                update={
-                    "signature": compiled.signature.to_json(),
-                    "kernels": compiled.kernels,
-                    "tuned_kernels": list(compiled.tuned_kernels),
-                    "tune_trials": tune_trials,
-                    "in_place_updates": compiled.in_place_updates,
-                    "requires": list(compiled.requires),
-                }
-            ),
+            "step": step_record(compiled, tune_trials),
         }
     )
     result = Plan.model_validate(retargeted.model_dump())  # the edited plan, validated as any read one
@@ -602,18 +602,14 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
 
 
 def check_target(name: str, *, tracker: str | None = None, key: str | None = None) -> dict[str, str]:
-    """A target resolved for use: its TVM target, toolchain, device and (for RPC) free boards."""
-    from planner.measurement.rpc import BoardPool
+    """A target resolved for use: its TVM target, toolchain, back end, device and what its runner
+    reports (for RPC, the free boards)."""
+    from planner.measurement import runner_for
 
     hw = resolve_target(name, tracker=tracker, key=key)
-    report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default", "device": hw.device}
-    boards = hw.boards
-    if boards is not None:
-        status = BoardPool.for_target(hw).check()
-        report["boards"] = (
-            f"{status.total} under key '{boards.key}' at {boards.tracker}, {status.free} free, {status.pending} pending requests"
-        )
-    return report
+    runner = runner_for(hw)
+    report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default"}
+    return {**report, "backend": hw.backend, "device": runner.device, **runner.status()}
 
 
 def run(
@@ -675,14 +671,14 @@ def report(plan_dir: str | Path | None = None, *, storage: str | None = None, st
     return json.dumps(content.to_json(), indent=2) + "\n"
 
 
-def _write(out: Path, plan: Plan, compiled: CompiledStep, model: Model, trials: list[TrialRecord], data: dict[str, Path]) -> Plan:
+def _write(out: Path, plan: Plan, compiled: Artifact, model: Model, trials: list[TrialRecord], data: dict[str, Path]) -> Plan:
     """The plan directory, with the files its data needs (`data`: `data_files`); returns the plan
     with its files' hashes."""
     content = report_content.from_plan(plan, model, trials)
     return write_plan_dir(
         out,
         plan,
-        files={STEP_LIBRARY: compiled.library, **model_files(model), **data},
+        files={**{f.name: f for f in compiled.files}, **model_files(model), **data},
         weights=model.initializers,
         texts={
             REPORT_MD: markdown.render(content),

@@ -11,6 +11,8 @@ import pytest
 
 from builders import blobs
 from planner import api
+from planner.backend.vm import VmBackend
+from planner.measurement.local import LocalRunner
 from planner.search import evaluate
 
 
@@ -70,8 +72,9 @@ def test_compiles_overlap_fine_tunes_and_timing_runs_alone(tiny_model, task, tmp
 
         return run
 
-    monkeypatch.setattr(evaluate, "compile_candidate", timed("compile", evaluate.compile_candidate))
-    monkeypatch.setattr(evaluate, "measure_step", timed("measure", evaluate.measure_step))
+    monkeypatch.setattr(VmBackend, "build", timed("compile", VmBackend.build))
+    monkeypatch.setattr(VmBackend, "host_build", timed("compile", VmBackend.host_build))
+    monkeypatch.setattr(LocalRunner, "measure", timed("measure", LocalRunner.measure))
     monkeypatch.setattr(evaluate.FineTune, "result", timed("finetune", evaluate.FineTune.result))
     result = _plan(tiny_model, task, tmp_path / "p", cache_dir=tmp_path / "cache")
     assert sum(t.complete for t in result.trials) >= 9

@@ -44,7 +44,10 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
         assert (out / name).is_file(), name
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema_version"] == 4
+    assert plan["schema_version"] == 5
+    # the step is the VM back end's artifact: one library, named with its kind
+    assert plan["step"]["kind"] == "relax-vm" and plan["step"]["files"] == ["train_step.so"]
+    assert plan["target"]["backend"] == "vm"
     assert plan["dataset"]["format"] == "npz" and plan["dataset"]["preprocess"] is None and plan["dataset"]["tokenizer"] is None
     # every file a run loads carries its sha256, which `run` checks before loading anything
     assert plan["files"].keys() == {"train_step.so", "weights.npz", "model.onnx"}
@@ -89,6 +92,21 @@ def test_a_version_3_plan_still_reads_as_a_plan_without_a_tokenizer(tiny_plan, t
     del raw["dataset"]["tokenizer"]
     (old / "plan.json").write_text(json.dumps(raw))
     assert read_plan(old).dataset.tokenizer is None
+
+
+def test_a_version_4_plan_still_runs_as_the_vm_back_ends_library(tiny_plan, tiny_data, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(tiny_plan.out, old)
+    raw = json.loads((old / "plan.json").read_text())
+    raw["schema_version"] = 4
+    del raw["target"]["backend"]
+    raw["step"]["library"] = raw["step"].pop("files")[0]
+    del raw["step"]["kind"]
+    (old / "plan.json").write_text(json.dumps(raw))
+    plan = read_plan(old)
+    assert (plan.step.kind, plan.step.files, plan.target.backend) == ("relax-vm", ["train_step.so"], "vm")
+    ran = api.run(old, data=tiny_data, steps=3, out=tmp_path / "ran")
+    assert ran.device == "local" and (tmp_path / "ran" / "weights.npz").is_file()
 
 
 def test_rerun_resumes_instead_of_repeating(tiny_plan, tiny_model, tiny_data):

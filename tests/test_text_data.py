@@ -187,7 +187,7 @@ def test_text_plans_records_its_tokenizer_and_runs_with_the_plans_copy(tmp_path)
     accuracy = result.plan.metrics.accuracy
     assert accuracy.after > accuracy.before + 0.2  # a keyword decides the class: fine-tuning learns it
     recorded = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    assert recorded["schema_version"] == 4 and recorded["dataset"]["format"] == "text"
+    assert recorded["schema_version"] == 5 and recorded["dataset"]["format"] == "text"
     assert recorded["dataset"]["tokenizer"]["sha256"] == recorded["files"]["tokenizer.json"] == sha256
     assert (tmp_path / "plan" / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert "tokenised by tokenizer.json" in (tmp_path / "plan" / "report.md").read_text()

@@ -1,0 +1,36 @@
+"""Build a candidate's training step for its target: the only package, besides the RPC runtime in
+`planner.measurement`, that imports TVM.
+
+A back end is one module implementing `Backend` (`_base.py`), registered in `BACKENDS` by the name a
+target's `backend:` gives; modules load on first use, so `import planner.backend` loads no TVM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from planner.backend._base import ARTIFACT_STEM, Artifact, ArtifactKind, Backend, BuiltArtifact, Provenance
+from planner.errors import BadInput
+
+if TYPE_CHECKING:
+    from planner.inputs.targets import HardwareTarget
+
+__all__ = ["ARTIFACT_STEM", "BACKENDS", "Artifact", "ArtifactKind", "Backend", "BuiltArtifact", "Provenance", "backend_for"]
+
+# a target's `backend:` -> "module:class" of its implementation
+BACKENDS: dict[str, str] = {"vm": "planner.backend.vm:VmBackend"}
+
+
+def backend_class(name: str) -> type[Backend]:
+    where = BACKENDS.get(name)
+    if where is None:
+        raise BadInput(f"unknown back end {name!r} (known: {', '.join(sorted(BACKENDS))})")
+    module, cls = where.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def backend_for(target: HardwareTarget, *, cache_dir: Path, tune_trials: int = 0) -> Backend:
+    """The back end `target` names, building into `cache_dir` with `tune_trials` tuning trials per step."""
+    return backend_class(target.backend)(target, cache_dir=cache_dir, tune_trials=tune_trials)

@@ -31,6 +31,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner import __version__, cachefile
 from planner.backend import gemm, link, sparse, tune
+from planner.backend._base import ARTIFACT_STEM, ArtifactKind, BuiltArtifact
 from planner.backend.graph import STEP_FUNC, build_training_module, update_lr
 from planner.backend.inplace import in_place_candidates, update_in_place
 from planner.backend.kernels import legalize
@@ -43,8 +44,8 @@ from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
 from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSignature
 
-LIB_NAME = "train_step.so"
-META_NAME = "train_step.json"
+LIB_NAME = f"{ARTIFACT_STEM}.so"
+META_NAME = "train_step.json"  # the cache entry's record, never part of the artifact
 
 
 def check_cache_dir(path: str | Path) -> Path:
@@ -65,21 +66,12 @@ def check_cache_dir(path: str | Path) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class CompiledStep:
-    """A compiled candidate on disk: the library, how to call it and its planned memory."""
+@dataclass(frozen=True, kw_only=True)
+class CompiledStep(BuiltArtifact):
+    """A compiled candidate in the cache: the VM back end's artifact, one shared library."""
 
-    directory: Path
-    signature: StepSignature
-    memory: MemoryBreakdown
-    compile_seconds: float  # including tuning
-    cached: bool
-    kernels: int = 0  # compiled kernels (TIR functions) in the step
-    tuned_kernels: tuple[str, ...] = ()  # those scheduled from the tuning database
-    tune_seconds: float = 0.0  # MetaSchedule time within compile_seconds
-    in_place_updates: int = 0  # updated weights and states written over their old buffers
+    directory: Path  # the cache entry
     kernel_table: tuple[link.Kernel, ...] = ()  # the library's kernels: symbol, name, flops per call
-    requires: tuple[str, ...] = ()  # packages the library needs where it runs (scipy-openblas32)
 
     @property
     def library(self) -> Path:
@@ -325,6 +317,8 @@ def _baseline(model: Model, candidate: Candidate, build: BuildOptions) -> Memory
 
 def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:
     return CompiledStep(
+        kind=ArtifactKind.VM_LIBRARY,
+        files=(entry / LIB_NAME,),
         directory=entry,
         signature=StepSignature.from_json(meta["signature"]),
         memory=MemoryBreakdown(**meta["memory"]),

@@ -44,9 +44,10 @@ def measure(
     from planner import api
     from planner.cli._progress import configure_logging
     from planner.inputs.targets import load_target
+    from planner.measurement import runner_for
 
     configure_logging(stderr, verbose)
-    profile = verbose and tracker is None and guard(lambda: load_target(target)).boards is None
+    profile = verbose and tracker is None and guard(lambda: runner_for(load_target(target))).runs_here
     result = guard(
         lambda: api.measure(
             model,

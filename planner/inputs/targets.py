@@ -10,7 +10,8 @@ Targets are YAML files (`hw_targets/NAME.yaml`, or a user's path), validated her
     latency_budget_ms: 200                  # optional
     flash_budget_bytes: 64MiB               # optional: the compiled step must fit
     precisions: [fp32]
-    runner: rpc                             # local | rpc
+    backend: vm                             # optional: what builds the step (vm, the default: TVM's Relax VM)
+    runner: rpc                             # where the step runs: local (the default) | rpc
     kernels: openblas                       # optional: openblas (default) | tvm
     rpc: {tracker: 127.0.0.1:9190, key: raspberry-pi-4, priority: 1, session_timeout_s: 600}
 """
@@ -86,8 +87,10 @@ class HardwareTarget(BaseModel):
     latency_budget_ms: float | None = Field(default=None, gt=0)
     flash_budget_bytes: int | None = Field(default=None, gt=0)
     precisions: list[Literal["fp32", "fp16", "bf16"]] = ["fp32"]
-    runner: Literal["local", "rpc"] = "local"
-    rpc: RpcRunner | None = None
+    # by name, as `planner.backend.BACKENDS` and `planner.measurement.RUNNERS` register them
+    backend: str = Field(default="vm", pattern=r"^[a-z][a-z0-9-]*$")
+    runner: str = Field(default="local", pattern=r"^[a-z][a-z0-9-]*$")
+    rpc: RpcRunner | None = None  # the `rpc` runner's boards
     # dense convolutions through OpenBLAS (scipy-openblas32 where the step runs) or TVM's schedules
     kernels: Kernels = Kernels.OPENBLAS
 
@@ -124,11 +127,6 @@ class HardwareTarget(BaseModel):
         """The boards behind a tracker this target runs on, or None when it runs here."""
         return self.rpc if self.runner == "rpc" else None
 
-    @property
-    def device(self) -> str:
-        boards = self.boards
-        return "local" if boards is None else f"rpc:{boards.key}"
-
     def over_tracker(self, tracker: str, key: str) -> HardwareTarget:
         """This target measured on boards behind `tracker` under `key` (the CLI's --tracker/--key)."""
         rest = self.rpc.model_dump(exclude={"tracker", "key"}) if self.rpc else {}
@@ -140,7 +138,8 @@ class HardwareTarget(BaseModel):
 
     def identity(self) -> dict:
         """What decides a measurement's result: the board kind and budgets, not where it is reached."""
-        return self.model_dump(exclude={"description", "runner", "rpc"})
+        # the default back end is left out: studies made before targets named one were its studies
+        return self.model_dump(exclude={"description", "runner", "rpc", *(["backend"] if self.backend == "vm" else [])})
 
     def tvm(self):  # -> tvm.target.Target; imported lazily: TVM is slow to import
         import tvm

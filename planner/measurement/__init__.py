@@ -1,49 +1,44 @@
-"""Measure a compiled step on its device: this machine, or a board behind a TVM RPC tracker.
+"""Measure a compiled step where its target runs it: this machine, or a board behind a TVM RPC tracker.
 
-Only this package knows local from RPC; callers get a `Measurement` either way.
+Only this package knows one place from another; the pipeline asks `runner_for(target)` and gets a
+`Runner` (`_base.py`), whichever it is. A runner is one module, registered in `RUNNERS` by the name
+a target's `runner:` gives; modules load on first use (the RPC runner needs TVM, and a board with
+only TVM's runtime imports this package).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import importlib
 from typing import TYPE_CHECKING
 
-import numpy as np
+from planner.errors import BadInput
+from planner.measurement._base import Measurement, Runner, Session
 
-from planner.types import Latency
+if TYPE_CHECKING:
+    from planner.inputs.targets import HardwareTarget
 
-if TYPE_CHECKING:  # not imported at run time: the board side (`board.py`) imports this package on
-    from planner.backend.compile import CompiledStep  # a board that has only TVM's runtime
+__all__ = ["RUNNERS", "Measurement", "Runner", "Session", "runner_for"]
 
-
-@dataclass(frozen=True)
-class Measurement:
-    latency: Latency
-    board: str  # "local" or the RPC server's address
-    board_memory: dict | None = None  # {peak_rss_growth_bytes, method}, where the board reports it
-
-    def to_json(self) -> dict:
-        return asdict(self)
+# a target's `runner:` -> "module:class" of its implementation
+RUNNERS: dict[str, str] = {"local": "planner.measurement.local:LocalRunner", "rpc": "planner.measurement.rpc:TrackerRunner"}
 
 
-def measure_step(compiled: CompiledStep, weights: dict[str, np.ndarray], target, repeats: int) -> Measurement:
-    """Time `compiled` on `target`'s device (a HardwareTarget): in-process, or on a tracker's board."""
-    if target.runner == "rpc":
-        from planner.measurement.rpc import BoardPool
+def runner_for(target: HardwareTarget) -> Runner:
+    """The runner `target` names, ready to use (nothing is contacted yet); a target whose back end
+    builds what its runner cannot execute is refused here, before anything is built."""
+    from planner.backend import backend_class
 
-        return BoardPool.for_target(target).measure(compiled, weights, repeats)
-    from planner.measurement.local import measure_local
-
-    return measure_local(compiled, weights, repeats)
-
-
-def capacity(target) -> int:
-    """How many candidates can be measured at once: one per board of an RPC key, else one.
-
-    Also fails fast (BoardUnreachable, exit 3) when the tracker is down or has no such board.
-    """
-    if target.runner != "rpc":
-        return 1
-    from planner.measurement.rpc import BoardPool
-
-    return max(1, BoardPool.for_target(target).check().total)
+    where = RUNNERS.get(target.runner)
+    if where is None:
+        raise BadInput(f"target {target.name}: unknown runner {target.runner!r} (known: {', '.join(sorted(RUNNERS))})")
+    module, name = where.split(":")
+    cls: type[Runner] = getattr(importlib.import_module(module), name)
+    try:
+        kind = backend_class(target.backend).kind
+    except BadInput as exc:
+        raise BadInput(f"target {target.name}: {exc}") from None
+    if kind not in cls.kinds:
+        raise BadInput(
+            f"target {target.name}: the {cls.name} runner cannot execute what the {target.backend} back end builds ({kind})"
+        )
+    return cls(target)

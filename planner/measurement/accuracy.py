@@ -18,11 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from planner import cachefile
-from planner.backend.compile import CompiledStep, code_id
+from planner.backend import Artifact
+from planner.backend.compile import code_id
 from planner.backend.session import TrainingSession
 from planner.backend.threads import use_threads
 from planner.inputs.data import Dataset, Split
 from planner.inputs.model import Model
+from planner.measurement._base import Session
+from planner.measurement.local import local_session
 from planner.types import AccuracyResult, Candidate
 
 EVAL_CHUNK = 256  # samples evaluated at a time
@@ -48,7 +51,7 @@ def batches(n: int, batch_size: int, steps: int | None, seed: int | None):
         pos += batch_size
 
 
-def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | None, augment_seed: int = 0) -> list[float]:
+def finetune(session: Session, data: Dataset, steps: int, seed: int | None, augment_seed: int = 0) -> list[float]:
     """Train `steps` steps on the train split; returns the loss of each step. Stops at the first
     non-finite loss: a diverged run cannot recover, and its remaining steps are wasted time.
     Step k's augmentation (images with Random* steps) is drawn from (`augment_seed`, k)."""
@@ -60,7 +63,7 @@ def finetune(session: TrainingSession, data: Dataset, steps: int, seed: int | No
     return losses
 
 
-def evaluate(session: TrainingSession, split: Split) -> tuple[float, float]:
+def evaluate(session: Session, split: Split) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) over a split, a chunk at a time: a val split of any size
     is evaluated in the memory of a few batches."""
     return session.evaluate_chunks(split.chunks(max(EVAL_CHUNK, session.sig.micro_batch)))
@@ -82,7 +85,7 @@ class FineTune:
         model: Model,
         data: Dataset,
         candidate: Candidate,
-        compiled: CompiledStep,
+        compiled: Artifact,
         seed: int,
         cache_dir: Path,
         interrupted: Callable[[], bool] | None = None,
@@ -112,7 +115,7 @@ class FineTune:
     def _start(self) -> None:
         t0 = time.perf_counter()
         self._pace()
-        self._session = TrainingSession(self.compiled.library, self.compiled.signature, self.model.initializers)
+        self._session = local_session(self.compiled, self.model.initializers)
         self._loss_before, self._before = self._measured_before(self._session)
         self._batches = batches(len(self.data.train), self._session.sig.batch_size, None, self.seed)
         self._losses: list[float] = []
@@ -173,7 +176,7 @@ class FineTune:
 
 
 def measure_accuracy(
-    model: Model, data: Dataset, candidate: Candidate, compiled: CompiledStep, steps: int, seed: int, cache_dir: Path
+    model: Model, data: Dataset, candidate: Candidate, compiled: Artifact, steps: int, seed: int, cache_dir: Path
 ) -> AccuracyResult:
     """Val accuracy before and after `steps` fine-tuning steps (cached across targets)."""
     return FineTune(model, data, candidate, compiled, seed, cache_dir).result(steps)

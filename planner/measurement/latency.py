@@ -35,3 +35,12 @@ def time_step(session: TrainingSession, repeats: int, device: str, repeat_ms: fl
         number=number,
         device=device,
     )
+
+
+def method(where: str, latency: Latency) -> str:
+    """How `time_step` timed `latency`, `where` it ran, in the words plan.json records."""
+    return (
+        f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
+        f"p90 over {latency.repeats} repeats, each the mean of {latency.number} back-to-back steps; spread "
+        f"{latency.min:.3f}-{latency.max:.3f} ms"
+    )

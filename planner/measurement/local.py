@@ -1,15 +1,42 @@
-"""Measure a compiled step in this process, on this machine's CPU."""
+"""The `local` runner: a step run in this process, on this machine's CPU."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 
-from planner.backend.compile import CompiledStep
+from planner.backend._base import Artifact, ArtifactKind
 from planner.backend.session import TrainingSession
-from planner.measurement import Measurement
-from planner.measurement.latency import time_step
+from planner.measurement._base import Measurement, Runner, Session
+from planner.measurement.latency import method, time_step
+from planner.types import Latency
+
+T = TypeVar("T")
 
 
-def measure_local(compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
-    session = TrainingSession(compiled.library, compiled.signature, weights)
-    return Measurement(latency=time_step(session, repeats, device="local"), board="local")
+def local_session(artifact: Artifact, weights: dict[str, np.ndarray]) -> TrainingSession:
+    """`artifact` loaded in this process with `weights` (a VM library: the only kind run here)."""
+    LocalRunner.check_kind(artifact)
+    return TrainingSession(artifact.entry, artifact.signature, weights)
+
+
+class LocalRunner(Runner):
+    name = "local"
+    kinds = frozenset({ArtifactKind.VM_LIBRARY})
+    runs_here = True
+
+    @property
+    def device(self) -> str:
+        return "local"
+
+    def measure(self, artifact: Artifact, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+        latency = time_step(local_session(artifact, weights), repeats, device=self.device)
+        return Measurement(latency=latency, board=self.device)
+
+    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
+        return work(local_session(artifact, weights))
+
+    def latency_method(self, latency: Latency) -> str:
+        return method("in-process on this machine", latency)

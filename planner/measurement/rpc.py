@@ -1,4 +1,4 @@
-"""Measure a compiled step on a board behind a TVM RPC tracker.
+"""The `rpc` runner: a step measured and trained on a board behind a TVM RPC tracker.
 
 A measurement requests a board of the key from the tracker (waiting while all are busy), uploads
 the library, loads it into a Relax VM on the board, uploads the weights, times the step there with
@@ -13,16 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
-from planner.backend.compile import CompiledStep
+from planner.backend._base import Artifact, ArtifactKind
 from planner.backend.libraries import INSTALL_HINT, missing_library
 from planner.backend.session import TrainingSession
 from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, EnvironmentFailure, PlannerError, first_line, last_line
-from planner.measurement import Measurement
+from planner.measurement._base import Measurement, Runner, Session
 from planner.measurement.board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
-from planner.measurement.latency import time_step
+from planner.measurement.latency import method, time_step
+from planner.types import Latency
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -36,7 +40,9 @@ class BoardPool:
 
     @classmethod
     def for_target(cls, target) -> BoardPool:
-        r = target.rpc
+        r = target.boards
+        if r is None:
+            raise ValueError(f"target {target.name} has no boards behind a tracker")
         return cls(r.address, r.key, r.priority, r.session_timeout_s)
 
     @property
@@ -105,11 +111,11 @@ class BoardPool:
                     raise CandidateFailed(f"the board's session died running this candidate, twice: {lost}") from None
         raise AssertionError("unreachable")
 
-    def measure(self, compiled: CompiledStep, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+    def measure(self, artifact: Artifact, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
         def on_board(remote, lib, dev) -> Measurement:
             reset, peak = _probe(remote, RESET_PEAK), _probe(remote, PEAK_RSS)
             rss0 = reset() if reset else None
-            session = TrainingSession(lib, compiled.signature, weights, device=dev)
+            session = TrainingSession(lib, artifact.signature, weights, device=dev)
             latency = time_step(session, repeats, device=self.device)
             memory = None
             if rss0 is not None and peak is not None:
@@ -119,7 +125,47 @@ class BoardPool:
                 }
             return Measurement(latency=latency, board=_address(remote, self.key), board_memory=memory)
 
-        return self.run(compiled.library, on_board)
+        return self.run(artifact.entry, on_board)
+
+
+class TrackerRunner(Runner):
+    """A target's boards behind its tracker (`rpc:` section), one candidate in flight per board."""
+
+    name = "rpc"
+    kinds = frozenset({ArtifactKind.VM_LIBRARY})
+    runs_here = False
+
+    def __init__(self, target) -> None:
+        super().__init__(target)
+        self.pool = BoardPool.for_target(target)
+
+    @property
+    def device(self) -> str:
+        return self.pool.device
+
+    def capacity(self) -> int:
+        return max(1, self.pool.check().total)
+
+    def status(self) -> dict[str, str]:
+        status, (host, port) = self.pool.check(), self.pool.tracker
+        return {
+            "boards": f"{status.total} under key '{self.pool.key}' at {host}:{port}, {status.free} free, "
+            f"{status.pending} pending requests"
+        }
+
+    def measure(self, artifact: Artifact, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
+        self.check_kind(artifact)
+        return self.pool.measure(artifact, weights, repeats)
+
+    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
+        self.check_kind(artifact)
+        self.pool.check()
+        return self.pool.run(
+            artifact.entry, lambda remote, lib, dev: work(TrainingSession(lib, artifact.signature, weights, device=dev))
+        )
+
+    def latency_method(self, latency: Latency) -> str:
+        return method(f"on a '{self.pool.key}' board over TVM RPC", latency)
 
 
 def _remote_name(library: Path) -> str:

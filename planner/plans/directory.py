@@ -35,6 +35,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from planner import faults
+from planner.backend import ARTIFACT_STEM
 from planner.digest import file_sha256
 from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
 from planner.inputs.data import Dataset
@@ -45,7 +46,6 @@ from planner.search.urls import redact
 # The plan directory's files: every module names them through these
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.npz"
-STEP_LIBRARY = "train_step.so"
 MODEL_FILE = "model.onnx"
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
@@ -53,10 +53,8 @@ TRIALS_FILE = "trials.json"
 STUDY_FILE = "study.db"  # the CLI's study storage, when `--storage` is not given
 TOKENIZER_FILE = "tokenizer.json"  # text data: the tokenizer `run` makes new text token ids with
 # every name a plan directory holds: a model's external data file, copied in beside model.onnx,
-# must not be one of them
-RESERVED_NAMES = frozenset(
-    {PLAN_FILE, WEIGHTS_FILE, STEP_LIBRARY, MODEL_FILE, REPORT_MD, REPORT_HTML, TRIALS_FILE, STUDY_FILE, TOKENIZER_FILE}
-)
+# must not be one of them, nor a back end's artifact file (`ARTIFACT_STEM.*`)
+RESERVED_NAMES = frozenset({PLAN_FILE, WEIGHTS_FILE, MODEL_FILE, REPORT_MD, REPORT_HTML, TRIALS_FILE, STUDY_FILE, TOKENIZER_FILE})
 
 MARKER = ".planner"
 COMMIT = ".planner-commit"
@@ -368,7 +366,9 @@ def _finished_trials(db: Path) -> int | None:
 def model_files(model: Model) -> dict[str, Path]:
     """The files of `model` as a plan directory holds them: model.onnx and, under the names the
     model gives them, its external data files. BadInput when one would overwrite a plan file."""
-    clash = sorted(n for n in model.data_files if n in RESERVED_NAMES or n.startswith((MARKER, STAGED_PREFIX)))
+    clash = sorted(
+        n for n in model.data_files if n in RESERVED_NAMES or n.startswith((MARKER, STAGED_PREFIX, f"{ARTIFACT_STEM}."))
+    )
     if clash:
         raise BadInput(
             f"{model.path.name}: its external data file is named {clash[0]}, a name the plan directory uses; rename it (and re-save the model)"
@@ -461,7 +461,7 @@ def _read_plan(plan_dir: Path, verify: bool) -> Plan:
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version not in READS:
         raise BadInput(
-            f"{path} has schema version {version}; this planner reads {' and '.join(map(str, READS))} "
+            f"{path} has schema version {version}; this planner reads {', '.join(map(str, READS))} "
             "(re-create the plan with `planner plan`)"
         )
     try:
@@ -481,7 +481,7 @@ def _read_plan(plan_dir: Path, verify: bool) -> Plan:
                     f"{file} is not the file this plan was written with (sha256 differs): it was changed, "
                     "truncated or swapped; nothing was loaded — re-create or re-copy the plan"
                 )
-        missing = {STEP_LIBRARY, WEIGHTS_FILE, MODEL_FILE} - plan.files.keys()
+        missing = {*plan.step.files, WEIGHTS_FILE, MODEL_FILE} - plan.files.keys()
         if missing:
             raise BadInput(f"{path} records no sha256 for {', '.join(sorted(missing))}; re-create the plan")
     return plan

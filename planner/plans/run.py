@@ -2,8 +2,8 @@
 
 A plan directory is self-contained — plan.json, the compiled step, the starting weights and the
 model graph — so it runs where it was compiled for: in this process (on the board itself, or on
-the planning host for a host plan), or on a board over TVM RPC with `--target`, where the weights
-go up, every step runs on the board, and the trained weights come back.
+the planning host for a host plan), or with `--target` where that target's runner runs steps (on a
+board over TVM RPC, say: the weights go up, every step runs there, the trained weights come back).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend import Artifact, ArtifactKind, backend_for
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from planner.inputs.data import DataFormat, Dataset, Tokenization, data_format, load_dataset
@@ -23,10 +22,11 @@ from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
 from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import HardwareTarget
+from planner.measurement import Session, runner_for
 from planner.measurement.accuracy import evaluate, finetune
+from planner.measurement.local import LocalRunner, local_session
 from planner.plans.directory import (
     MODEL_FILE,
-    STEP_LIBRARY,
     WEIGHTS_FILE,
     locked,
     plan_tokenizer,
@@ -40,7 +40,7 @@ from planner.plans.schema import Plan
 from planner.types import RunResult
 
 
-def _train(session: TrainingSession, data: Dataset, steps: int, seed: int | None, augment_seed: int):
+def _train(session: Session, data: Dataset, steps: int, seed: int | None, augment_seed: int):
     loss0, acc0 = evaluate(session, data.val)
     losses = finetune(session, data, steps, seed, augment_seed)
     if not np.isfinite(losses[-1]):
@@ -75,30 +75,16 @@ def run_plan(
         out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
         order_seed = seed if shuffle else None
 
-        library, sig = plan_dir / STEP_LIBRARY, plan.signature
+        artifact = _artifact(plan_dir, plan)
         if target is not None and not _built_for(plan, target):
-            compiled = compile_candidate(model, plan.candidate, BuildOptions.for_target(target, cache_dir=default_cache_dir()))
-            library, sig = compiled.library, compiled.signature
-        if target is not None and target.runner == "rpc":
-            from planner.measurement.rpc import BoardPool
-
-            pool = BoardPool.for_target(target)
-            pool.check()
-            before, after, final = pool.run(
-                library,
-                lambda remote, lib, dev: _train(TrainingSession(lib, sig, weights, device=dev), dataset, steps, order_seed, seed),
-            )
-            device = target.device
+            artifact = backend_for(target, cache_dir=default_cache_dir()).build(model, plan.candidate)
+        runner = runner_for(target) if target is not None else None
+        if runner is None or runner.runs_here:
+            before, after, final = _train(_load_here(artifact, weights, plan), dataset, steps, order_seed, seed)
+            device = "local" if runner is None else runner.device
         else:
-            try:
-                session = TrainingSession(library, sig, weights)
-            except Exception as exc:
-                raise BadInput(
-                    f"cannot load {library.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
-                    f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or give a `target`"
-                ) from None
-            before, after, final = _train(session, dataset, steps, order_seed, seed)
-            device = "local"
+            before, after, final = runner.train(artifact, weights, lambda s: _train(s, dataset, steps, order_seed, seed))
+            device = runner.device
 
     def fill(staged: Path) -> None:
         np.savez(staged / WEIGHTS_FILE, **final)
@@ -175,5 +161,32 @@ def _out_dir(plan_dir: Path, out: Path, model) -> Path:
     return out
 
 
+def _load_here(artifact: Artifact, weights: dict[str, np.ndarray], plan: Plan) -> Session:
+    """The step loaded in this process: a plan built for another machine is one line saying so."""
+    LocalRunner.check_kind(artifact)
+    try:
+        return local_session(artifact, weights)
+    except Exception as exc:
+        raise BadInput(
+            f"cannot load {artifact.entry.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
+            f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or give a `target`"
+        ) from None
+
+
+def _artifact(plan_dir: Path, plan: Plan) -> Artifact:
+    """The plan's step, as plan.json records it (its files verified by `read_plan`)."""
+    try:
+        kind = ArtifactKind(plan.step.kind)
+    except ValueError:
+        raise BadInput(f"the plan's step is a {plan.step.kind!r}, which this planner cannot run") from None
+    return Artifact(
+        kind=kind,
+        files=tuple(plan_dir / f for f in plan.step.files),
+        signature=plan.signature,
+        requires=tuple(plan.step.requires),
+    )
+
+
 def _built_for(plan: Plan, target: HardwareTarget) -> bool:
-    return plan.target.tvm_target == target.tvm_target and plan.target.toolchain == target.toolchain
+    t = plan.target
+    return (t.tvm_target, t.toolchain, t.backend) == (target.tvm_target, target.toolchain, target.backend)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import BadInput
 from planner.inputs.targets import HardwareTarget
@@ -28,9 +28,12 @@ from planner.types import (
     Updates,
 )
 
-# 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing; 4: text data's tokenizer
-SCHEMA_VERSION: Final = 4
-READS: Final = (2, 3, 4)  # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer
+# 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing; 4: text data's
+# tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`)
+SCHEMA_VERSION: Final = 5
+# a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer, a version-4 plan one
+# whose step is the VM back end's library (`Step._migrate`)
+READS: Final = (2, 3, 4, 5)
 Policy = Literal["memory", "latency", "accuracy"]
 
 
@@ -84,6 +87,7 @@ class DatasetInfo(_Part):
 class TargetInfo(_Part):
     name: str
     tvm_target: dict
+    backend: str = Field(default="vm", description="the back end that built the step (planner.backend.BACKENDS)")
     device: str
     toolchain: str | None = None
 
@@ -252,15 +256,25 @@ class Selection(_Part):
 
 
 class Step(_Part):
-    """The compiled training step: its library and how to call it."""
+    """The compiled training step: the back end's artifact (its kind and files) and how to call it."""
 
-    library: str
+    kind: str = Field(description="what the files are: relax-vm, a shared library the Relax VM runs")
+    files: list[str] = Field(min_length=1, description="the artifact's files in the plan directory, the entry point first")
     signature: dict
     kernels: int
     tuned_kernels: list[str] = []
     tune_trials: int = 0
     in_place_updates: int = 0
     requires: list[str] = Field(default=[], description="packages the step library needs where it runs (pip install them there)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: object) -> object:
+        """A plan before version 5 names one `library`: the VM back end's only file."""
+        if isinstance(data, dict) and "library" in data and "files" not in data:
+            rest = {k: v for k, v in data.items() if k != "library"}
+            return {**rest, "kind": "relax-vm", "files": [data["library"]]}
+        return data
 
 
 class StudyInfo(_Part):
@@ -273,7 +287,7 @@ class StudyInfo(_Part):
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2, 3, 4]
+    schema_version: Literal[2, 3, 4, 5]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo
@@ -301,7 +315,9 @@ class Plan(_Part):
         ram = self.measurement.ram_budget_bytes
         if ram is None:  # `planner plan` always records it; a plan edited by hand may not
             raise BadInput("the plan records no RAM budget (measurement.ram_budget_bytes): name a target instead")
-        return HardwareTarget(name=t.name, tvm_target=t.tvm_target, toolchain=t.toolchain, ram_budget_bytes=ram)
+        return HardwareTarget(
+            name=t.name, tvm_target=t.tvm_target, toolchain=t.toolchain, backend=t.backend, ram_budget_bytes=ram
+        )
 
 
 def json_schema() -> str:

@@ -17,7 +17,7 @@ from planner.errors import NoFeasiblePlan
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
-from planner.plans.directory import STEP_LIBRARY, TOKENIZER_FILE
+from planner.plans.directory import TOKENIZER_FILE
 from planner.plans.schema import (
     SCHEMA_VERSION,
     Choice,
@@ -37,7 +37,8 @@ from planner.plans.schema import (
 from planner.types import Candidate, TrialRecord, TrialState
 
 if TYPE_CHECKING:
-    from planner.backend.compile import CompiledStep
+    from planner.backend import Backend, BuiltArtifact
+    from planner.measurement import Runner
 
 
 def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolerance: float = 0.01) -> TrialRecord:
@@ -94,6 +95,27 @@ def _dataset_json(dataset: Dataset) -> dict:
     return recorded
 
 
+def target_record(target: HardwareTarget, runner: Runner) -> TargetInfo:
+    """What plan.json records of the target: what it is, what builds its step, where that runs."""
+    return TargetInfo(
+        name=target.name, tvm_target=target.tvm_target, backend=target.backend, device=runner.device, toolchain=target.toolchain
+    )
+
+
+def step_record(artifact: BuiltArtifact, tune_trials: int) -> Step:
+    """What plan.json records of the step: its files (by name in the plan directory) and how to call it."""
+    return Step(
+        kind=str(artifact.kind),
+        files=[f.name for f in artifact.files],
+        signature=artifact.signature.to_json(),
+        kernels=artifact.kernels,
+        tuned_kernels=list(artifact.tuned_kernels),
+        tune_trials=tune_trials,
+        in_place_updates=artifact.in_place_updates,
+        requires=list(artifact.requires),
+    )
+
+
 def assemble(
     model: Model,
     dataset: Dataset,
@@ -101,17 +123,17 @@ def assemble(
     trials: list[TrialRecord],
     chosen: TrialRecord,
     pareto: set[int],
-    compiled: CompiledStep,
+    compiled: BuiltArtifact,
     selection: dict,
     study: dict,
     accuracy_seed: int,
-    tune_trials: int = 0,
+    backend: Backend,
+    runner: Runner,
 ) -> Plan:
-    """The plan for `chosen`, with the Pareto front and how every number was measured."""
+    """The plan for `chosen`, with the Pareto front and how every number was measured (in the
+    words of the back end that built its step and the runner that timed it)."""
     measured = chosen.measured()  # the chosen trial is feasible, so complete
-    lat = measured.latency
-    boards = target.boards
-    where = "in-process on this machine" if boards is None else f"on a '{boards.key}' board over TVM RPC"
+    provenance = backend.provenance(compiled)
     return Plan(
         schema_version=SCHEMA_VERSION,
         model=ModelInfo(
@@ -121,20 +143,13 @@ def assemble(
             data_files=list(model.data_files),
         ),
         dataset=DatasetInfo.model_validate(_dataset_json(dataset)),
-        target=TargetInfo(name=target.name, tvm_target=target.tvm_target, device=target.device, toolchain=target.toolchain),
+        target=target_record(target, runner),
         choice=Choice.model_validate(choice_json(model, measured.candidate)),
         metrics=Metrics.model_validate(metrics_json(chosen)),
         measurement=Measurement(
-            latency=f"TVM VM time_evaluator {where}, whole step (forward+backward+update); median and "
-            f"p90 over {lat.repeats} repeats, each the mean of {lat.number} back-to-back steps; spread "
-            f"{lat.min:.3f}-{lat.max:.3f} ms",
-            memory="liveness over the compiled step after TVM static memory planning, replaying TVM's "
-            "pooled allocator (page-rounded blocks reused by size, never returned), plus resident weights, "
-            "optimizer state, the batch and the kernels' own workspace scratch (sizes read from the "
-            "compiled code, replayed through TVM's workspace pool)",
-            schedules=f"{len(compiled.tuned_kernels)} of {compiled.kernels} kernels scheduled from the shared "
-            f"MetaSchedule database (tuning trials for this step: {tune_trials}), the rest by planner's default "
-            "CPU schedule",
+            latency=runner.latency_method(measured.latency),
+            memory=provenance.memory,
+            schedules=provenance.schedules,
             accuracy=f"fine-tuned on the planning host for {measured.accuracy.steps} steps (seed "
             f"{accuracy_seed if chosen.seed is None else chosen.seed}) "
             "with a host build of the candidate's step; accuracy does not depend on the board",
@@ -152,15 +167,7 @@ def assemble(
             if t.number in pareto
         ],
         selection=Selection.model_validate({**selection, "trial": chosen.number, "n_feasible": sum(t.feasible for t in trials)}),
-        step=Step(
-            library=STEP_LIBRARY,
-            signature=compiled.signature.to_json(),
-            kernels=compiled.kernels,
-            tuned_kernels=list(compiled.tuned_kernels),
-            tune_trials=tune_trials,
-            in_place_updates=compiled.in_place_updates,
-            requires=list(compiled.requires),
-        ),
+        step=step_record(compiled, backend.tune_trials),
         versions=versions(),
         study=StudyInfo.model_validate(
             {

@@ -215,7 +215,8 @@ def from_study(storage: str, study: str) -> ReportContent:
         title=f"Study {study}: {Path(inputs['model']).name} on {target.name}",
         target={
             "name": target.name,
-            "device": target.device,
+            # where its trials were timed (a report loads no runner: that would load a compiler)
+            "device": next((r.latency.device for r in records if r.latency is not None), target.runner),
             "ram_budget_bytes": target.ram_budget_bytes,
             "latency_budget_ms": target.latency_budget_ms,
         },

@@ -14,23 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import tvm
-
 from planner import faults
-from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend import Backend, BuiltArtifact, backend_for
 from planner.backend.threads import use_threads
 from planner.errors import CandidateFailed, EnvironmentFailure, disk_problem, last_line
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
-from planner.measurement import measure_step
+from planner.measurement import Runner, runner_for
 from planner.measurement.accuracy import FineTune
 from planner.search.fidelity import ScreenPoint, beaten_by, margin
 from planner.types import AccuracyResult, Candidate, Fidelity
 
 log = logging.getLogger(__name__)
-
-HOST_TARGET = {"kind": "llvm"}
 
 
 @dataclass(frozen=True)
@@ -73,21 +69,18 @@ class Evaluator:
 
     def __init__(self, model: Model, data: Dataset, target: HardwareTarget, settings: EvalSettings):
         self.model, self.data, self.target, self.settings = model, data, target, settings
-        self._board_target = target.tvm()
-        self._host_target = tvm.target.Target(HOST_TARGET)
+        self.backend: Backend = backend_for(target, cache_dir=settings.cache_dir, tune_trials=settings.tune_trials)
+        self.runner: Runner = runner_for(target)
         self._compile_lock = threading.Lock()  # TVM compiles one candidate at a time
 
     def compiling(self) -> bool:
         """Whether a compile is running (in any thread of this evaluator)."""
         return self._compile_lock.locked()
 
-    def _build(self, candidate: Candidate, tvm_target, toolchain: str | None, tune_trials: int = 0):
+    def _build(self, candidate: Candidate, *, host: bool = False) -> BuiltArtifact:
         with self._compile_lock:  # tuning (if any) times its trials on the target's boards
-            return compile_candidate(
-                self.model,
-                candidate,
-                BuildOptions(tvm_target, self.settings.cache_dir, toolchain, tune_trials, self.target.boards),
-            )
+            build = self.backend.host_build if host else self.backend.build
+            return build(self.model, candidate)
 
     def evaluate(self, candidate: Candidate, record: Callable[[str, object], None], hooks: Hooks = Hooks()) -> dict[str, float]:
         """Measure `candidate`; returns its constraints (feasible when all are <= 0): the target's
@@ -96,13 +89,14 @@ class Evaluator:
         Raises CandidateFailed (with the reason also recorded) when it cannot be built or run,
         KeyboardInterrupt when `hooks.interrupted()` turns true mid fine-tune.
         """
-        target, settings = self.target, self.settings
+        settings = self.settings
         record("candidate", candidate.to_json())
         try:
             faults.point("trial-compile")
-            compiled = self._build(candidate, self._board_target, target.toolchain, settings.tune_trials)
+            compiled = self._build(candidate)
+            self.runner.check_kind(compiled)
             record("memory", compiled.memory.to_json())
-            record("library_bytes", compiled.library.stat().st_size)
+            record("library_bytes", compiled.stored_bytes)
             record("tuned_kernels", len(compiled.tuned_kernels))
             # time this trial spent, not what cached results once cost
             record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
@@ -121,7 +115,7 @@ class Evaluator:
                 raise KeyboardInterrupt
             t0 = time.perf_counter()
             use_threads(0)  # timed on every core, whatever this thread's last fine-tune used
-            measured = measure_step(compiled, self.model.initializers, target, settings.latency_repeats)
+            measured = self.runner.measure(compiled, self.model.initializers, settings.latency_repeats)
             hooks.after_timing()
             record("latency", measured.latency.to_json())
             record("board", measured.board)
@@ -131,7 +125,7 @@ class Evaluator:
             faults.point("trial-accuracy")
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
-            on_host = compiled if target.runner == "local" else self._build(candidate, self._host_target, None)
+            on_host = compiled if self.runner.runs_here else self._build(candidate, host=True)
             run = FineTune(
                 self.model,
                 self.data,
@@ -183,14 +177,14 @@ class Evaluator:
             constraints["screened"] = 1.0 if beaten else -1.0
         return constraints
 
-    def _budgets(self, compiled, latency_ms: float) -> dict[str, float]:
+    def _budgets(self, compiled: BuiltArtifact, latency_ms: float) -> dict[str, float]:
         """How far over each of the target's budgets the candidate is (<= 0: within)."""
         target = self.target
         budgets = {"ram_budget": float(compiled.memory.total - target.ram_budget_bytes)}
         if target.latency_budget_ms is not None:
             budgets["latency_budget"] = latency_ms - target.latency_budget_ms
         if target.flash_budget_bytes is not None:
-            budgets["flash_budget"] = float(compiled.library.stat().st_size - target.flash_budget_bytes)
+            budgets["flash_budget"] = float(compiled.stored_bytes - target.flash_budget_bytes)
         return budgets
 
     def _screen(

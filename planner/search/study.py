@@ -37,14 +37,19 @@ from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.spaces import SearchSpace
 from planner.inputs.targets import HardwareTarget
-from planner.measurement import capacity
+from planner.measurement import runner_for
 from planner.search.evaluate import EvalSettings, Evaluator, Hooks
 from planner.search.fidelity import ScreenPoint
 from planner.search.urls import redact, scrubbed
 from planner.types import Fidelity, TrialRecord, TrialState
 
-# heartbeats and metric names are "experimental" in Optuna; planner relies on them knowingly
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+def _experimental() -> warnings.catch_warnings:
+    """Optuna's ExperimentalWarning silenced around a call that raises it: heartbeats and metric
+    names are "experimental" in Optuna, and planner relies on them knowingly. Around the call, not
+    a filter set on import: a program that imports planner keeps its own warning filters."""
+    return warnings.catch_warnings(action="ignore", category=optuna.exceptions.ExperimentalWarning)
+
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +104,10 @@ def open_storage(url: str | None) -> optuna.storages.BaseStorage:
         interval, grace = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_S), _env_seconds(GRACE_ENV, GRACE_S)
         if grace <= interval:
             raise BadInput(f"{GRACE_ENV} ({grace} s) must be longer than {HEARTBEAT_ENV} ({interval} s)")
-        return optuna.storages.RDBStorage(
-            url, heartbeat_interval=interval, grace_period=grace, heartbeat_stale_trial_callback=_retry_stale
-        )
+        with _experimental():
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=interval, grace_period=grace, heartbeat_stale_trial_callback=_retry_stale
+            )
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
 
 
@@ -194,7 +200,8 @@ def open_study(
         study.set_user_attr("config", config)
         if inputs is not None:
             study.set_user_attr("inputs", inputs)
-        study.set_metric_names(list(OBJECTIVES))
+        with _experimental():
+            study.set_metric_names(list(OBJECTIVES))
     elif stored != config:
         changed = sorted(k for k in config if stored.get(k) != config[k])
         raise BadInput(
@@ -650,10 +657,12 @@ def run_study(
     study's finished trials (every process's)."""
     space.layer_names(model)  # refuse an untrainable space before the first compile
     # one trial in flight per board; here, two in a fixed pipeline where a second core can compile
-    pipeline = _Pipeline() if target.runner == "local" and settings.overlap and (os.cpu_count() or 1) > 1 else None
-    n_jobs = capacity(target) if pipeline is None else 2
+    runner = runner_for(target)
+    pipeline = _Pipeline() if runner.runs_here and settings.overlap and (os.cpu_count() or 1) > 1 else None
+    n_jobs = runner.capacity() if pipeline is None else 2
     recover_dead_trials(study)  # a dead process on this host: queued again at once
-    optuna.storages.fail_stale_trials(study)  # a silent heartbeat (another host): failed and queued again now
+    with _experimental():
+        optuna.storages.fail_stale_trials(study)  # a silent heartbeat (another host): failed and queued again now
     done = _finished(study)
     remaining = settings.trials - done if settings.own_trials is None else settings.own_trials
     if on_start is not None:

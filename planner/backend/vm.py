@@ -1,0 +1,43 @@
+"""The Relax VM back end: a candidate's step as one shared library that TVM's Relax VM runs.
+
+The build is `planner.backend.compile` (fuse, schedule, update in place, share storages, plan
+memory, link), cached by content; for a target behind a tracker, MetaSchedule times its tuning
+trials on the target's boards.
+"""
+
+from __future__ import annotations
+
+import tvm
+
+from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, Provenance
+from planner.backend.compile import BuildOptions, CompiledStep, compile_candidate
+from planner.inputs.model import Model
+from planner.types import Candidate
+
+HOST_TARGET = {"kind": "llvm"}  # this machine's CPU, as LLVM detects it
+
+
+class VmBackend(Backend):
+    name = "vm"
+    kind = ArtifactKind.VM_LIBRARY
+
+    def _options(self) -> BuildOptions:
+        return BuildOptions.for_target(self.target, cache_dir=self.cache_dir, tune_trials=self.tune_trials)
+
+    def build(self, model: Model, candidate: Candidate) -> CompiledStep:
+        return compile_candidate(model, candidate, self._options())
+
+    def host_build(self, model: Model, candidate: Candidate) -> CompiledStep:
+        host = BuildOptions(tvm.target.Target(HOST_TARGET), self.cache_dir, kernels=self.target.kernels)
+        return compile_candidate(model, candidate, host)
+
+    def provenance(self, artifact: BuiltArtifact) -> Provenance:
+        return Provenance(
+            memory="liveness over the compiled step after TVM static memory planning, replaying TVM's "
+            "pooled allocator (page-rounded blocks reused by size, never returned), plus resident weights, "
+            "optimizer state, the batch and the kernels' own workspace scratch (sizes read from the "
+            "compiled code, replayed through TVM's workspace pool)",
+            schedules=f"{len(artifact.tuned_kernels)} of {artifact.kernels} kernels scheduled from the shared "
+            f"MetaSchedule database (tuning trials for this step: {self.tune_trials}), the rest by planner's default "
+            "CPU schedule",
+        )
