@@ -1,13 +1,22 @@
-"""Every op planner claims to train through passes a correct gradient (float64 finite differences)."""
+"""Every op planner claims to train through passes a correct gradient (float64 finite differences),
+and planner's gradients are in force only while planner differentiates."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+import tvm
 from onnx import helper, numpy_helper
+from tvm import relax
 
 from builders import OP_PATTERNS, TRAINABLE_OP, gradient_errors, op_pattern_model, step_gradients, tiny_cnn
+from planner.backend import gradients
+from planner.backend.graph import STEP_FUNC, build_training_module
+from planner.errors import CandidateFailed
 from planner.inputs.model import load_model
+from planner.types import Candidate
 
 
 @pytest.mark.parametrize("pattern", sorted(OP_PATTERNS))
@@ -52,3 +61,87 @@ def test_a_pow_with_a_computed_exponent_is_refused_by_name(tmp_path, monkeypatch
     monkeypatch.setitem(OP_PATTERNS, "2**h", two_to_the)
     layer = load_model(op_pattern_model(tmp_path / "m.onnx", "2**h")).layer("c")
     assert not layer.trainable and "'op' (Pow) has a computed exponent" in layer.problem
+
+
+def _gradient(op: str):
+    return tvm.ir.Op.get(op).get_attr("FPrimalGradient")
+
+
+# ops whose gradient planner replaces, and ops TVM 0.27 has none for
+REPLACED = ("relax.nn.relu", "relax.nn.conv2d", "relax.take", "relax.triu", "relax.astype")
+MISSING = ("relax.clip", "relax.erf", "relax.nn.gelu", "relax.squeeze", "relax.strided_slice", "relax.tril")
+
+
+@pytest.fixture
+def tvms():
+    """TVM's own gradients of the ops planner replaces, as this process had them before the test;
+    the test fails unless they are the same afterwards and the missing ones still missing."""
+    theirs = {op: _gradient(op) for op in REPLACED}
+    assert all(g is not None for g in theirs.values()) and all(_gradient(op) is None for op in MISSING)
+    yield theirs
+    assert all(_gradient(op).same_as(g) for op, g in theirs.items()), "TVM's gradients were not restored"
+    assert all(_gradient(op) is None for op in MISSING), "planner's gradients were left for other TVM users"
+
+
+def _installed(theirs: dict) -> bool:
+    replaced = all(not _gradient(op).same_as(g) for op, g in theirs.items())
+    filled = all(_gradient(op) is not None for op in MISSING)
+    assert replaced == filled, "half of planner's gradients in force"
+    return replaced
+
+
+def _relu_masks(func: relax.Function) -> list[tuple[str, str]]:
+    """(comparison, the op its first operand comes from) for every comparison in `func`."""
+    bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    found = []
+    for value in bound.values():
+        if isinstance(value, relax.Call) and getattr(value.op, "name", "") in ("relax.greater", "relax.less"):
+            source = bound.get(value.args[0])
+            found.append((value.op.name, source.op.name if isinstance(source, relax.Call) else "an input"))
+    return found
+
+
+def test_a_build_uses_planners_gradients_and_leaves_tvms_in_place(tmp_path, tvms):
+    """TVM's Relax keeps one gradient per op for the process: planner's are set for the build only.
+    In force during it: a ReLU's mask is taken from its output (TVM's reads its input), and a
+    ReLU6 (Clip, which TVM has no gradient for) before the output lets the layer before it train.
+    Afterwards every other TVM user in the process has TVM's again, also after a failed build."""
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    mod, _ = build_training_module(model, Candidate(trainable=(("c1", "full"),), batch_size=2, optimizer="sgd", lr=0.1))
+    masks = _relu_masks(mod[STEP_FUNC])
+    assert masks and all(m == ("relax.greater", "relax.nn.relu") for m in masks), masks
+    assert not _installed(tvms)
+    clipped = load_model(op_pattern_model(tmp_path / "clip.onnx", "Clip(ReLU6)"))
+    build_training_module(clipped, Candidate(trainable=(("c", "full"),), batch_size=2, optimizer="sgd", lr=0.1))
+    assert not _installed(tvms)
+    with pytest.raises(CandidateFailed, match="nothing to train"):
+        build_training_module(model, Candidate(trainable=(), batch_size=2, optimizer="sgd", lr=0.1))
+    assert not _installed(tvms)
+
+
+def test_planners_gradients_hold_while_any_thread_differentiates(tvms):
+    """Builds run in several threads and nest: planner's gradients are set by the first to begin
+    and TVM's put back by the last to end, an exception included."""
+    started, finish = threading.Event(), threading.Event()
+
+    def other_build():
+        with gradients.installed():
+            started.set()
+            finish.wait(60)
+
+    thread = threading.Thread(target=other_build)
+    thread.start()
+    try:
+        assert started.wait(60) and _installed(tvms)
+        with pytest.raises(RuntimeError), gradients.installed():
+            with gradients.installed():
+                assert _installed(tvms)
+            raise RuntimeError
+        assert _installed(tvms)  # the other thread's build is still differentiating
+    finally:
+        finish.set()
+        thread.join()
+    assert not _installed(tvms)
+    with pytest.raises(RuntimeError), gradients.installed():
+        raise RuntimeError
+    assert not _installed(tvms)

@@ -60,8 +60,7 @@ def test_transposed_convolution_by_taps_equals_tvms_dilated_one(n, o, c, size, k
 
 def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
     """loss = sum(conv2d(x, w) * r) and its gradients by x and w, as planner's steps get them
-    (planner's gradient registrations, then TVM's Gradient pass)."""
-    gradients.register()
+    (TVM's Gradient pass with planner's gradients installed)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((n, c, h, w), "float32"))
     wt = relax.Var("w", relax.TensorType((o, c, k, k), "float32"))
@@ -72,7 +71,8 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
             y = bb.emit(relax.op.nn.conv2d(x, wt, strides=stride, padding=pad))
             loss = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(y, r))))
         bb.emit_func_output(loss)
-    return relax.transform.Gradient("main", require_grads=[x, wt])(bb.get())
+    with gradients.installed():
+        return relax.transform.Gradient("main", require_grads=[x, wt])(bb.get())
 
 
 @pytest.mark.parametrize(

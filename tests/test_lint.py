@@ -1,5 +1,6 @@
-"""The code passes the project's checks (pyproject.toml `[tool.ruff]`, `[tool.mypy]`, also
-`.pre-commit-config.yaml`): CI runs the suite, so CI lints, checks formatting and type-checks."""
+"""The code passes the project's checks (pyproject.toml `[tool.ruff]`, `[tool.mypy]`,
+`[tool.importlinter]`, also `.pre-commit-config.yaml`): CI runs the suite, so CI lints, checks
+formatting, type-checks and holds the imports to docs/architecture.md's layering."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def test_ruff_finds_nothing():
 def test_the_code_is_formatted():
     pytest.importorskip("ruff", reason="the test extra installs ruff")
     res = _run("ruff", "format", "--check", "--no-cache", str(ROOT))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_imports_keep_to_the_layering():
+    """Each stage imports only the stages before it, only backend/ and measurement/ import TVM, a
+    report loads none, and only search/, plans/ and reports/ import Optuna (the contracts of
+    `[tool.importlinter]`; import-linter has no `python -m`)."""
+    pytest.importorskip("importlinter", reason="the test extra installs import-linter")
+    lint_imports = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    res = subprocess.run([sys.executable, "-c", lint_imports, "--no-cache"], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -117,7 +117,6 @@ def test_openblas_products_equal_tvms_lowering(monkeypatch, a, b, ta, tb, cores)
 
 def _weight_gradient(batch: tuple[int, ...], length: int, k: int, n: int) -> tvm.IRModule:
     """loss = sum((x @ w) * r) for x [*batch, length, k], and its gradients by x and w."""
-    gradients.register()
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((*batch, length, k), "float32"))
     w = relax.Var("w", relax.TensorType((k, n), "float32"))
@@ -126,7 +125,8 @@ def _weight_gradient(batch: tuple[int, ...], length: int, k: int, n: int) -> tvm
         with bb.dataflow():
             loss = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(relax.op.matmul(x, w), r))))
         bb.emit_func_output(loss)
-    return relax.transform.Gradient("main", require_grads=[x, w])(bb.get())
+    with gradients.installed():
+        return relax.transform.Gradient("main", require_grads=[x, w])(bb.get())
 
 
 @pytest.mark.parametrize("batch, length, k, n", [((8,), 16, 12, 20), ((3,), 7, 5, 9), ((2, 3), 5, 4, 6), ((1,), 1, 3, 2)])
@@ -148,7 +148,6 @@ def test_a_batched_weight_gradient_is_one_product(monkeypatch, batch, length, k,
 
 def _attention(b: int, h: int, length: int, d: int) -> tvm.IRModule:
     """loss = sum(((q @ kᵀ) @ v) * r) over [b, h, length, d] heads, and its gradients by q, k and v."""
-    gradients.register()
     bb = relax.BlockBuilder()
     q, k, v = (relax.Var(name, relax.TensorType((b, h, length, d), "float32")) for name in "qkv")
     r = relax.Var("r", relax.TensorType((b, h, length, d), "float32"))
@@ -158,7 +157,8 @@ def _attention(b: int, h: int, length: int, d: int) -> tvm.IRModule:
             out = relax.op.matmul(scores, v)
             loss = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(out, r))))
         bb.emit_func_output(loss)
-    return relax.transform.Gradient("main", require_grads=[q, k, v])(bb.get())
+    with gradients.installed():
+        return relax.transform.Gradient("main", require_grads=[q, k, v])(bb.get())
 
 
 @pytest.mark.parametrize("b, h, length, d", [(2, 3, 9, 4), (1, 2, 16, 8), (3, 1, 5, 7)])

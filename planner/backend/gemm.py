@@ -639,7 +639,7 @@ _MADE_BY = _source_id()  # the source this process runs
 # survive a fork.
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)
 def _built(
     kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, made: tuple[int, ...], cache: Path | None
 ) -> tvm.tirx.PrimFunc:
@@ -649,7 +649,11 @@ def _built(
     candidate after candidate, and workers, reruns and `compile` in other processes meet them
     again. The cache keeps TVM's JSON of the kernel (loaded in milliseconds) under a key of
     everything that made it, which the entry repeats, checked by its hash on every read; an entry
-    that cannot be read or written costs only the parse."""
+    that cannot be read or written costs only the parse.
+
+    This process keeps the last 1,024 made: a study of one model meets at most a few kernels
+    (forward, both gradients, the accumulating weight gradient) per distinct convolution at each
+    of its few batch sizes, some hundreds; the cache directory serves one dropped since."""
     if cache is not None:
         name = getattr(kernel, "func", kernel).__name__ + repr(sorted(getattr(kernel, "keywords", {}).items()))
         made_of = json.loads(json.dumps([name, astuple(s), threads, made, _MADE_BY]))  # as it reads back

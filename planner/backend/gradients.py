@@ -1,17 +1,20 @@
-"""Gradients TVM 0.27 lacks, gets wrong, or keeps more memory for, registered with Relax's own mechanism.
+"""Gradients TVM 0.27 lacks, gets wrong, or keeps more memory for, set as Relax's own op attributes.
 
 Each is checked against float64 finite differences (tests/test_gradients.py) and, in the models
-PyTorch exports, against PyTorch autograd (tests/test_pytorch_families.py). `register()` installs
-them; the training graph builder calls it before differentiating.
+PyTorch exports, against PyTorch autograd (tests/test_pytorch_families.py). They are in force only
+inside `installed()`, which the training graph builder holds while it builds: other TVM users in
+the process keep TVM's gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 
 import tvm
 from tvm import relax
-from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad
 
 # ReLU and Clip (ReLU6) take their mask from the output, as PyTorch's in-place ReLU does: TVM's
@@ -223,30 +226,75 @@ def _gather_nd_grad(orig_var, orig_call, output_grad, ctx):
     return [relax.op.scatter_nd(relax.op.zeros_like(x), clamped, output_grad, "add"), no_grad(indices)]
 
 
-_REGISTERED = False
+# op -> (planner's gradient, whether it replaces TVM's own): the others fill gaps in TVM 0.27 and
+# leave a gradient a later TVM has alone.
+_GRADIENTS = {
+    "relax.clip": (_clip_grad, False),
+    "relax.erf": (_erf_grad, False),
+    "relax.nn.gelu": (_gelu_grad, False),
+    "relax.squeeze": (_squeeze_grad, False),
+    "relax.strided_slice": (_strided_slice_grad, False),
+    "relax.nn.layer_norm": (_layer_norm_grad, False),
+    "relax.tril": (_trilu_grad, False),
+    "relax.gather_nd": (_gather_nd_grad, False),
+    "relax.nn.relu": (_relu_grad, True),  # from the output (see above)
+    "relax.nn.conv2d": (_conv2d_grad, True),  # over the padding the convolution reads
+    "relax.take": (_take_grad, True),  # TVM's takes one-dimensional indices only
+    "relax.triu": (_trilu_grad, True),  # TVM's returns too few partials
+    "relax.astype": (_astype_grad, True),  # TVM's passes gradients into integer paths
+}
+_ATTR = "FPrimalGradient"
+_TVM_LEVEL = 10  # the level TVM registers its own gradients at (`register_gradient`'s default)
+
+_lock = threading.Lock()
+_users = 0  # planner differentiations in progress, in any thread
+_theirs: dict[str, object | None] = {}  # while installed: what each op planner set had before (None: nothing)
 
 
-def register() -> None:
-    """Install planner's gradients into Relax (once per process): those TVM 0.27 lacks, and its
-    own ReLU, conv2d, take, triu and astype gradients replaced (see each function for why)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    for op, grad in (
-        ("relax.clip", _clip_grad),
-        ("relax.erf", _erf_grad),
-        ("relax.nn.gelu", _gelu_grad),
-        ("relax.squeeze", _squeeze_grad),
-        ("relax.strided_slice", _strided_slice_grad),
-        ("relax.nn.layer_norm", _layer_norm_grad),
-        ("relax.tril", _trilu_grad),
-        ("relax.gather_nd", _gather_nd_grad),
-    ):
-        if tvm.ir.Op.get(op).get_attr("FPrimalGradient") is None:
-            register_gradient(op, grad)
-    register_gradient("relax.nn.relu", _relu_grad, level=11)  # replaces TVM's (level 10)
-    register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
-    register_gradient("relax.take", _take_grad, level=11)  # TVM's takes one-dimensional indices only
-    register_gradient("relax.triu", _trilu_grad, level=11)  # TVM's returns too few partials
-    register_gradient("relax.astype", _astype_grad, level=11)  # TVM's passes gradients into integer paths
-    _REGISTERED = True
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Planner's gradients in force for the duration, TVM's own again after, even on an exception.
+
+    Relax keeps one gradient per op for the whole process, so registering planner's for good
+    (`register_gradient`) changed TVM's ReLU, conv2d, take, triu and astype gradients for every
+    other TVM user in the process. The first of planner's differentiations in progress (in any
+    thread: planner builds in several, and nests this freely) sets planner's gradients; the last to
+    end puts back exactly what each op had, or none where TVM has none. Between the two no gradient
+    changes, so a gradient pass running in another planner thread never sees one half set.
+    """
+    global _users
+    with _lock:
+        if not _users:
+            _install()
+        _users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _users -= 1
+            if not _users:
+                _restore()
+
+
+def _install() -> None:
+    try:
+        for name, (grad, replaces) in _GRADIENTS.items():
+            op = tvm.ir.Op.get(name)
+            theirs = op.get_attr(_ATTR)
+            if theirs is not None and not replaces:
+                continue
+            _theirs[name] = theirs
+            op.reset_attr(_ATTR)  # (TVM refuses a second value at the same level and ignores one at a lower)
+            op.set_attr(_ATTR, grad, _TVM_LEVEL + 1)
+    except BaseException:
+        _restore()
+        raise
+
+
+def _restore() -> None:
+    for name, theirs in _theirs.items():
+        op = tvm.ir.Op.get(name)
+        op.reset_attr(_ATTR)
+        if theirs is not None:
+            op.set_attr(_ATTR, theirs, _TVM_LEVEL)
+    _theirs.clear()

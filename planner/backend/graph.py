@@ -16,6 +16,8 @@ differentiation: frozen and trainable BN layers both use running statistics (sca
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -41,7 +43,13 @@ PREDICT_FUNC = "backbone"
 LABEL_DTYPE = "int64"
 
 
-_IMPORTED: dict[tuple[str, int], relax.Function] = {}
+# (model key, batch) -> the model imported for that batch, the least recently used dropped first:
+# a study's candidates take a few batch sizes (a space lists three or four, gradient accumulation
+# divides them), so 16 keep every one of a study's, with room for a second model, and a
+# long-lived process does not keep every graph it ever imported.
+_IMPORTED: OrderedDict[tuple[str, int], relax.Function] = OrderedDict()
+_IMPORTS_KEPT = 16
+_IMPORTED_LOCK = threading.Lock()  # builds run in several threads
 _CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must read are the same at any batch
 
 
@@ -54,10 +62,13 @@ def check_importable(model: Model) -> None:
 
 def _imported(model: Model, batch: int) -> relax.Function:
     """The model as one Relax function `(*inputs, *parameters)` for a step of `batch` samples; imported
-    once per model and batch (shapes are folded for the batch, see `planner.fixups`)."""
+    once per model and batch while it is among the last `_IMPORTS_KEPT` used (shapes are folded for
+    the batch, see `planner.fixups`)."""
     key = (model.key, batch)
-    if key in _IMPORTED:
-        return _IMPORTED[key]
+    with _IMPORTED_LOCK:
+        if key in _IMPORTED:
+            _IMPORTED.move_to_end(key)
+            return _IMPORTED[key]
     try:
         mod = from_onnx(model.import_proto(batch), keep_params_in_input=True)
     except Exception as exc:  # the frontend raises assorted types for ops it does not know
@@ -69,7 +80,10 @@ def _imported(model: Model, batch: int) -> relax.Function:
     if len(func.params) != expected:  # the frontend keeps initializers in graph order
         raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
     func = func.without_attr("params").without_attr("num_input")
-    _IMPORTED[key] = func
+    with _IMPORTED_LOCK:
+        _IMPORTED[key] = func
+        if len(_IMPORTED) > _IMPORTS_KEPT:
+            _IMPORTED.popitem(last=False)
     return func
 
 
@@ -339,9 +353,9 @@ def _fill(tensor) -> float:
     return float(values[0]) if values.size else 0.0
 
 
+@grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix
 def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
     """The candidate's training module (unlegalized) and the signature of its step."""
-    grads.register()
     adapters = _adapters(model, candidate)
     trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode) if p not in adapters}
     splits = _channel_splits(model, candidate)

@@ -248,6 +248,7 @@ def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None 
 
 @functools.cache
 def _registered() -> dict[str, Lowering]:
-    """Every Relax op's own lowering (its `FLegalize`)."""
+    """Every Relax op's own lowering (its `FLegalize`), read once: one value for the process
+    (planner changes no op's lowering), so an unbounded cache holds just that."""
     found = ((name, tvm.ir.Op.get(name).get_attr("FLegalize")) for name in tvm.ir.Op.list_op_names())
     return {name: lower for name, lower in found if name.startswith("relax.") and lower is not None}

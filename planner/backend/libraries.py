@@ -44,7 +44,8 @@ def load_openblas() -> str | None:
     OpenBLAS picks its kernels for the CPU it finds, and some of them have computed wrong results
     (its SME kernels, on an emulated Armv9 CPU here and on Apple M4 in OpenBLAS's own tracker): a
     wrong product would be a silently wrong gradient, so every shape and transpose the
-    convolutions use is checked against numpy first (`WrongResults`)."""
+    convolutions use is checked against numpy first (`WrongResults`). Once per process, which the
+    loaded library then belongs to: the cache holds that one path."""
     try:
         import scipy_openblas32
     except ImportError:

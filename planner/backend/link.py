@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,8 +131,12 @@ def _flops(func: tirx.PrimFunc) -> int:
 # Kernel objects verified by this process, by the identity (inode, size, modification time) of
 # the object and its metadata: a study links the same cached kernels into step after step, and
 # hashing each object again cost ~6 ms a kernel (1.5 s of a MobileNetV2 step's 257). A file
-# replaced or rewritten since has another identity and is verified again.
-_verified: dict[Path, tuple[tuple, list[int], int]] = {}
+# replaced or rewritten since has another identity and is verified again. The last 8,192 used are
+# kept (a few hundred bytes each): the kernels of a study of one model, not of every study a
+# long-lived worker ran.
+_verified: OrderedDict[Path, tuple[tuple, list[int], int]] = OrderedDict()
+_VERIFIED_KEPT = 8192
+_verified_lock = threading.Lock()  # (objects are made in a pool of threads)
 
 
 def _identity(*paths: Path) -> tuple | None:
@@ -144,7 +150,11 @@ def _object(sym: str, func: tirx.PrimFunc, target: tvm.target.Target, directory:
     """The kernel's object file, workspace sizes and flops, compiled now unless they are cached
     (and verify). Writing them into the cache raises the OSError of a full disk or a read-only one."""
     obj, meta_path = directory / f"{sym}.o", directory / f"{sym}.json"
-    known, identity = _verified.get(obj), _identity(obj, meta_path)
+    identity = _identity(obj, meta_path)
+    with _verified_lock:
+        known = _verified.get(obj)
+        if known is not None:
+            _verified.move_to_end(obj)
     if known is not None and identity is not None and known[0] == identity:
         return obj, list(known[1]), known[2]
     meta = cachefile.read_json(meta_path, sym)
@@ -155,7 +165,10 @@ def _object(sym: str, func: tirx.PrimFunc, target: tvm.target.Target, directory:
         and isinstance(meta.get("flops"), int)
     ):
         if identity is not None:
-            _verified[obj] = (identity, meta["workspaces"], meta["flops"])
+            with _verified_lock:
+                _verified[obj] = (identity, meta["workspaces"], meta["flops"])
+                if len(_verified) > _VERIFIED_KEPT:
+                    _verified.popitem(last=False)
         return obj, meta["workspaces"], meta["flops"]
     with tvm.transform.PassContext(config=CODEGEN):  # (a pool thread: the caller's context is not here)
         lib = tvm.tirx.build(tvm.IRModule({sym: func}), target=target)

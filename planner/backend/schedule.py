@@ -543,7 +543,8 @@ def _fast(op: tvm.ir.Op) -> tirx.PrimExpr:
     for |x| < 20 and 2e-6 near the end of float32's range) of one
     placeholder element, which it loads with `te.tensor_load`; its `floor` as truncation less
     one where that rounded up, since SSE2 (x86-64's baseline, the generic `llvm` target) has no
-    vector floor and LLVM called libm's `floorf` lane by lane."""
+    vector floor and LLVM called libm's `floorf` lane by lane. Made once per op for the process:
+    it is asked for erf and exp only, so its unbounded cache holds two."""
     fast = topi.fast_erf if op.same_as(_ERF) else topi.fast_exp
 
     def floor(call: tvm.ir.Call) -> tirx.PrimExpr:

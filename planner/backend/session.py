@@ -21,8 +21,6 @@ from planner.backend.weights import from_step, to_step
 from planner.errors import EnvironmentFailure
 from planner.types import StepSignature
 
-claim_cores()  # before this process runs any step (see `planner.backend.threads`)
-
 
 def load_step(library: Path | str) -> tvm.runtime.Module:
     """The step's library, loaded after OpenBLAS (which it may need): a missing OpenBLAS is an
@@ -57,6 +55,7 @@ class TrainingSession:
     """A compiled step loaded on `device` with a full set of weights."""
 
     def __init__(self, library: Path | tvm.runtime.Module, sig: StepSignature, weights: dict[str, np.ndarray], device=None):
+        claim_cores()  # before this process runs a step (see `planner.backend.threads`)
         self.sig = sig
         self.device = device or tvm.cpu()
         lib = load_step(library) if isinstance(library, Path | str) else library

@@ -5,7 +5,9 @@ on the assumption of two per core. On a machine without SMT (many cloud VMs and
 edge x86 boxes) every step then ran on half the cores, while its kernels are split for all of
 them (`gemm.pool_threads`), and plans reported that half's latency. planner sets TVM_NUM_THREADS,
 where the user has not, to the physical cores this process may use, before any pool exists:
-on import of the session module, which every run of a step goes through.
+where planner first runs kernels — a step's session made, a thread's share set (`use_threads`),
+MetaSchedule's local runner started (its processes inherit the variable) — not on import, so a
+process that only imports planner keeps its environment as it was.
 
 Pools are per thread: `use_threads` changes the calling thread's, so a search's fine-tune can
 step on one core while a compile runs beside it and on all of them once it is alone. TVM's pool
@@ -42,8 +44,9 @@ def physical_cores() -> int:
 
 def claim_cores() -> None:
     """Every thread's pool as large as the physical cores, unless TVM_NUM_THREADS says otherwise
-    (pools that exist already keep their size)."""
-    os.environ.setdefault(ENV, str(physical_cores()))
+    (pools that exist already keep their size); after the first call, nothing to do."""
+    if ENV not in os.environ:
+        os.environ[ENV] = str(physical_cores())
 
 
 def use_threads(n: int) -> None:
@@ -52,6 +55,7 @@ def use_threads(n: int) -> None:
     TVM also pins the calling thread to one core when it is left one thread, and threads started
     from it later inherit that: a search's compile and fine-tune would then share one core. The
     thread keeps the cores it had."""
+    claim_cores()  # the call below makes the thread's pool, if it has none yet
     try:
         cpus = os.sched_getaffinity(0)  # (0: the calling thread)
     except AttributeError:  # (not Linux)

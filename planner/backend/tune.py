@@ -35,6 +35,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 
 from planner.backend.graph import STEP_FUNC
 from planner.backend.link import linker
+from planner.backend.threads import claim_cores
 from planner.inputs.targets import RpcRunner
 
 
@@ -147,6 +148,7 @@ def _measurers(rpc: RpcRunner | None, toolchain: str | None) -> tuple[object, ob
     """MetaSchedule's builder and runner: on this machine, or — for a target behind a tracker —
     candidate kernels built here and timed on a board of the target's key."""
     if rpc is None:
+        claim_cores()  # the runner's processes inherit it: kernels timed on pools the size a step's are
         return ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S, initializer=import_intrinsics), "local"
     host, port = rpc.address
     config = ms.runner.RPCConfig(
