@@ -38,6 +38,7 @@ _EXPORTS = {
     "resolve_target": "planner.api",
     "default_storage": "planner.api",
     "PlanResult": "planner.api",
+    "Settings": "planner.inputs.settings",
     # inputs and their loaders
     "Model": "planner.inputs.model",
     "load_model": "planner.inputs.model",
@@ -69,6 +70,7 @@ _EXPORTS = {
     "Kernels": "planner.types",
 }
 __all__ = [
+    "Settings",
     "Candidate",
     "Dataset",
     "FrozenWeights",
@@ -126,6 +128,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these on first use
     from planner.api import (
         PlanResult,
+        Settings,
         check_target,
         compile,
         default_storage,

@@ -25,6 +25,7 @@ FLAGS = {
     "seed": "--seed",
     "accuracy_tolerance": "--accuracy-tolerance",
     "accuracy_steps": "--accuracy-steps",
+    "screen_steps": "--screen-steps",
     "tune_trials": "--tune-trials",
     "tracker": "--tracker",
     "key": "--key",

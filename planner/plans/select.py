@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner import __version__
@@ -116,6 +117,18 @@ def step_record(artifact: BuiltArtifact, tune_trials: int) -> Step:
     )
 
 
+@dataclass(frozen=True)
+class Context:
+    """How a plan's trials were run and chosen, as the plan records it: the selection, the study,
+    the fine-tunes' seed, and the back end and runner whose words say how its numbers were taken."""
+
+    selection: dict
+    study: dict
+    accuracy_seed: int
+    backend: Backend
+    runner: Runner
+
+
 def assemble(
     model: Model,
     dataset: Dataset,
@@ -124,15 +137,18 @@ def assemble(
     chosen: TrialRecord,
     pareto: set[int],
     compiled: BuiltArtifact,
-    selection: dict,
-    study: dict,
-    accuracy_seed: int,
-    backend: Backend,
-    runner: Runner,
+    context: Context,
 ) -> Plan:
     """The plan for `chosen`, with the Pareto front and how every number was measured (in the
     words of the back end that built its step and the runner that timed it)."""
     measured = chosen.measured()  # the chosen trial is feasible, so complete
+    selection, study, accuracy_seed, backend, runner = (
+        context.selection,
+        context.study,
+        context.accuracy_seed,
+        context.backend,
+        context.runner,
+    )
     provenance = backend.provenance(compiled)
     return Plan(
         schema_version=SCHEMA_VERSION,

@@ -154,6 +154,12 @@ class AnchoredSampler(optuna.samplers.BaseSampler):
         self._base.after_trial(study, trial, state, values)
 
 
+def takes_anchors(sampler: object) -> bool:
+    """Whether a study with `sampler` starts from the space's hand-made recipes: TPE does (the
+    default); random search is the blind baseline `benchmarks/search_quality.py` compares with."""
+    return sampler == "tpe"
+
+
 def make_sampler(name: str, seed: int | None, anchors: list[dict] | None = None) -> optuna.samplers.BaseSampler:
     """`tpe`: multivariate TPE after 8 startup trials, which learns the budgets from the trials'
     constraints (the default); `random`: independent uniform draws, the baseline

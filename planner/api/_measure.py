@@ -1,0 +1,92 @@
+"""`measure`: one explicit scheme measured like a trial, written as a plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from planner.api._inputs import INPUT_FIELDS, load_inputs, split_options
+from planner.api._search import PlanResult, _evaluation
+from planner.api._writing import write
+from planner.errors import BadInput, CandidateFailed, MeasureFailed
+from planner.inputs.schemes import load_scheme
+from planner.inputs.settings import Settings
+from planner.plans.directory import data_files, prepare_out_dir
+from planner.plans.select import Context, assemble
+from planner.types import TrialRecord, TrialState
+
+_OPTIONS = INPUT_FIELDS - {"model", "data", "space", "classes"} | {
+    "seed",
+    "accuracy_steps",
+    "latency_repeats",
+    "tune_trials",
+    "cache_dir",
+}
+
+
+def measure(
+    model: str | Path,
+    *,
+    scheme: str | Path,
+    data: str | Path,
+    out: str | Path,
+    settings: Settings | None = None,
+    profile: bool = False,
+    **options: Any,
+) -> PlanResult:
+    """Measure one explicit scheme (a YAML file, see `planner.load_scheme`) with no search, and
+    write a plan directory as `plan` does.
+
+        result = planner.measure("model.onnx", scheme="last-two.yaml", data="data.npz", out="m")
+        print(result.plan.metrics.step_latency_ms.median, result.plan.selection.feasible)
+
+    The plan is written even when the scheme breaks the target's budgets — it is what was asked
+    to be measured; `plan.selection.feasible` says whether it fits. `options`: `preprocess`,
+    `tokenizer`, `target`, `tracker`, `key` as in `plan`, and the settings a measurement takes
+    (`seed`, `accuracy_steps`, `latency_repeats`, `tune_trials`, `cache_dir`). `profile` also times each
+    kernel of the step (`PlanResult.profile`: time per step and GFLOP/s, slowest first), on
+    this machine: a target measured on boards cannot be profiled here.
+    """
+    from planner.backend.compile import CompiledStep
+    from planner.search.evaluate import Evaluator
+
+    inputs, settings = split_options("measure", options, settings, _OPTIONS)
+    loaded = load_inputs(replace(inputs, model=model, data=data), settings)
+    m, hw, runner = loaded.model, loaded.target, loaded.runner
+    if profile and not runner.runs_here:
+        raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on {runner.device}")
+    candidate = load_scheme(scheme).candidate(m)
+    if candidate.precision not in hw.precisions:
+        raise BadInput(
+            f"scheme {Path(scheme).name} trains in {candidate.precision}; target {hw.name} supports only "
+            f"{', '.join(hw.precisions)}"
+        )
+    runner.capacity()
+    out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
+    attrs: dict = {}
+    evaluator = Evaluator(m, loaded.dataset, hw, _evaluation(loaded, settings.model_copy(update={"screen_steps": 0})))
+    try:
+        constraints = evaluator.evaluate(candidate, attrs.__setitem__)
+    except CandidateFailed as exc:
+        raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
+    rec = TrialRecord.from_attrs(0, TrialState.COMPLETE, attrs, constraints)
+    compiled = evaluator.backend.build(m, candidate)
+    selection = {
+        "policy": "scheme",
+        "scheme": str(Path(scheme).resolve()),
+        "feasible": rec.feasible,
+        "accuracy_tolerance": None,
+        "over_budget": {k: v for k, v in constraints.items() if v > 0},
+    }
+    context = Context(selection, {"storage": None, "name": None}, settings.seed, evaluator.backend, runner)
+    result = assemble(m, loaded.dataset, hw, [rec], rec, {0}, compiled, context)
+    written = write(out, result, compiled, m, [rec], data_files(loaded.dataset))
+    step_profile = None
+    if profile:
+        from planner.measurement.profile import profile_step
+
+        if not isinstance(compiled, CompiledStep):
+            raise BadInput(f"`profile` times the kernels of a VM library; the {hw.backend} back end builds {compiled.kind}")
+        step_profile = profile_step(compiled, m.initializers, seed=settings.seed)
+    return PlanResult(written, out, [rec], profile=step_profile)
