@@ -34,7 +34,7 @@ LAYERS = {
         (256, 512, 4, 2),
         (512, 512, 2, 1),
     ],
-    # the CIFAR ResNet-8's (planner.zoo.resnet): few channels, where the products are thinnest
+    # the CIFAR ResNet-8's (tests/zoo.py's resnet): few channels, where the products are thinnest
     "resnet8": [(16, 16, 32, 1), (16, 32, 32, 2), (32, 32, 16, 1), (32, 64, 16, 2), (64, 64, 8, 1)],
 }
 

@@ -11,7 +11,7 @@ sensor):
 - `digits`: the bundled example itself (its CNN and data);
 - `mobilenet`: MobileNetV2-w0.35 at 64×64 pretrained here (full update, Adam) on the source half
   of the digits upscaled to 3×64×64, adapted to the example's data upscaled the same way;
-- `vit`: a one-block vision transformer (`planner.zoo.vit_block`, 4×4 patches, 32 wide) at
+- `vit`: a one-block vision transformer (`vit_block` of tests/zoo.py, 4×4 patches, 32 wide) at
   16×16, pretrained and adapted the same way.
 
 For each, full update (every layer, batch 16, the best of three learning rates) is measured with
@@ -26,13 +26,16 @@ written under `--out`.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
 from mobilenet_v2_eighth import digits_tasks
 
 import planner
-from planner import zoo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "digits"

@@ -2,7 +2,7 @@
 
     python benchmarks/micro_batches.py [--threads 2] [--repeats 5]
 
-MobileNetV2-w0.35 at 64×64 (planner's zoo), the layers the memory frontier's leanest accurate plan
+MobileNetV2-w0.35 at 64×64 (tests/zoo.py), the layers the memory frontier's leanest accurate plan
 trains (`b16.project_bn` and `last` in full, `last_bn` and `classifier` biases; Adam; frozen
 weights int8), and for reference every layer in full at batch 16. For each split of the 16
 samples (`batch_size` × `grad_accum`): the planned peak and its parts (the running sums count
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from step_vs_pytorch import on_threads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 TRAINED = (("b16.project_bn", "full"), ("last", "full"), ("last_bn", "bias"), ("classifier", "bias"))
 SPLITS = ((16, 1), (8, 2), (4, 4), (2, 8), (1, 16))
@@ -31,7 +34,7 @@ def main() -> None:
     on_threads(args.threads)
     import tvm
 
-    from planner import zoo
+    import zoo
     from planner.backend.compile import BuildOptions, compile_candidate
     from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model

@@ -14,6 +14,7 @@ whose RAM budget is 1/8 of full fine-tuning's peak.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,11 @@ import optuna
 import yaml
 
 import planner
-from planner import zoo
 from planner.errors import NoFeasiblePlan
-from planner.search.study import to_record
+from planner.search.records import to_record
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits"
 

@@ -10,13 +10,14 @@ new study with the same seed over the same caches, so every candidate it propose
 and fine-tuned before and is neither again). Prints trials per hour and the share of wall time
 spent compiling, tuning, measuring latency, fine-tuning for accuracy, and the rest (the sampler,
 storage, process start). `--model example` is the bundled example with its default space;
-`mobilenet_v2-0.35@96` is MobileNetV2-w0.35 at 96x96 (planner.zoo) on a synthetic 10-class task
+`mobilenet_v2-0.35@96` is MobileNetV2-w0.35 at 96x96 (tests/zoo.py) on a synthetic 10-class task
 (`zoo.synthetic_task`, 400 images) with the `sparse-update` space.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 import planner
-from planner import zoo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402
 
 PARTS = ("compile_s", "tune_s", "measure_s", "accuracy_s")
 

@@ -2,7 +2,7 @@
 
     python benchmarks/recompute.py [--batches 8 32] [--threads 2] [--repeats 10]
 
-For the models of `step_vs_pytorch.py` (planner's zoo), every layer trained with plain SGD:
+For the models of `step_vs_pytorch.py` (tests/zoo.py), every layer trained with plain SGD:
 compiles the step with `recompute: none` and `recompute: auto` and prints both planned peaks,
 both measured peaks (resident-set growth over three steps, each in a fresh process), both step
 times (the VM's time evaluator, median of the repeats) and the layers whose inputs `auto` kept.
@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from step_vs_pytorch import MODELS, on_threads, peak_growth, planner_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def main() -> None:
@@ -25,7 +28,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     env = on_threads(args.threads)
-    from planner import zoo
+    import zoo
     from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step

@@ -4,19 +4,22 @@
 
 Prints, per family, the finished/failed trials, the feasible Pareto front's size and the chosen
 plan (trainable set, accuracy, step latency, peak memory), all measured on this host. The
-accuracies are on `planner.zoo.synthetic_task`, a proxy: no real dataset can be downloaded here.
+accuracies are on `synthetic_task` of tests/zoo.py, a proxy: no real dataset can be downloaded here.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 import planner
-from planner import zoo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402
 
 FAMILIES = {
     "mobilenet_v2-0.35@32": lambda: zoo.mobilenet_v2(width=0.35, resolution=32),

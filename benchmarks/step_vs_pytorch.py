@@ -3,7 +3,7 @@
     pip install -e '.[bench]'
     python benchmarks/step_vs_pytorch.py [--threads 2] [--repeats 10] [--rounds 3] [--models tiny_cnn@28 ...]
 
-For the tiny CNN, MobileNetV2-0.35 at 96x96 and ResNet-8 at 32x32 (planner's zoo; PyTorch runs
+For the tiny CNN, MobileNetV2-0.35 at 96x96 and ResNet-8 at 32x32 (tests/zoo.py; PyTorch runs
 the same graph with torch ops), and torchvision's resnet18 and mobilenet_v3_small at 64x64
 (exported with `torch.onnx.export(dynamo=False)`, which folds BatchNorm into the convolutions;
 PyTorch runs the native torchvision module in eval mode, BatchNorm included), at batch 8 and 32,
@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 MODELS = {
     "tiny_cnn@28": ("tiny_cnn", {"resolution": 28}),
@@ -143,7 +145,6 @@ def torchvision_module(name: str):
     statistics, as planner trains it); importable with CPU torch (tests/torch_families.py)."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import torch_families
 
     torch.manual_seed(0)
@@ -334,7 +335,7 @@ def main() -> None:
     env = on_threads(args.threads)
     import torch
 
-    from planner import zoo
+    import zoo
     from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from step_vs_pytorch import MODELS, on_threads, peak_growth, planner_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def main() -> None:
@@ -26,7 +29,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     env = on_threads(args.threads)
-    from planner import zoo
+    import zoo
     from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tvm
 
+import zoo
 from builders import gradient_errors
-from planner import zoo
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.inputs.model import load_model

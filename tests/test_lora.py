@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tvm
 
-from planner import zoo
+import zoo
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.backend.weights import adapter_delta, adapter_shapes, lora_a, lora_b

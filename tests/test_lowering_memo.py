@@ -9,7 +9,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from planner import zoo
+import zoo
 from planner.backend import gemm, kernels
 from planner.backend.graph import build_training_module
 from planner.backend.kernels import legalize

@@ -132,7 +132,7 @@ def test_a_diverging_fine_tune_is_a_measured_infeasible_result(tiny_model, tiny_
             accuracy_steps=30,
             latency_repeats=3,
         )
-    from planner.search.study import load_records
+    from planner.search.records import load_records
 
     records, _, _ = load_records(f"sqlite:///{tmp_path / 'p' / 'study.db'}", "planner")
     for rec in records:

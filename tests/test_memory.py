@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tvm
 
-from planner import zoo
+import zoo
 from planner.backend import gemm
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.memory import PAGE

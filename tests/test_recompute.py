@@ -8,7 +8,7 @@ import pytest
 import tvm
 import yaml
 
-from planner import zoo
+import zoo
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.errors import BadInput

@@ -22,7 +22,7 @@ from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
 from planner.inputs.addresses import parse_host_port
 from planner.measurement.board import RSS, check_bind_host, key_status
 from planner.plans.directory import read_plan
-from planner.search.study import to_record
+from planner.search.records import to_record
 from processes import Boards, kill, planner, start
 
 pytestmark = pytest.mark.slow  # trackers and boards on 127.0.0.1, boards killed mid-study: minutes

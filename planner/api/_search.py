@@ -221,7 +221,7 @@ def _write_plans(
 ) -> Plan:
     """The plan in `out`, after one in `out/<budget>/` for each smaller budget of `family`."""
     from planner.backend import backend_for
-    from planner.search.study import pareto_numbers
+    from planner.search.records import pareto_numbers
 
     m, hw = loaded.model, loaded.target
     backend = backend_for(hw, cache_dir=loaded.cache_dir, tune_trials=settings.tune_trials)
@@ -309,7 +309,8 @@ def work(
     the same candidates, while fine-tuning uses the study's seed, so accuracies stay comparable.
     `overlap` as in `plan`.
     """
-    from planner.search.study import SAMPLERS, SearchSettings, open_study, run_study, stored_inputs, takes_anchors
+    from planner.search.records import stored_inputs
+    from planner.search.study import SAMPLERS, SearchSettings, open_study, run_study, takes_anchors
 
     if trials is not None and trials < 1:
         raise BadInput("`trials` must be at least 1")

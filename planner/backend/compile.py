@@ -42,7 +42,7 @@ from planner.backend.storage import share_storage
 from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
-from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSignature
+from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSignature, Updates
 
 LIB_NAME = f"{ARTIFACT_STEM}.so"
 META_NAME = "train_step.json"  # the cache entry's record, never part of the artifact
@@ -246,13 +246,11 @@ def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None)
 def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir: Path, entry: Path) -> CompiledStep:
     t0 = time.perf_counter()
     target, toolchain, tune_trials = build.target, build.toolchain, build.tune_trials
-    if candidate.updates not in ("in-place", "copy"):
-        raise CandidateFailed(f"updates {candidate.updates!r} is not supported (in-place, copy)")
     mod, sig = build_training_module(model, candidate)
     try:
         fused = _fuse(mod, target, build.kernels, cache_dir)
         # judged before tuning and scheduling rewrite the kernels
-        in_place_ok = in_place_candidates(fused, sig) if candidate.updates == "in-place" else set()
+        in_place_ok = in_place_candidates(fused, sig) if candidate.updates is Updates.IN_PLACE else set()
         tuned: tuple[str, ...] = ()
         tune_seconds = 0.0
         if tune_trials > 0:

@@ -36,7 +36,8 @@ from planner.backend.tir import accumulate_kernel, scale_kernel
 from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
-from planner.types import Candidate, ModeKind, Recompute, StepSignature
+from planner.types import Candidate, FrozenWeights, ModeKind, Precision, Recompute, StepSignature
+from planner.types import Optimizer as OptimizerName
 
 STEP_FUNC = "train_step"
 PREDICT_FUNC = "backbone"
@@ -204,8 +205,6 @@ def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.DeadCodeElimination(["main"])(mod)
 
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
-PRECISIONS = ("fp32", "fp16", "bf16")
 FP16_LOSS_SCALE = 1024.0
 
 
@@ -242,7 +241,7 @@ class _Fp16AsBf16(relax.PyExprMutator):
         return const
 
 
-def _low_precision(backbone: tvm.IRModule, precision: str) -> tuple[tvm.IRModule, float]:
+def _low_precision(backbone: tvm.IRModule, precision: Precision) -> tuple[tvm.IRModule, float]:
     """The backbone with convolutions and matmuls (and what follows them) in `precision`, and the
     loss scale its gradients need.
 
@@ -250,12 +249,10 @@ def _low_precision(backbone: tvm.IRModule, precision: str) -> tuple[tvm.IRModule
     fp16's narrow exponent range flushes small gradients to zero: its loss is scaled, and the
     caller unscales. bf16 has fp32's range and trains unscaled.
     """
-    if precision == "fp32":
+    if precision is Precision.FP32:
         return backbone, 1.0
-    if precision not in PRECISIONS:
-        raise CandidateFailed(f"precision {precision!r} is not supported ({', '.join(PRECISIONS)})")
     mixed = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
-    if precision == "fp16":
+    if precision is Precision.FP16:
         return mixed, FP16_LOSS_SCALE
     func = _Fp16AsBf16().visit_expr(mixed[PREDICT_FUNC])
     return tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs), 1.0
@@ -300,13 +297,13 @@ def make_optimizer(candidate: Candidate) -> Optimizer:
     Built with the `_LR` mark for a learning rate: the step takes its rate at run time
     (`update_lr`), so candidates that differ only in lr share one compiled step.
     """
-    if candidate.optimizer == "sgd":
-        return SGD(_LR)
-    if candidate.optimizer == "momentum":
-        return MomentumSGD(_LR, momentum=0.9)
-    if candidate.optimizer == "adam":
-        return _Adam(_LR)
-    raise CandidateFailed(f"unknown optimizer {candidate.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+    match candidate.optimizer:
+        case OptimizerName.SGD:
+            return SGD(_LR)
+        case OptimizerName.MOMENTUM:
+            return MomentumSGD(_LR, momentum=0.9)
+        case OptimizerName.ADAM:
+            return _Adam(_LR)
 
 
 def update_lr(candidate: Candidate, loss_scale: float) -> float:
@@ -557,10 +554,8 @@ def _adapters(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
 
 def _quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
     """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
-    if candidate.frozen_weights == "fp32":
+    if candidate.frozen_weights is FrozenWeights.FP32:
         return {}
-    if candidate.frozen_weights != "int8":
-        raise CandidateFailed(f"frozen_weights {candidate.frozen_weights!r} is not supported (fp32, int8)")
     frozen_set = set(frozen)
     return {layer.weight: layer.out_axis for layer in model.layers if layer.weight in frozen_set and layer.out_axis is not None}
 

@@ -32,7 +32,8 @@ from planner.types import (
 # tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`)
 SCHEMA_VERSION: Final = 5
 # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer, a version-4 plan one
-# whose step is the VM back end's library (`Step._migrate`)
+# whose step is the VM back end's library (`Step._migrate`); a choice before version 5 without `updates` updated by copy
+# (`Plan._migrate`)
 READS: Final = (2, 3, 4, 5)
 Policy = Literal["memory", "latency", "accuracy"]
 
@@ -119,7 +120,7 @@ class Choice(_Part):
     batch_size: int = Field(ge=1, description="micro-batch: samples per forward/backward")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per update")
     frozen_weights: FrozenWeights = FrozenWeights.FP32
-    updates: Updates = LEGACY_UPDATES
+    updates: Updates = Field(description="in-place or copy (a plan of schema version 2-4 without it updated by copy)")
     recompute: Recompute | list[str] = Field(
         default=Recompute.NONE, description="none, auto, or the layers whose input activations the backward pass keeps"
     )
@@ -301,6 +302,25 @@ class Plan(_Part):
     study: StudyInfo
     files: dict[str, str] = Field(default={}, description="name -> sha256 of each file `run` and `compile` load")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: object) -> object:
+        """A plan before version 5 may hold choices without `updates`: a planner whose steps all
+        updated by copy wrote them (`LEGACY_UPDATES`). From version 5 every choice says how it
+        updates (`Choice.of`), so that no new plan updates by copy for want of the field."""
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not isinstance(version, int) or version >= 5:
+            return data
+        migrated = dict(data)
+        if "choice" in data:
+            migrated["choice"] = _old_choice(data["choice"])
+        if isinstance(data.get("pareto"), list):
+            migrated["pareto"] = [
+                {**entry, "choice": _old_choice(entry["choice"])} if isinstance(entry, dict) and "choice" in entry else entry
+                for entry in data["pareto"]
+            ]
+        return migrated
+
     @property
     def signature(self) -> StepSignature:
         return StepSignature.from_json(self.step.signature)
@@ -318,6 +338,11 @@ class Plan(_Part):
         return HardwareTarget(
             name=t.name, tvm_target=t.tvm_target, toolchain=t.toolchain, backend=t.backend, ram_budget_bytes=ram
         )
+
+
+def _old_choice(choice: object) -> object:
+    """A choice of a plan before version 5, with `updates` where it lacks it (`Plan._migrate`)."""
+    return {"updates": LEGACY_UPDATES, **choice} if isinstance(choice, dict) else choice
 
 
 def json_schema() -> str:

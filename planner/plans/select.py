@@ -196,14 +196,14 @@ def assemble(
 
 
 def versions() -> dict:
-    import onnx
-    import optuna
-    import tvm
+    """The versions a plan was made with, read from the installed packages' metadata: writing a
+    plan loads no compiler."""
+    from importlib.metadata import version
 
     return {
         "planner": __version__,
-        "tvm": tvm.__version__,
-        "onnx": onnx.__version__,
-        "optuna": optuna.__version__,
+        "tvm": version("apache-tvm"),
+        "onnx": version("onnx"),
+        "optuna": version("optuna"),
         "python": sys.version.split()[0],
     }

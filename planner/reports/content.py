@@ -198,7 +198,7 @@ def _pareto_record(entry: ParetoEntry) -> TrialRecord:
 
 def from_study(storage: str, study: str) -> ReportContent:
     """A report of a study in storage (finished or still running), before or without a plan."""
-    from planner.search.study import load_records
+    from planner.search.records import load_records
 
     records, pareto, inputs = load_records(storage, study)
     target = load_target(inputs["target"])

@@ -293,9 +293,7 @@ def _summary(content: ReportContent) -> str:
             ("optimizer", escape(f"{c['optimizer']['name']} (lr {c['optimizer']['lr']:.4g})")),
             (
                 "precision",
-                escape(
-                    f"{c['precision']}; frozen weights stored {c.get('frozen_weights', 'fp32')}; updates {c.get('updates', 'copy')}"
-                ),
+                escape(f"{c['precision']}; frozen weights stored {c.get('frozen_weights', 'fp32')}; updates {c['updates']}"),
             ),
             ("val accuracy", f"{acc['before']:.3f} → <b>{acc['after']:.3f}</b> after {acc['steps']} steps"),
             ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms"),

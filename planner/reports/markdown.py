@@ -49,7 +49,7 @@ def render(content: ReportContent) -> str:
             f"| optimizer | {c['optimizer']['name']} (lr {c['optimizer']['lr']:.4g}) |",
             f"| precision | {c['precision']} |",
             f"| frozen weights stored | {c.get('frozen_weights', 'fp32')} |",
-            f"| updates | {c.get('updates', 'copy')} |",
+            f"| updates | {c['updates']} |",
             f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
             f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms |",
             f"| peak memory | {_kib(mem['total'])}" + (f" (budget {_kib(budget)})" if budget else "") + " |",

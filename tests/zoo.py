@@ -7,7 +7,7 @@ BN with real-looking statistics); they exist so planner's op coverage, gradients
 speed are exercised on the graphs users bring. Node names follow `block.part` (e.g. `b2.dw`), the
 names a scheme file or `planner inspect` uses.
 
-    from planner import zoo
+    import zoo  # tests/ on sys.path, as tests/conftest.py and benchmarks/*.py put it
     zoo.save(zoo.mobilenet_v2(width=0.35, resolution=128), "mbv2.onnx")
 """
 
@@ -76,7 +76,7 @@ class _Graph:
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
             self.inits,
         )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], producer_name="planner.zoo")
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], producer_name="planner-tests")
         onnx.checker.check_model(model)
         return model
 
