@@ -211,6 +211,20 @@ def test_the_next_trial_is_sampled_once_this_one_is_timed_and_timed_once_this_on
     assert timed.wait(5)
 
 
+def test_a_trial_that_fails_early_does_not_let_the_next_be_timed_before_every_earlier_one_ended(pipeline_trials):
+    """Trial 1 fails to compile while trial 0 fine-tunes: trial 2 may be sampled and compile, but
+    is timed (and screened against the finished trials) only once trial 0 has ended too."""
+    pipeline, (t0, t1, t2, _) = pipeline_trials
+    pipeline.timed(t0)  # t0 fine-tunes
+    pipeline.exited(t1)
+    pipeline.ended(t1)  # t1 failed and was told
+    pipeline.before_sampling(t2)  # returns: both before it were timed
+    timed = _in_thread(lambda: pipeline.before_timing(t2))
+    assert not timed.wait(0.3)
+    pipeline.ended(t0)
+    assert timed.wait(5)
+
+
 def test_after_a_trial_that_runs_alone_the_next_waits_for_its_end(pipeline_trials):
     pipeline, (t0, t1, t2, _) = pipeline_trials
     pipeline.ended(t0)

@@ -118,11 +118,8 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
     return grads
 
 
-def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str, list[int]] | None = None) -> MemoryBreakdown:
-    """Replay `planned` (the lowered `train_step`) and report its peak with a breakdown.
-
-    `workspaces` (from `kernel_workspaces`) adds the kernels' own scratch.
-    """
+def _parameter_bytes(planned: relax.Function, sig: StepSignature) -> tuple[list[relax.Var], int, int, int, int]:
+    """The trainable vars and the bytes of each kind of step input, apart so `step_peak` is just the replay."""
     params = list(planned.params)
     # Inputs to the step: the model's inputs..., frozen..., trainable..., states..., labels
     n_in, n_frozen, n_train, n_state = len(sig.inputs), len(sig.frozen), len(sig.trainable), len(sig.optim_states)
@@ -131,6 +128,15 @@ def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str,
     train_b = sum(_ty_bytes(p.ty) for p in train_vars)
     state_b = sum(_ty_bytes(p.ty) for p in params[n_in + n_frozen + n_train : n_in + n_frozen + n_train + n_state])
     batch_b = sum(_ty_bytes(p.ty) for p in params[:n_in]) + _ty_bytes(params[-1].ty)
+    return train_vars, frozen_b, train_b, state_b, batch_b
+
+
+def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str, list[int]] | None = None) -> MemoryBreakdown:
+    """Replay `planned` (the lowered `train_step`) and report its peak with a breakdown.
+
+    `workspaces` (from `kernel_workspaces`) adds the kernels' own scratch.
+    """
+    train_vars, frozen_b, train_b, state_b, batch_b = _parameter_bytes(planned, sig)
     grad_vars = _gradient_vars(planned, train_vars)
 
     pool_free: dict[int, int] = {}  # page-rounded size -> free blocks

@@ -326,23 +326,12 @@ def _parameters(graph: onnx.GraphProto) -> tuple[str, ...]:
 def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
     """The layer table, read off the graph as TVM will see it (shapes folded), so a layer is
     called trainable only when nothing but real computation lies between it and the logits."""
-    try:
-        init_names = {t.name for t in proto.graph.initializer}
-        dynamic = {d.dim_param for i in proto.graph.input if i.name not in init_names for d in i.type.tensor_type.shape.dim[1:]}
-        analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters), dict.fromkeys(dynamic - {""}, _ANALYSIS_LENGTH))
-        types = tensor_types(analysed)
-    except BadInput:  # a fix-up's own refusal (a GRU with partial sequence lengths) says what it is
-        raise
-    except Exception as exc:  # onnx's shape inference and reference ops raise assorted types
-        raise BadInput(f"ONNX shape inference failed: {first_line(exc)}") from None
+    analysed, types = _analyse(proto, parameters)
     graph = analysed.graph
     shapes = _display_shapes(proto, analysed)
     inits = {t.name: t for t in graph.initializer}
     params = set(parameters)
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    consumers = _consumers(graph)
     constants = constant_values(graph)
     downstream = blocking_nodes(list(graph.node), [o.name for o in graph.output], types, constants)
     claimed: dict[str, int] = {}  # parameter -> the layer (index) that owns it
@@ -403,10 +392,7 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
                 add_node, bias = follower
                 nodes.append(add_node)
         buffers = tuple(n for n in own if n not in (weight, bias))
-        out_axis = {"Conv": 0, "MatMul": 1}.get(node.op_type)
-        if node.op_type == "Gemm":
-            out_axis = 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
-        add(nodes, weight, bias, buffers, layer_name(nodes, [p for p in (weight, bias) if p], taken), out_axis)
+        add(nodes, weight, bias, buffers, layer_name(nodes, [p for p in (weight, bias) if p], taken), _out_axis(node))
     for i, others in shared.items():  # a tied layer trains only if every use passes a gradient
         layer = layers[i]
         uses = [by_name[n] for n in layer.nodes] + others
@@ -415,6 +401,37 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
             layer, nodes=layer.nodes + tuple(n.name for n in others), shared_by=tuple(n.name for n in others), problem=problem
         )
     return layers
+
+
+def _analyse(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """The graph as TVM will import it, with its tensors' types: `_layers`'s input, kept apart from the layer walk."""
+    try:
+        init_names = {t.name for t in proto.graph.initializer}
+        dynamic = {d.dim_param for i in proto.graph.input if i.name not in init_names for d in i.type.tensor_type.shape.dim[1:]}
+        analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters), dict.fromkeys(dynamic - {""}, _ANALYSIS_LENGTH))
+        types = tensor_types(analysed)
+    except BadInput:  # a fix-up's own refusal (a GRU with partial sequence lengths) says what it is
+        raise
+    except Exception as exc:  # onnx's shape inference and reference ops raise assorted types
+        raise BadInput(f"ONNX shape inference failed: {first_line(exc)}") from None
+    return analysed, types
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Each tensor's consuming nodes in graph order, so `_layers` can find a MatMul's bias Add."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
+
+
+def _out_axis(node: onnx.NodeProto) -> int | None:
+    """The axis of `node`'s weight that indexes its outputs (a Gemm's follows transB), for `Layer.out_axis`."""
+    out_axis = {"Conv": 0, "MatMul": 1}.get(node.op_type)
+    if node.op_type == "Gemm":
+        out_axis = 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
+    return out_axis
 
 
 def _slot(node: onnx.NodeProto, slot: int | None, own: list[str]) -> str | None:

@@ -17,7 +17,7 @@ import numpy as np
 from planner.backend import Artifact, ArtifactKind, backend_for
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
-from planner.inputs.data import DataFormat, Dataset, Tokenization, data_format, load_dataset
+from planner.inputs.data import Dataset, Tokenization, data_format, format_named, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
 from planner.inputs.preprocess import Preprocess
@@ -106,14 +106,14 @@ def _dataset(plan_dir: Path, plan: Plan, path: Path, model) -> Dataset:
     text by the plan's own copy of its tokenizer, as recorded; class names mapped to the plan's
     indices. Arrays are the model's input as they are."""
     kind = data_format(path)
-    measured = DataFormat(plan.dataset.format).description
+    measured = format_named(plan.dataset.format).description
     preprocess, tokenizer = None, None
-    if kind is DataFormat.TEXT:
+    if kind.tokenized:
         copy = plan_tokenizer(plan_dir, plan)
         if plan.dataset.tokenizer is None or copy is None:
             raise BadInput(f"{path} holds text, but the plan was made with {measured} and has no tokenizer; plan with the text")
         tokenizer = Tokenization.from_json(plan.dataset.tokenizer.model_dump(), copy)
-    elif not kind.arrays:
+    elif kind.preprocessed:
         recorded = plan.dataset.preprocess
         if recorded is None:
             raise BadInput(

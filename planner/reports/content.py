@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import BadInput, NoFeasiblePlan
-from planner.inputs.data import DataFormat
+from planner.inputs.data import format_named
 from planner.inputs.model import Model, load_model
 from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import load_target
@@ -134,7 +134,7 @@ def from_plan_dir(plan_dir: str | Path) -> ReportContent:
 def _data(plan: Plan) -> str:
     """The data a plan was measured on, and how a file (or a text) became the model's input."""
     d = plan.dataset
-    kind = DataFormat(d.format).description
+    kind = format_named(d.format).description  # every registered format has one
     text = f"{kind}, {d.source}: {d.n_train} train, {d.n_val} val ({d.split or 'as given'}), {d.n_classes} classes"
     if d.preprocess is not None:
         text += f"; preprocessing {Preprocess.from_json(d.preprocess, 'plan.json')}"

@@ -147,6 +147,16 @@ def pareto_figure(content: ReportContent) -> go.Figure:
             row=1,
             col=col,
         )
+    _add_budgets(fig, content)
+    fig.update_xaxes(title_text="median step latency (ms)", row=1, col=1)
+    fig.update_xaxes(title_text="peak memory (KiB)", row=1, col=2)
+    fig.update_yaxes(title_text="val accuracy after fine-tuning", range=[floor - pad / 2, hi + pad / 2], row=1, col=1)
+    fig.update_layout(height=460, margin={"t": 40, "b": 50, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.18})
+    return fig
+
+
+def _add_budgets(fig: go.Figure, content: ReportContent) -> None:
+    """Draw the target's budgets (a budget family's lines and frontier) on `fig`: `pareto_figure`'s overlay."""
     budget = content.target.get("latency_budget_ms")
     if budget:
         fig.add_vline(x=budget, line_dash="dash", line_color="#d62728", annotation_text="latency budget", row=1, col=1)
@@ -172,11 +182,6 @@ def pareto_figure(content: ReportContent) -> go.Figure:
             fig.add_vline(x=b["budget_bytes"] / KIB, line_dash="dash", line_color="#d62728", annotation_text=text, row=1, col=2)
     elif ram and mems and ram <= 1.5 * max(mems):  # a budget far off the chart would squash the points
         fig.add_vline(x=ram / KIB, line_dash="dash", line_color="#d62728", annotation_text="RAM budget", row=1, col=2)
-    fig.update_xaxes(title_text="median step latency (ms)", row=1, col=1)
-    fig.update_xaxes(title_text="peak memory (KiB)", row=1, col=2)
-    fig.update_yaxes(title_text="val accuracy after fine-tuning", range=[floor - pad / 2, hi + pad / 2], row=1, col=1)
-    fig.update_layout(height=460, margin={"t": 40, "b": 50, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.18})
-    return fig
 
 
 def _frontier(measured: list[Measured]) -> list[Measured]:

@@ -31,6 +31,32 @@ def _origin(content: ReportContent) -> str:
     return f"Chosen by `{sel.policy}` (accuracy tolerance {sel.accuracy_tolerance}) from trial {content.chosen} of {tally}."
 
 
+def _budget_table(content: ReportContent) -> list[str]:
+    """The plan-per-budget section (none without a budget family), kept out of `render` for its length."""
+    if not content.budgets:
+        return []
+    lines = [
+        "",
+        "## A plan per memory budget",
+        "",
+        "From the same trials; each directory is a whole plan (`planner run DIR/<budget>`).",
+        "",
+        "| RAM budget | plan | trial | peak memory | val acc | latency ms (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_number = {t.number: t for t in content.trials}
+    for b in content.budgets:
+        if b["trial"] is None:
+            lines.append(f"| {_kib(b['budget_bytes'])} | — | no trial fits | | | |")
+            continue
+        measured = by_number[b["trial"]].measured()
+        lines.append(
+            f"| {_kib(b['budget_bytes'])} | `{b['directory']}/` | {b['trial']} | {_kib(measured.memory.total)} | "
+            f"{measured.accuracy.after:.3f} | {measured.latency.median:.2f} |"
+        )
+    return lines
+
+
 def render(content: ReportContent) -> str:
     lines = [f"# {content.title}", ""]
     c, m = content.choice, content.metrics
@@ -72,26 +98,7 @@ def render(content: ReportContent) -> str:
         lines.append(f"| **total** | **{mem['total']:,}** | |")
         if c is not None and c.get("recompute", "none") != "none":
             lines += ["", recompute_note(c, mem, content.plan.signature.kept if content.plan else ())]
-    if content.budgets:
-        lines += [
-            "",
-            "## A plan per memory budget",
-            "",
-            "From the same trials; each directory is a whole plan (`planner run DIR/<budget>`).",
-            "",
-            "| RAM budget | plan | trial | peak memory | val acc | latency ms (median) |",
-            "|---|---|---|---|---|---|",
-        ]
-        by_number = {t.number: t for t in content.trials}
-        for b in content.budgets:
-            if b["trial"] is None:
-                lines.append(f"| {_kib(b['budget_bytes'])} | — | no trial fits | | | |")
-                continue
-            measured = by_number[b["trial"]].measured()
-            lines.append(
-                f"| {_kib(b['budget_bytes'])} | `{b['directory']}/` | {b['trial']} | {_kib(measured.memory.total)} | "
-                f"{measured.accuracy.after:.3f} | {measured.latency.median:.2f} |"
-            )
+    lines += _budget_table(content)
     lines += [
         "",
         "## Pareto front (feasible trials)",

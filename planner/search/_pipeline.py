@@ -47,15 +47,21 @@ class _Pipeline:
     TELL_S = 60.0  # a trial left its objective this long ago and is still not told: its tell failed
 
     def _after(self, trial_id: int, done: Callable[[int], bool]) -> None:
-        """Wait until `done(ticket before)` (under the lock), or the pipeline is broken."""
+        """Wait until `done(t)` (under the lock) for every earlier ticket t, or the pipeline is broken.
+
+        Every earlier one, not just the one before: a trial that fails to compile ends while the
+        one before it still fine-tunes, and the trial after it would be screened without that one."""
         with self._cond:
             ticket = self._tickets.get(trial_id, 0)
 
-            def ready() -> bool:
-                if self._broken or ticket == 0 or done(ticket - 1):
+            def told(t: int) -> bool:
+                if done(t):
                     return True
-                left = self._exited.get(ticket - 1)  # (so its callbacks never ran: do not wait for ever)
+                left = self._exited.get(t)  # (so its callbacks never ran: do not wait for ever)
                 return left is not None and time.monotonic() - left > self.TELL_S
+
+            def ready() -> bool:
+                return self._broken or all(told(t) for t in range(ticket))
 
             while not self._cond.wait_for(ready, timeout=1.0):
                 pass

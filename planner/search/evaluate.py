@@ -21,7 +21,7 @@ from planner.errors import CandidateFailed, EnvironmentFailure, disk_problem, la
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
-from planner.measurement import Runner, runner_for
+from planner.measurement import Measurement, Runner, runner_for
 from planner.measurement.accuracy import FineTune
 from planner.search.fidelity import ScreenPoint, beaten_by, margin
 from planner.types import AccuracyResult, Candidate, Fidelity
@@ -92,36 +92,8 @@ class Evaluator:
         settings = self.settings
         record("candidate", candidate.to_json())
         try:
-            faults.point("trial-compile")
-            compiled = self._build(candidate)
-            self.runner.check_kind(compiled)
-            record("memory", compiled.memory.to_json())
-            record("library_bytes", compiled.stored_bytes)
-            record("tuned_kernels", len(compiled.tuned_kernels))
-            # time this trial spent, not what cached results once cost
-            record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
-            record("tune_s", 0.0 if compiled.cached else compiled.tune_seconds)
-            log.debug(
-                "%s: %s, %d kernels (%d tuned), peak %d bytes",
-                _label(candidate),
-                "from the cache" if compiled.cached else f"compiled in {compiled.compile_seconds:.1f} s",
-                compiled.kernels,
-                len(compiled.tuned_kernels),
-                compiled.memory.total,
-            )
-            faults.point("trial-measure")
-            hooks.before_timing()
-            if hooks.interrupted():  # stopped at once while it waited: it is queued again
-                raise KeyboardInterrupt
-            t0 = time.perf_counter()
-            use_threads(0)  # timed on every core, whatever this thread's last fine-tune used
-            measured = self.runner.measure(compiled, self.model.initializers, settings.latency_repeats)
-            hooks.after_timing()
-            record("latency", measured.latency.to_json())
-            record("board", measured.board)
-            record("board_memory", measured.board_memory)
-            record("measure_s", time.perf_counter() - t0)
-            log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
+            compiled = self._compile(candidate, record)
+            measured = self._measure(candidate, compiled, record, hooks)
             faults.point("trial-accuracy")
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
@@ -176,6 +148,46 @@ class Evaluator:
             beaten = not fidelity.promoted and all(v <= 0 for v in constraints.values())
             constraints["screened"] = 1.0 if beaten else -1.0
         return constraints
+
+    def _compile(self, candidate: Candidate, record: Callable[[str, object], None]) -> BuiltArtifact:
+        """Build `candidate` and record what the build cost, apart so `evaluate` stays readable."""
+        faults.point("trial-compile")
+        compiled = self._build(candidate)
+        self.runner.check_kind(compiled)
+        record("memory", compiled.memory.to_json())
+        record("library_bytes", compiled.stored_bytes)
+        record("tuned_kernels", len(compiled.tuned_kernels))
+        # time this trial spent, not what cached results once cost
+        record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
+        record("tune_s", 0.0 if compiled.cached else compiled.tune_seconds)
+        log.debug(
+            "%s: %s, %d kernels (%d tuned), peak %d bytes",
+            _label(candidate),
+            "from the cache" if compiled.cached else f"compiled in {compiled.compile_seconds:.1f} s",
+            compiled.kernels,
+            len(compiled.tuned_kernels),
+            compiled.memory.total,
+        )
+        return compiled
+
+    def _measure(
+        self, candidate: Candidate, compiled: BuiltArtifact, record: Callable[[str, object], None], hooks: Hooks
+    ) -> Measurement:
+        """Time `compiled` on the board and record it, apart so `evaluate` stays readable."""
+        faults.point("trial-measure")
+        hooks.before_timing()
+        if hooks.interrupted():  # stopped at once while it waited: it is queued again
+            raise KeyboardInterrupt
+        t0 = time.perf_counter()
+        use_threads(0)  # timed on every core, whatever this thread's last fine-tune used
+        measured = self.runner.measure(compiled, self.model.initializers, self.settings.latency_repeats)
+        hooks.after_timing()
+        record("latency", measured.latency.to_json())
+        record("board", measured.board)
+        record("board_memory", measured.board_memory)
+        record("measure_s", time.perf_counter() - t0)
+        log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
+        return measured
 
     def _budgets(self, compiled: BuiltArtifact, latency_ms: float) -> dict[str, float]:
         """How far over each of the target's budgets the candidate is (<= 0: within)."""

@@ -15,47 +15,87 @@ the whole dataset.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from planner.cachefile import default_cache_dir
 from planner.errors import BadInput
-from planner.inputs.data._arrays import load_arrays
-from planner.inputs.data._base import DataFormat, Dataset, Rows, Split
-from planner.inputs.data._images import load_images
-from planner.inputs.data._text import TEXT_SUFFIXES, Tokenization, is_text_csv, load_text
+from planner.inputs.data._arrays import NPY, NPZ
+from planner.inputs.data._base import Dataset, Format, PreprocessSpec, Rows, Split
+from planner.inputs.data._images import CSV, IMAGES
+from planner.inputs.data._text import TEXT, Tokenization
 from planner.inputs.model import Model
-from planner.inputs.preprocess import Preprocess, Step, parse_spec
 
-__all__ = ["DataFormat", "Dataset", "Rows", "Split", "Tokenization", "bind_lengths", "data_format", "load_dataset"]
+__all__ = [
+    "FORMATS",
+    "DataFormat",
+    "Dataset",
+    "Format",
+    "Rows",
+    "Split",
+    "Tokenization",
+    "bind_lengths",
+    "data_format",
+    "format_named",
+    "load_dataset",
+]
+
+# Every dataset format, in detection order: a path is the first whose `detect` takes it (a folder
+# of `.npy` arrays before a folder of images, a text CSV before an image CSV, a `.npz` for the rest).
+# A new format is one module and one line here (`Format`).
+FORMATS: tuple[Format, ...] = (NPY, IMAGES, TEXT, CSV, NPZ)
 
 
-def data_format(path: str | Path) -> DataFormat:
-    """What `path` holds, by what it is: a folder of `.npy` arrays or of images, JSON Lines of text,
-    a CSV of texts or of images (by its header), else a `.npz`."""
+def format_named(name: str) -> Format:
+    """The format plan.json records as `name` (`dataset.format`)."""
+    for f in FORMATS:
+        if f.name == name:
+            return f
+    raise BadInput(f"unknown dataset format {name!r}; planner reads {', '.join(f.name for f in FORMATS)}")
+
+
+class _Formats:
+    """The registered formats by attribute (`DataFormat.TEXT`: upper-cased `name`) or by the name
+    plan.json records (`DataFormat("text")`), for callers of the enum this once was."""
+
+    def __call__(self, name: str) -> Format:
+        return format_named(name)
+
+    def __getattr__(self, attr: str) -> Format:
+        for f in FORMATS:
+            if f.name.upper() == attr:
+                return f
+        raise AttributeError(attr)
+
+    def __iter__(self) -> Iterator[Format]:
+        return iter(FORMATS)
+
+
+DataFormat = _Formats()
+
+
+def data_format(path: str | Path) -> Format:
+    """What `path` holds, by what it is: the first of `FORMATS` that detects it (a folder of `.npy`
+    arrays or of images, JSON Lines of text, a CSV of texts or of images by its header, else a `.npz`)."""
     path = Path(path)
-    if path.is_dir():
-        return DataFormat.NPY if any((path / f"{x}.npy").is_file() for x in ("x", "x_train")) else DataFormat.IMAGES
-    if path.suffix.lower() in TEXT_SUFFIXES:
-        return DataFormat.TEXT
-    if path.suffix.lower() == ".csv":
-        return DataFormat.TEXT if is_text_csv(path) else DataFormat.CSV
-    return DataFormat.NPZ
+    for f in FORMATS:
+        if f.detect(path):
+            return f
+    raise BadInput(f"{path}: not a dataset planner reads ({', '.join(f.description for f in FORMATS)})")
 
 
 def load_dataset(
     path: str | Path,
     model: Model,
     *,
-    preprocess: str | Path | Sequence[Step] | Preprocess | None = None,
+    preprocess: PreprocessSpec = None,
     tokenizer: str | Path | Tokenization | None = None,
     classes: Sequence[str] | None = None,
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Dataset:
-    """The dataset at `path`, checked against `model`.
+    """The dataset at `path`, checked against `model`, read by its format (`data_format`).
 
     - `preprocess`: for images, the spec (its text, a YAML path, steps, or a completed
       `Preprocess` as a plan records it); what it leaves open is completed from the model.
@@ -70,36 +110,15 @@ def load_dataset(
     if not path.exists():
         raise BadInput(f"dataset not found: {path}")
     kind = data_format(path)
-    known = tuple(classes) if classes is not None else None
-    if kind is DataFormat.TEXT:
-        if preprocess is not None:
-            raise BadInput(f"{path}: a preprocessing spec applies to images; text is made token ids by its `tokenizer`")
-        if tokenizer is None:
-            raise BadInput(
-                f"{path} holds text: give the `tokenizer` that makes it the model's token ids (the tokenizer.json "
-                "of Hugging Face tokenizers the model was trained with)"
-            )
-        return load_text(path, model, tokenizer, known, progress)
-    if tokenizer is not None:
+    if tokenizer is not None and not kind.tokenized:
         raise BadInput(
             f"{path} holds {kind.description}, not text: a `tokenizer` applies to text (a CSV with a text,label "
             "header, or .jsonl)"
         )
-    if path.suffix.lower() == ".npy":
-        raise BadInput(
-            f"{path} holds one array; planner needs samples and labels: give the folder holding it with "
-            "y.npy beside x.npy (or x_train.npy, y_train.npy, x_val.npy, y_val.npy), or np.savez('data.npz', x=x, y=y)"
-        )
-    if kind.arrays:
-        if preprocess is not None:
-            raise BadInput(f"{path}: a preprocessing spec applies to images; arrays are the model's input as they are")
-        return load_arrays(path, model, known, cache_dir or default_cache_dir(), progress)
-    if isinstance(preprocess, str | Path):
-        steps = parse_spec(preprocess)
-    else:
-        steps = list(preprocess.steps if isinstance(preprocess, Preprocess) else preprocess or [])
-    where = "--preprocess" if not isinstance(preprocess, Preprocess) else "the recorded preprocessing"
-    return load_images(path, model, Preprocess.complete(steps, model.image_shape, where), known, progress)
+    known = tuple(classes) if classes is not None else None
+    return kind.load(
+        path, model, preprocess=preprocess, tokenizer=tokenizer, classes=known, cache_dir=cache_dir, progress=progress
+    )
 
 
 def bind_lengths(model: Model, dataset: Dataset) -> Model:

@@ -27,17 +27,19 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
+from planner.cachefile import default_cache_dir
 from planner.digest import file_sha256
 from planner.errors import BadInput, EnvironmentFailure
 from planner.inputs.data._base import (
     VAL_FRACTION,
-    DataFormat,
     Dataset,
     Embedding,
+    Format,
+    PreprocessSpec,
     Progress,
     Rows,
     Split,
@@ -47,6 +49,9 @@ from planner.inputs.data._base import (
 )
 from planner.inputs.model import Model
 from planner.types import ModelInput
+
+if TYPE_CHECKING:
+    from planner.inputs.data._text import Tokenization
 
 CHUNK_BYTES = 8 << 20  # what a validation or unpacking pass holds at a time
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip member's local file header (30 bytes)
@@ -312,7 +317,7 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
     return Dataset(
         source=path.resolve(),
         sha256=sha256,
-        format=DataFormat.NPY if folder else DataFormat.NPZ,
+        format=NPY if folder else NPZ,
         train=splits["train"],
         val=splits["val"],
         n_classes=model.n_classes,
@@ -404,3 +409,66 @@ def _labels(path: Path, name: str, n: int, y: np.ndarray, n_classes: int) -> np.
             f"{n_classes} outputs; found {int(y.min())}..{int(y.max())}"
         )
     return y if np.issubdtype(y.dtype, np.integer) else y.astype(np.int64)  # Split keeps them compact
+
+
+class _Arrays(Format):
+    """Arrays that are the model's input as they are: no preprocessing, no tokenizer."""
+
+    description = "arrays"
+
+    def load(
+        self,
+        path: Path,
+        model: Model,
+        *,
+        preprocess: PreprocessSpec,
+        tokenizer: str | Path | Tokenization | None,
+        classes: tuple[str, ...] | None,
+        cache_dir: Path | None,
+        progress: Progress,
+    ) -> Dataset:
+        if preprocess is not None:
+            raise BadInput(f"{path}: a preprocessing spec applies to images; arrays are the model's input as they are")
+        return load_arrays(path, model, classes, cache_dir or default_cache_dir(), progress)
+
+
+class NpyFolder(_Arrays):
+    """A folder of `.npy` arrays (an unzipped `.npz`): one holding `x.npy` or `x_train.npy`."""
+
+    name = "npy"
+    description = "arrays in .npy files"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and any((path / f"{x}.npy").is_file() for x in ("x", "x_train"))
+
+
+class Npz(_Arrays):
+    """A `.npz` of arrays: any file no other format takes (last in `FORMATS`)."""
+
+    name = "npz"
+
+    def detect(self, path: Path) -> bool:
+        return True
+
+    def load(
+        self,
+        path: Path,
+        model: Model,
+        *,
+        preprocess: PreprocessSpec,
+        tokenizer: str | Path | Tokenization | None,
+        classes: tuple[str, ...] | None,
+        cache_dir: Path | None,
+        progress: Progress,
+    ) -> Dataset:
+        if path.suffix.lower() == ".npy":
+            raise BadInput(
+                f"{path} holds one array; planner needs samples and labels: give the folder holding it with "
+                "y.npy beside x.npy (or x_train.npy, y_train.npy, x_val.npy, y_val.npy), or np.savez('data.npz', x=x, y=y)"
+            )
+        return super().load(
+            path, model, preprocess=preprocess, tokenizer=tokenizer, classes=classes, cache_dir=cache_dir, progress=progress
+        )
+
+
+NPZ, NPY = Npz(), NpyFolder()

@@ -13,16 +13,15 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
 
 from planner.errors import BadInput
 from planner.inputs.model import Model
-from planner.inputs.preprocess import Preprocess
+from planner.inputs.preprocess import Preprocess, Step
 
 if TYPE_CHECKING:
     from planner.inputs.data._text import Tokenization
@@ -30,34 +29,59 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None] | None  # (samples checked, of how many)
 VAL_FRACTION = 0.2
 SPLIT_SEED = 0  # the stratified split of a folder without train/ and val/: fixed, so `run` redraws it
+# a preprocessing spec as `load_dataset` takes it: its text, a YAML path, steps, or a recorded `Preprocess`
+PreprocessSpec = str | Path | Sequence[Step] | Preprocess | None
 STRATIFIED = f"stratified: {VAL_FRACTION:.0%} of each class as val (seed {SPLIT_SEED})"
 
 
-class DataFormat(StrEnum):
-    NPZ = "npz"  # arrays: the model's input as it is
-    NPY = "npy"  # the same arrays as .npy files in a folder (an unzipped .npz)
-    IMAGES = "images"  # one folder per class
-    CSV = "csv"  # path,label rows next to the images
-    TEXT = "text"  # text,label rows (CSV or JSON Lines), made token ids by the user's tokenizer
+class Format(ABC):
+    """A dataset format: how planner recognises a path as one (`detect`) and reads it (`load`).
 
-    @property
-    def description(self) -> str:
-        """What the format is, as a report says it."""
-        return _DESCRIPTIONS[self]
+    To add a format, write one module, `planner/inputs/data/_NAME.py`, holding a subclass of
+    `Format` (its `name`, `description`, which samples it holds: `tokenized`, `preprocessed` or
+    neither, and `detect` and `load`) and one instance of it; then add that instance, as one line,
+    to `FORMATS` in `planner/inputs/data/__init__.py`. Detection tries `FORMATS` in order and the
+    first whose `detect` accepts the path is its format, so place it before any format that would
+    also take its paths. `name` is what plan.json records as `dataset.format`: never change one
+    (plans on disk hold it), and give a new one to `DatasetInfo.format` (planner/plans/schema.py,
+    then `python -m planner.plans.schema > docs/plan.schema.json`), which validates what a plan
+    reads. Reports, `planner run` and the checks in `load_dataset` read only these attributes.
+    """
+
+    name: ClassVar[str]  # what plan.json records (`dataset.format`), and the dataset's hash covers
+    description: ClassVar[str]  # what the format is, as a report says it
+    tokenized: ClassVar[bool] = False  # text, made token ids by the user's tokenizer
+    preprocessed: ClassVar[bool] = False  # images, made the model's input by a preprocessing spec
 
     @property
     def arrays(self) -> bool:
-        """Samples stored as the model's input, not images made into it by a preprocessing spec."""
-        return self in (DataFormat.NPZ, DataFormat.NPY)
+        """Samples stored as the model's input, neither tokenised nor preprocessed into it."""
+        return not (self.tokenized or self.preprocessed)
 
+    @abstractmethod
+    def detect(self, path: Path) -> bool:
+        """Whether `path` (which exists) holds this format, given no format before it in `FORMATS` does."""
 
-_DESCRIPTIONS = {
-    DataFormat.NPZ: "arrays",
-    DataFormat.NPY: "arrays in .npy files",
-    DataFormat.IMAGES: "an image folder",
-    DataFormat.CSV: "images listed in a CSV",
-    DataFormat.TEXT: "text",
-}
+    @abstractmethod
+    def load(
+        self,
+        path: Path,
+        model: Model,
+        *,
+        preprocess: PreprocessSpec,
+        tokenizer: str | Path | Tokenization | None,
+        classes: tuple[str, ...] | None,
+        cache_dir: Path | None,
+        progress: Progress,
+    ) -> Dataset:
+        """The dataset at `path`, checked against `model` (the arguments of `load_dataset`; a
+        `tokenizer` is given only to a `tokenized` format)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<data format {self.name}>"
 
 
 # A batch of samples: one array for a model of one input, else a tuple of one per input.
@@ -108,7 +132,7 @@ class Dataset:
 
     source: Path
     sha256: str
-    format: DataFormat
+    format: Format
     train: Split
     val: Split
     n_classes: int

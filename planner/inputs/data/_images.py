@@ -20,6 +20,7 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -27,8 +28,9 @@ from PIL import Image
 from planner.errors import BadInput
 from planner.inputs.data._base import (
     STRATIFIED,
-    DataFormat,
     Dataset,
+    Format,
+    PreprocessSpec,
     Progress,
     Rows,
     Split,
@@ -38,7 +40,10 @@ from planner.inputs.data._base import (
     stratified_val,
 )
 from planner.inputs.model import Model
-from planner.inputs.preprocess import Preprocess
+from planner.inputs.preprocess import Preprocess, parse_spec
+
+if TYPE_CHECKING:
+    from planner.inputs.data._text import Tokenization
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 CACHE_BYTES = 64 << 20  # preprocessed samples kept in memory, per dataset
@@ -155,7 +160,7 @@ def load_images(
 ) -> Dataset:
     """An image folder (or a CSV of `path,label`), listed, checked, hashed and decoded once."""
     if path.is_dir():
-        kind = DataFormat.IMAGES
+        kind: Format = IMAGES
         if (path / "train").is_dir() and (path / "val").is_dir():
             parts = {"train": _folder(path / "train"), "val": _folder(path / "val")}
             split = "train/ and val/ folders"
@@ -163,7 +168,7 @@ def load_images(
             listed = _folder(path)
             parts, split = {"all": listed}, ""
     else:
-        kind = DataFormat.CSV
+        kind = CSV
         listed, chosen = _csv(path)
         if chosen is not None:
             parts = {s: [item for item, c in zip(listed, chosen) if c == s] for s in ("train", "val")}
@@ -171,7 +176,7 @@ def load_images(
         else:
             parts, split = {"all": listed}, ""
     names = [c for items in parts.values() for _, c in items]
-    if kind is DataFormat.CSV:
+    if kind is CSV:
         labels, named = csv_labels(path, names, classes, model.n_classes)
     else:
         labels, named = class_indices(path, names, classes, model.n_classes)
@@ -217,3 +222,51 @@ def load_images(
         preprocess=spec,
         split=split,
     )
+
+
+class _Images(Format):
+    """Image files, made the model's input by a preprocessing spec (what it leaves open completed
+    from the model)."""
+
+    preprocessed = True
+
+    def load(
+        self,
+        path: Path,
+        model: Model,
+        *,
+        preprocess: PreprocessSpec,
+        tokenizer: str | Path | Tokenization | None,
+        classes: tuple[str, ...] | None,
+        cache_dir: Path | None,
+        progress: Progress,
+    ) -> Dataset:
+        if isinstance(preprocess, str | Path):
+            steps = parse_spec(preprocess)
+        else:
+            steps = list(preprocess.steps if isinstance(preprocess, Preprocess) else preprocess or [])
+        where = "--preprocess" if not isinstance(preprocess, Preprocess) else "the recorded preprocessing"
+        return load_images(path, model, Preprocess.complete(steps, model.image_shape, where), classes, progress)
+
+
+class ImageFolder(_Images):
+    """A folder of images, one subfolder per class: any folder the `.npy` arrays' format does not take."""
+
+    name = "images"
+    description = "an image folder"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir()
+
+
+class ImageCsv(_Images):
+    """A CSV of `path,label` rows naming images: any `.csv` that is not text data."""
+
+    name = "csv"
+    description = "images listed in a CSV"
+
+    def detect(self, path: Path) -> bool:
+        return path.suffix.lower() == ".csv"
+
+
+IMAGES, CSV = ImageFolder(), ImageCsv()

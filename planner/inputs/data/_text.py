@@ -28,8 +28,9 @@ from tokenizers import Tokenizer
 from planner.errors import BadInput, first_line
 from planner.inputs.data._base import (
     STRATIFIED,
-    DataFormat,
     Dataset,
+    Format,
+    PreprocessSpec,
     Progress,
     Rows,
     Samples,
@@ -320,7 +321,7 @@ def load_text(
     if table is not None:
         table.check(path, "the tokenised text", made["input_ids"])  # a padding id beyond the table
 
-    digest = hashlib.sha256(json.dumps([str(DataFormat.TEXT), {**spec.to_json(), "source": None}]).encode())
+    digest = hashlib.sha256(json.dumps([str(TEXT), {**spec.to_json(), "source": None}]).encode())
     splits = {}
     for s, chosen in (("train", ~val), ("val", val)):
         index = np.flatnonzero(chosen)
@@ -333,7 +334,7 @@ def load_text(
     return Dataset(
         source=path.resolve(),
         sha256=digest.hexdigest(),
-        format=DataFormat.TEXT,
+        format=TEXT,
         train=splits["train"],
         val=splits["val"],
         n_classes=model.n_classes,
@@ -341,3 +342,38 @@ def load_text(
         split=split,
         tokenizer=spec,
     )
+
+
+class Text(Format):
+    """JSON Lines, or a CSV whose header names a `text` column: made token ids by the user's tokenizer."""
+
+    name = "text"
+    description = "text"
+    tokenized = True
+
+    def detect(self, path: Path) -> bool:
+        suffix = path.suffix.lower()
+        return suffix in TEXT_SUFFIXES or suffix == ".csv" and is_text_csv(path)
+
+    def load(
+        self,
+        path: Path,
+        model: Model,
+        *,
+        preprocess: PreprocessSpec,
+        tokenizer: str | Path | Tokenization | None,
+        classes: tuple[str, ...] | None,
+        cache_dir: Path | None,
+        progress: Progress,
+    ) -> Dataset:
+        if preprocess is not None:
+            raise BadInput(f"{path}: a preprocessing spec applies to images; text is made token ids by its `tokenizer`")
+        if tokenizer is None:
+            raise BadInput(
+                f"{path} holds text: give the `tokenizer` that makes it the model's token ids (the tokenizer.json "
+                "of Hugging Face tokenizers the model was trained with)"
+            )
+        return load_text(path, model, tokenizer, classes, progress)
+
+
+TEXT = Text()

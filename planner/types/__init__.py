@@ -1,0 +1,49 @@
+"""The types planner's stages pass along: what a candidate is and what was measured about it.
+
+Plain data, no TVM and no Optuna: a report, the progress bar or a script reads trials without
+loading a compiler. Enumerations are `StrEnum`s, so each compares equal to the string that plans,
+spaces and Optuna storages hold, and serialises as that string.
+
+One module per stage of a candidate's life: `_candidate` (what is proposed), `_step` (what its
+compiled step takes and gives), `_measured` (what was measured, and a trial's record).
+"""
+
+from planner.types._candidate import (
+    LEGACY_UPDATES,
+    Candidate,
+    FrozenWeights,
+    Kernels,
+    Mode,
+    ModeKind,
+    Optimizer,
+    Precision,
+    Recompute,
+    Updates,
+)
+from planner.types._measured import AccuracyResult, Fidelity, Latency, Measured, MemoryBreakdown, TrialRecord, TrialState
+from planner.types._step import KernelTime, ModelInput, RunResult, StepProfile, StepSignature
+
+__all__ = [
+    "LEGACY_UPDATES",
+    "AccuracyResult",
+    "Candidate",
+    "Fidelity",
+    "FrozenWeights",
+    "KernelTime",
+    "Kernels",
+    "Latency",
+    "Measured",
+    "MemoryBreakdown",
+    "Mode",
+    "ModeKind",
+    "ModelInput",
+    "Optimizer",
+    "Precision",
+    "Recompute",
+    "RunResult",
+    "StepProfile",
+    "StepSignature",
+    "TrialRecord",
+    "TrialState",
+    "Updates",
+]

@@ -1,0 +1,241 @@
+"""What was measured about a candidate: latency, memory, accuracy, its screen, and a trial's record of all of it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+
+from planner.types._candidate import Candidate
+
+
+class TrialState(StrEnum):
+    """A trial's state, as Optuna names it (`optuna.trial.TrialState.name`)."""
+
+    COMPLETE = "COMPLETE"
+    FAIL = "FAIL"
+    PRUNED = "PRUNED"  # not counted: queued again after an environment failure, or a dead worker's
+    RUNNING = "RUNNING"
+    WAITING = "WAITING"
+
+    @property
+    def finished(self) -> bool:
+        """Counted towards a study's trials: measured, or failed as a candidate."""
+        return self in (TrialState.COMPLETE, TrialState.FAIL)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Per-step latency over `repeats` timed repeats, each the mean of `number` back-to-back steps."""
+
+    median: float  # ms
+    p90: float  # ms
+    min: float  # ms
+    max: float  # ms
+    repeats: int
+    number: int
+    device: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes at the step's peak. `total` is their sum."""
+
+    total: int
+    activations: int  # everything else the step holds at its peak: batch, activations, new weights
+    trainable_params: int
+    gradients: int  # gradient buffers alive at the peak (fused updates never materialise theirs)
+    optimizer_state: int
+    frozen_params: int
+    scratch: int = 0  # kernels' own workspace (TVM's workspace pool), held from first use on
+    # not a part of `total`: how many more bytes of activations and gradients the same step
+    # would hold at its peak without recomputation (negative: recomputation cost memory)
+    recompute_saved: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    before: float
+    after: float
+    loss_before: float
+    loss_after: float | None  # None: the fine-tune diverged, its loss is not a number
+    steps: int
+    seconds: float
+    diverged_at: int | None = None  # the step whose loss was NaN or Inf; the run stopped there
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> AccuracyResult | None:
+        """The result `to_json` wrote, or None when a field is missing, extra, of the wrong type or
+        out of range (accuracies in [0, 1], step counts whole and not negative)."""
+        if set(raw) != {f.name for f in fields(cls)}:
+            return None
+        r = cls(**raw)
+        valid = (
+            all(_number(v) and 0.0 <= v <= 1.0 for v in (r.before, r.after))
+            and _number(r.loss_before)
+            and _number(r.seconds)
+            and (r.loss_after is None or _number(r.loss_after))
+            and _count(r.steps)
+            and (r.diverged_at is None or _count(r.diverged_at))
+        )
+        return r if valid else None
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How a trial's accuracy was measured in a multi-fidelity search (`planner.search.fidelity`):
+    its short screening fine-tune, and whether it was then trained on to the full step count."""
+
+    screen: AccuracyResult
+    promoted: bool
+    reason: str  # why it was (not) promoted, naming the trial that beat it
+    against: tuple[int, ...] = ()  # the finished trials its screen was compared with
+
+    def to_json(self) -> dict:
+        return {"screen": self.screen.to_json(), "promoted": self.promoted, "reason": self.reason, "against": list(self.against)}
+
+    @classmethod
+    def from_json(cls, raw: object) -> Fidelity | None:
+        """What `to_json` wrote, or None when any part is missing or malformed."""
+        if not isinstance(raw, dict) or set(raw) != {"screen", "promoted", "reason", "against"}:
+            return None
+        screen = AccuracyResult.from_json(raw["screen"]) if isinstance(raw["screen"], dict) else None
+        against = raw["against"]
+        if (
+            screen is None
+            or not isinstance(raw["promoted"], bool)
+            or not isinstance(raw["reason"], str)
+            or not (isinstance(against, list) and all(_count(n) for n in against))
+        ):
+            return None
+        return cls(screen, raw["promoted"], raw["reason"], tuple(against))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A complete trial's candidate and its measurements, none of them missing (`TrialRecord.measured`)."""
+
+    candidate: Candidate
+    accuracy: AccuracyResult
+    latency: Latency
+    memory: MemoryBreakdown
+
+
+@dataclass
+class TrialRecord:
+    """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
+
+    number: int
+    state: TrialState
+    candidate: Candidate | None
+    accuracy: AccuracyResult | None = None
+    latency: Latency | None = None
+    memory: MemoryBreakdown | None = None
+    feasible: bool = False
+    fail_reason: str | None = None
+    board: str | None = None
+    board_memory: dict | None = None
+    library_bytes: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    over_budget: dict[str, float] = field(default_factory=dict)  # budget -> how far over (its unit)
+    worker: str | None = None  # host:pid of the process that ran it
+    seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
+    fidelity: Fidelity | None = None  # its screening fine-tune, in a multi-fidelity search
+
+    def __post_init__(self) -> None:
+        self.state = TrialState(self.state)
+
+    @property
+    def complete(self) -> bool:
+        return self.state is TrialState.COMPLETE and self.accuracy is not None
+
+    @property
+    def screened_out(self) -> bool:
+        """Complete, within every budget, but its accuracy only measured by a short screening
+        fine-tune: another trial was better by then (`fidelity.reason` says which)."""
+        return (
+            self.complete and self.fidelity is not None and not self.fidelity.promoted and set(self.over_budget) == {"screened"}
+        )
+
+    def measured(self) -> Measured:
+        """The candidate and its accuracy, latency and memory, for a complete trial: it has all four
+        (the objective returns, and the trial completes, only once they are recorded)."""
+        cand, acc, lat, mem = self.candidate, self.accuracy, self.latency, self.memory
+        assert cand is not None and acc is not None and lat is not None and mem is not None, (
+            f"trial {self.number} lacks a measurement: it is not complete"
+        )
+        return Measured(cand, acc, lat, mem)
+
+    @classmethod
+    def from_attrs(cls, number: int, state: TrialState | str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:
+        """Rebuild a record from what `Evaluator.evaluate` recorded."""
+        cand = attrs.get("candidate")
+        rec = cls(
+            number=number,
+            state=TrialState(state),  # a name Optuna or trials.json wrote
+            candidate=Candidate.from_json(cand) if cand else None,
+            accuracy=AccuracyResult(**attrs["accuracy"]) if "accuracy" in attrs else None,
+            latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
+            memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
+            fail_reason=attrs.get("fail_reason"),
+            board=attrs.get("board"),
+            board_memory=attrs.get("board_memory"),
+            library_bytes=attrs.get("library_bytes"),
+            seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
+            over_budget={k: v for k, v in constraints.items() if v > 0},
+            worker=attrs.get("worker"),
+            seed=attrs.get("seed"),
+            fidelity=Fidelity.from_json(attrs["fidelity"]) if "fidelity" in attrs else None,
+        )
+        rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
+        return rec
+
+    def to_json(self) -> dict:
+        """Everything measured about the trial, as `trials.json` in a plan directory keeps it."""
+        parts = {
+            "candidate": self.candidate.to_json() if self.candidate else None,
+            "accuracy": self.accuracy.to_json() if self.accuracy else None,
+            "latency": self.latency.to_json() if self.latency else None,
+            "memory": self.memory.to_json() if self.memory else None,
+        }
+        return {
+            "number": self.number,
+            "state": self.state.value,
+            "feasible": self.feasible,
+            **parts,
+            "over_budget": self.over_budget,
+            "fail_reason": self.fail_reason,
+            "board": self.board,
+            "board_memory": self.board_memory,
+            "library_bytes": self.library_bytes,
+            "seconds": self.seconds,
+            "worker": self.worker,
+            "seed": self.seed,
+            "fidelity": self.fidelity.to_json() if self.fidelity else None,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrialRecord:
+        attrs = {
+            k: v for k, v in d.items() if v is not None and k not in ("number", "state", "feasible", "over_budget", "seconds")
+        }
+        attrs.update(d.get("seconds", {}))
+        rec = cls.from_attrs(d["number"], d["state"], attrs, d.get("over_budget", {}))
+        rec.feasible = bool(d["feasible"])
+        return rec

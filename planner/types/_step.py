@@ -1,0 +1,130 @@
+"""What a compiled step takes and gives: its inputs, its signature, a run's result and a profile."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One input of a model: its ONNX name, its shape after the batch dimension and its numpy
+    dtype. Token ids and attention masks stay integers end to end: a float32 cast would be a
+    different model (and TVM refuses it)."""
+
+    name: str
+    shape: tuple[int | str, ...]  # without the batch dimension; a str is a dynamic length (`sequence`)
+    dtype: str = "float32"
+
+    @property
+    def integer(self) -> bool:
+        return self.dtype.startswith(("int", "uint")) or self.dtype == "bool"
+
+    @property
+    def static(self) -> tuple[int, ...]:
+        """The shape, every length bound (see `Model.bind`)."""
+        if not all(isinstance(d, int) for d in self.shape):
+            raise ValueError(f"input '{self.name}' has unbound lengths {self.shape}")
+        return tuple(int(d) for d in self.shape)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ModelInput:
+        return cls(str(d["name"]), tuple(n if isinstance(n, str) else int(n) for n in d["shape"]), str(d["dtype"]))
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """How to call a compiled step: argument order by ONNX name, shapes and dtypes."""
+
+    inputs: tuple[ModelInput, ...]  # the model's inputs, in the order the step takes them
+    batch_size: int  # the effective batch of one update: every input's first dimension
+    micro_batch: int  # samples per forward/backward (and per `backbone` call)
+    frozen: tuple[str, ...]
+    trainable: tuple[str, ...]
+    splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
+    adapters: dict[str, tuple[int, int]]  # LoRA-trained weight -> (output-channel axis, rank)
+    quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
+    loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
+    # (shape, dtype, initial fill value); the last is the learning rate the update multiplies by
+    optim_states: tuple[tuple[tuple[int, ...], str, float], ...]
+    n_classes: int
+    # layers whose input activation the backward pass keeps, when it recomputes the others
+    # (what `recompute: auto` chose); empty when the step keeps every activation it needs
+    kept: tuple[str, ...] = ()
+
+    def with_lr(self, lr: float) -> StepSignature:
+        """The signature of the same step run with learning rate `lr` (its last optimizer state)."""
+        shape, dtype, _ = self.optim_states[-1]
+        return replace(self, optim_states=(*self.optim_states[:-1], (shape, dtype, lr)))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["inputs"] = [i.to_json() for i in self.inputs]
+        d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepSignature:
+        if "inputs" in d:
+            inputs, batch = tuple(ModelInput.from_json(i) for i in d["inputs"]), int(d["batch_size"])
+        else:  # written before models had several inputs: one float32 input, its shape with the batch
+            inputs, batch = (ModelInput(d["input_name"], tuple(d["input_shape"][1:])),), int(d["input_shape"][0])
+        return cls(
+            inputs=inputs,
+            batch_size=batch,
+            micro_batch=int(d.get("micro_batch", batch)),
+            frozen=tuple(d["frozen"]),
+            trainable=tuple(d["trainable"]),
+            splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
+            adapters={k: (int(a), int(r)) for k, (a, r) in d.get("adapters", {}).items()},
+            quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
+            loss_scale=float(d.get("loss_scale", 1.0)),
+            optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
+            n_classes=int(d["n_classes"]),
+            kept=tuple(map(str, d.get("kept", ()))),
+        )
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `planner.run` did: val loss and accuracy before and after, where the weights went."""
+
+    before: dict[str, float]  # {loss, accuracy} on the val split
+    after: dict[str, float]
+    steps: int
+    out: Path
+    device: str
+
+    def to_json(self) -> dict:
+        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel of the step: what it is, how often the step calls it, its time per step."""
+
+    name: str
+    symbol: str
+    calls: int  # per step
+    seconds: float  # per step, all calls
+    flops: int  # per step, all calls (0: not known)
+
+    @property
+    def gflops(self) -> float | None:
+        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """The step's kernels, slowest first, averaged over `steps` steps, and the steps' own time."""
+
+    kernels: tuple[KernelTime, ...]
+    step_seconds: float
+    steps: int
+
+    @property
+    def flops(self) -> int:
+        return sum(k.flops for k in self.kernels)
