@@ -57,7 +57,6 @@ _EXPORTS = {
     # the types stages pass along
     "Candidate": "planner.types",
     "Mode": "planner.types",
-    "ModeKind": "planner.types",
     "Precision": "planner.types",
     "Optimizer": "planner.types",
     "FrozenWeights": "planner.types",
@@ -76,7 +75,6 @@ __all__ = [
     "FrozenWeights",
     "HardwareTarget",
     "Mode",
-    "ModeKind",
     "Model",
     "Optimizer",
     "Plan",
@@ -154,7 +152,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         Kernels,
         KernelTime,
         Mode,
-        ModeKind,
         Optimizer,
         Precision,
         RunResult,

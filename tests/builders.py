@@ -706,8 +706,9 @@ def gradient_errors(path: Path, trainable: tuple, batch: int = 4, samples: int =
     for name, full in grads.items():
         grad = full.ravel()
         region = np.ones(w0[name].shape, bool)  # a ratio update trains only the first k channels
-        if name in signature.splits:
-            axis, k = signature.splits[name]
+        layout = signature.layouts.get(name)
+        if layout is not None and layout.mode == "ratio":
+            axis, k = layout.axis, layout.size
             region = np.moveaxis(region, axis, 0)
             region[k:] = False
             region = np.moveaxis(region, 0, axis)

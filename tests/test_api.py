@@ -103,10 +103,14 @@ def test_the_committed_json_schema_is_the_plan_models():
 
 def test_modes_and_states_are_types_that_read_and_write_the_plan_strings():
     mode = planner.Mode.parse("ratio:0.25")
-    assert (mode.kind, mode.ratio, str(mode)) == (planner.ModeKind.RATIO, 0.25, "ratio:0.25") and mode == "ratio:0.25"
+    assert (mode.kind, mode.value, str(mode)) == ("ratio", 0.25, "ratio:0.25") and mode == "ratio:0.25"
+    assert planner.Mode.parse("lora:4").value == 4 and isinstance(planner.Mode.parse("lora:4").value, int)
     with pytest.raises(ValueError):
-        planner.Mode(planner.ModeKind.FULL, 0.5)  # a ratio only with mode ratio
+        planner.Mode("full", 0.5)  # a number only with a mode that carries one
+    for bad in ("ratio", "ratio:0", "ratio:1.5", "lora:2.5", "lora:0", "sideways"):
+        with pytest.raises(ValueError):
+            planner.Mode.parse(bad)
     cand = planner.Candidate(trainable=(("fc", "full"), ("c2", "ratio:0.5")), batch_size=4, optimizer="adam", lr=0.01)
-    assert cand.optimizer is planner.Optimizer.ADAM and cand.trainable[1][1].ratio == 0.5
+    assert cand.optimizer is planner.Optimizer.ADAM and cand.trainable[1][1].value == 0.5
     assert planner.Candidate.from_json(json.loads(json.dumps(cand.to_json()))) == cand
     assert planner.TrialState("FAIL").finished and not planner.TrialState.PRUNED.finished

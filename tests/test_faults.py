@@ -279,7 +279,9 @@ def other_plan(a_plan, tiny_model, tiny_data):
     scheme = a_plan.parent / "lr05.yaml"
     choice = read_plan(a_plan).choice
     layers = "\n".join(
-        f"  - {{layer: {t.layer}, mode: {t.mode}" + (f", ratio: {t.ratio}" if t.ratio is not None else "") + "}"
+        f"  - {{layer: {t.layer}, mode: {t.update_mode.kind}"
+        + (f", {t.update_mode.spec.argument.name}: {t.update_mode.value}" if t.update_mode.spec.argument else "")
+        + "}"
         for t in choice.trainable
     )
     scheme.write_text(

@@ -9,8 +9,8 @@ import tvm
 import zoo
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
-from planner.backend.weights import adapter_delta, adapter_shapes, lora_a, lora_b
 from planner.inputs.model import load_model
+from planner.modes.lora import adapter_delta, adapter_shapes, lora_a, lora_b
 from planner.types import Candidate
 
 HOST = BuildOptions(tvm.target.Target({"kind": "llvm"}))
@@ -136,7 +136,7 @@ def test_a_lora_plan_runs_and_writes_the_original_graph_with_merged_weights(vit,
     )
     result = planner.measure(vit.path, scheme=scheme, data=data, out=tmp_path / "plan", accuracy_steps=4, latency_repeats=2)
     choice = result.plan.choice
-    assert [(t.layer, t.mode, t.rank) for t in choice.trainable][:2] == [("attn.q", "lora", 2), ("mlp.fc1", "lora", 4)]
+    assert [(t.layer, t.mode) for t in choice.trainable][:2] == [("attn.q", "lora:2"), ("mlp.fc1", "lora:4")]
     assert choice.recompute == ["mlp.fc1"]
     report = (tmp_path / "plan" / "report.md").read_text()
     assert "| attn.q | MatMul | lora rank 2 |" in report

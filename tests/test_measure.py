@@ -46,12 +46,11 @@ def test_measure_writes_a_plan_that_runs(tiny_model, tiny_data, tmp_path):
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert [(t["layer"], t["mode"], t["params"]) for t in plan["choice"]["trainable"]] == [
-        ("c1", "ratio", ["c1.w", "c1.b"]),
+        ("c1", "ratio:0.5", ["c1.w", "c1.b"]),
         ("c2", "full", ["c2.w", "c2.b"]),
         ("fc", "bias", ["fc.b"]),
     ]
-    assert plan["choice"]["trainable"][0]["ratio"] == 0.5
-    assert plan["step"]["signature"]["splits"] == {"c1.w": [0, 2]}
+    assert plan["step"]["signature"]["layouts"] == {"c1.w": ["ratio", 0, 2]}
     assert plan["choice"]["precision"] == "bf16" and plan["choice"]["frozen_weights"] == "int8"
     assert plan["step"]["signature"]["quantized"] == {"fc.w": 0}  # the one frozen Conv/Gemm weight
     assert plan["choice"]["optimizer"] == {"name": "momentum", "lr": 0.05} and plan["choice"]["batch_size"] == 4

@@ -44,7 +44,7 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
         assert (out / name).is_file(), name
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema_version"] == 5
+    assert plan["schema_version"] == 6
     # the step is the VM back end's artifact: one library, named with its kind
     assert plan["step"]["kind"] == "relax-vm" and plan["step"]["files"] == ["train_step.so"]
     assert plan["target"]["backend"] == "vm"
@@ -107,6 +107,33 @@ def test_a_version_4_plan_still_runs_as_the_vm_back_ends_library(tiny_plan, tiny
     assert (plan.step.kind, plan.step.files, plan.target.backend) == ("relax-vm", ["train_step.so"], "vm")
     ran = api.run(old, data=tiny_data, steps=3, out=tmp_path / "ran")
     assert ran.device == "local" and (tmp_path / "ran" / "weights.npz").is_file()
+
+
+def test_a_version_5_plan_keeps_a_mode_s_number_apart_and_still_runs(tiny_model, tiny_data, tmp_path):
+    """Before version 6 a layer's mode and its number were separate fields (`mode: ratio, ratio:
+    0.5`), and the step's signature kept ratio splits and LoRA adapters apart."""
+    scheme = tmp_path / "s.yaml"
+    scheme.write_text(
+        "trainable:\n  - {layer: c2, mode: ratio, ratio: 0.5}\n  - {layer: fc, mode: lora, rank: 2}\n"
+        "batch_size: 4\noptimizer: {name: sgd, lr: 0.05}\n"
+    )
+    new = api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "new", accuracy_steps=10).plan
+    raw = json.loads((tmp_path / "new" / "plan.json").read_text())
+    raw["schema_version"] = 5
+    for choice in [raw["choice"], *(p["choice"] for p in raw["pareto"])]:
+        for t in choice["trainable"]:
+            kind, _, number = t["mode"].partition(":")
+            t.update({"mode": kind} | ({"ratio": float(number)} if kind == "ratio" else {"rank": int(number)} if number else {}))
+    layouts = raw["step"]["signature"].pop("layouts")
+    raw["step"]["signature"]["splits"] = {w: [a, n] for w, (m, a, n) in layouts.items() if m == "ratio"}
+    raw["step"]["signature"]["adapters"] = {w: [a, r] for w, (m, a, r) in layouts.items() if m == "lora"}
+    assert raw["step"]["signature"]["splits"] and raw["step"]["signature"]["adapters"]
+    (tmp_path / "new" / "plan.json").write_text(json.dumps(raw))
+    old = read_plan(tmp_path / "new")
+    assert old.candidate == new.candidate and old.signature == new.signature
+    assert [t.mode for t in old.choice.trainable] == ["ratio:0.5", "lora:2"]
+    ran = api.run(tmp_path / "new", data=tiny_data, steps=3, out=tmp_path / "ran")
+    assert ran.device == "local"
 
 
 def test_rerun_resumes_instead_of_repeating(tiny_plan, tiny_model, tiny_data):

@@ -161,11 +161,11 @@ def test_lora_adapters_train_like_pytorch(family, exporter):
     PyTorch's gradient of the merged weight W + B·A through the product, dB = dW·Aᵀ and
     dA = Bᵀ·dW, with W's gradient from PyTorch autograd in float64 on a model holding the merged
     weights."""
-    from planner.backend.weights import adapter_delta, adapter_shapes, lora_a, lora_b
+    from planner.modes.lora import adapter_delta, adapter_shapes, lora_a, lora_b, max_rank
 
     path = tf.export(family, exporter)
     model = api.inspect(path)
-    fits = [layer for layer in model.layers if layer.max_rank >= 2]
+    fits = [layer for layer in model.layers if max_rank(layer) >= 2]
     if family in _PROJECTIONS:
         projections = [layer for layer in fits if layer.name.endswith(_PROJECTIONS[family])]
         assert len(projections) == 2 * len(_PROJECTIONS[family]), [layer.name for layer in fits]  # two blocks

@@ -434,7 +434,7 @@ def test_scheduled_step_computes_what_the_unscheduled_one_does(case, kernels, tm
     scheduled, _ = update_in_place(scheduled, sig, in_place)
 
     rng = np.random.default_rng(1)
-    weights = to_step(model.initializers, sig.splits, sig.quantized, sig.adapters)
+    weights = to_step(model.initializers, sig.layouts, sig.quantized)
     args = [
         rng.normal(0, 1, (sig.batch_size, *sig.inputs[0].shape)).astype(np.float32),
         *(weights[n] for n in (*sig.frozen, *sig.trainable)),

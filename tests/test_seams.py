@@ -12,9 +12,10 @@ import json
 import pytest
 
 from planner import api
-from planner.backend import BACKENDS, ArtifactKind
+from planner.backend import BACKENDS
 from planner.backend.vm import VmBackend
 from planner.errors import BadInput
+from planner.inputs.targets import load_target
 from planner.measurement import RUNNERS, runner_for
 from planner.measurement.local import LocalRunner
 
@@ -64,7 +65,7 @@ def test_a_registered_back_end_builds_every_step_of_measure_plan_and_run(registe
     # the trial's build, measured here, also fine-tunes (the local runner runs it as is); then the plan's
     assert CountingBackend.builds == ["target", "target"]
     plan = json.loads((tmp_path / "m" / "plan.json").read_text())
-    assert plan["target"]["backend"] == "counting" and plan["step"]["kind"] == ArtifactKind.VM_LIBRARY
+    assert plan["target"]["backend"] == "counting" and plan["step"]["kind"] == "relax-vm"
     assert plan["measurement"]["latency"].startswith("TVM VM time_evaluator in-process")
     assert result.plan.step.files == ["train_step.so"]
     # run with the target it was built for: the plan's own step, nothing rebuilt
@@ -87,6 +88,17 @@ def test_a_registered_back_end_builds_every_step_of_measure_plan_and_run(registe
 def test_a_target_naming_a_back_end_and_runner_that_do_not_fit_is_refused_first(registered, tmp_path, fields, message):
     with pytest.raises(BadInput, match="^target t-0: .*" + message.replace("(", r"\(").replace(")", r"\)")):
         api.resolve_target(_target(tmp_path, **fields))
+
+
+def test_a_target_s_back_end_checks_its_settings_where_the_target_is_resolved(tmp_path):
+    """Reading a target loads no compiler (a study's report reads one); its back end checks the
+    settings it builds from when a command resolves the target."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("tvm_target: {kind: no-such-kind}\nram_budget_bytes: 64MiB\n")
+    assert load_target(str(path)).tvm_target == {"kind": "no-such-kind"}
+    with pytest.raises(BadInput, match="^target bad: tvm_target is not a valid TVM target: "):
+        api.resolve_target(str(path))
+    assert json.loads(api.check_target("host")["tvm"])["kind"] == "llvm"
 
 
 def test_runner_for_a_target_behind_a_tracker_is_the_rpc_runner_and_names_its_boards(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from planner.errors import BadInput
 from planner.inputs.model import load_model
 from planner.inputs.spaces import SPACES_DIR, load_space
+from planner.modes.lora import max_rank
 from planner.search.study import make_sampler
 
 
@@ -84,11 +85,12 @@ def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
         assert cand.batch_size in space.batch_size and cand.optimizer in space.optimizer
         assert space.lr.low <= cand.lr <= space.lr.high
         assert all(mode.kind in space.modes for _, mode in cand.trainable)
-        assert all(mode.ratio in (None, *space.ratios) for _, mode in cand.trainable)
+        assert all(mode.value in space.arguments["ratio"] for _, mode in cand.trainable if mode.kind == "ratio")
         # channel ratios only where a weight has output channels (never on BatchNormalization)
         assert all(model.layer(n).out_axis is not None for n, mode in cand.trainable if mode.kind == "ratio")
         # LoRA ranks from the space, and only those the layer's weight takes
-        assert all(mode.rank in space.ranks and mode.rank <= model.layer(n).max_rank for n, mode in cand.trainable if mode.rank)
+        lora = [(n, mode.value) for n, mode in cand.trainable if mode.kind == "lora"]
+        assert all(rank in space.arguments["lora"] and rank <= max_rank(model.layer(n)) for n, rank in lora)
 
 
 def test_a_space_without_a_training_mode_is_refused(tmp_path):

@@ -32,7 +32,9 @@ bb = relax.BlockBuilder()
 x = relax.Var("x", relax.TensorType((1,), "float32"))
 with bb.function("main", [x]):
     bb.emit_func_output(x)
-nothing = StepSignature((), 1, 1, (), (), {}, {}, {}, 1.0, (), 1)
+nothing = StepSignature(
+    inputs=(), batch_size=1, micro_batch=1, frozen=(), trainable=(), layouts={}, quantized={}, loss_scale=1.0, optim_states=(), n_classes=1
+)
 TrainingSession(tvm.compile(bb.get(), "llvm"), nothing, {})  # what every run of a step makes first
 out = []
 t = threading.Thread(target=lambda: out.append(tvm.runtime.num_threads()))

@@ -10,6 +10,7 @@ from builders import gradient_errors
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.inputs.model import load_model
+from planner.modes import Layout
 from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
@@ -26,7 +27,7 @@ def test_ratio_update_trains_only_the_first_channels_and_keeps_state_for_them(ti
     model = load_model(tiny_model)
     cand = Candidate(trainable=(("c2", "ratio:0.5"),), batch_size=4, optimizer="momentum", lr=0.1)
     step = compile_candidate(model, cand, BuildOptions(HOST))
-    assert step.signature.splits == {"c2.w": (0, 3)}
+    assert step.signature.layouts == {"c2.w": Layout("ratio", 0, 3)}
     # momentum keeps one velocity per trainable tensor: the 3-channel slice and the bias, no more
     velocity_shapes = sorted(s for s, _, _ in step.signature.optim_states if s)
     assert velocity_shapes == sorted([(3, 4, 3, 3), (6,)])

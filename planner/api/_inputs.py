@@ -62,6 +62,7 @@ def resolve_target(name: str, *, tracker: str | None = None, key: str | None = N
     """A target by name (`planner.list_targets()`) or YAML path; `tracker` and `key` (both or
     neither) move it onto RPC boards. A missing cross compiler, or a back end and runner that
     do not fit, is refused here."""
+    from planner.backend import backend_class
     from planner.measurement import runner_for
 
     target = load_target(name)
@@ -71,6 +72,7 @@ def resolve_target(name: str, *, tracker: str | None = None, key: str | None = N
         target = target.over_tracker(tracker, key)
     target.toolchain_path()  # a missing cross compiler is bad input, not N failed trials
     runner_for(target)
+    backend_class(target.backend).check(target)  # settings its back end cannot build for: refused now
     return target
 
 
@@ -90,7 +92,7 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
     (`on_data(samples, total)` while it is read once), the target; then what the model must be
     for a plan directory and for TVM's importer."""
     from planner.backend.compile import check_cache_dir
-    from planner.backend.graph import check_importable
+    from planner.backend.importer import check_importable
     from planner.measurement import runner_for
 
     m = load_model(Path(inputs.model) if inputs.model else DEFAULT_MODEL)

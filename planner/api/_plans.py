@@ -29,7 +29,7 @@ def inspect(model: str | Path) -> Model:
         for layer in planner.inspect("model.onnx").layers:
             print(layer.name, layer.op, layer.trainable)
     """
-    from planner.backend.graph import check_importable
+    from planner.backend.importer import check_importable
 
     m = load_model(model)
     check_importable(m)
@@ -86,11 +86,12 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
 def check_target(name: str, *, tracker: str | None = None, key: str | None = None) -> dict[str, str]:
     """A target resolved for use: its TVM target, toolchain, back end, device and what its runner
     reports (for RPC, the free boards)."""
+    from planner.backend import backend_class
     from planner.measurement import runner_for
 
     hw = resolve_target(name, tracker=tracker, key=key)
     runner = runner_for(hw)
-    report = {"target": hw.name, "tvm": str(hw.tvm()), "toolchain": hw.toolchain_path() or "host default"}
+    report = {"target": hw.name, "tvm": backend_class(hw.backend).check(hw), "toolchain": hw.toolchain_path() or "host default"}
     return {**report, "backend": hw.backend, "device": runner.device, **runner.status()}
 
 

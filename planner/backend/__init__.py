@@ -17,7 +17,17 @@ from planner.errors import BadInput
 if TYPE_CHECKING:
     from planner.inputs.targets import HardwareTarget
 
-__all__ = ["ARTIFACT_STEM", "BACKENDS", "Artifact", "ArtifactKind", "Backend", "BuiltArtifact", "Provenance", "backend_for"]
+__all__ = [
+    "ARTIFACT_STEM",
+    "BACKENDS",
+    "Artifact",
+    "ArtifactKind",
+    "Backend",
+    "BuiltArtifact",
+    "Provenance",
+    "backend_class",
+    "backend_for",
+]
 
 # a target's `backend:` -> "module:class" of its implementation
 BACKENDS: dict[str, str] = {"vm": "planner.backend.vm:VmBackend"}

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NewType
 
 from planner.types import MemoryBreakdown, StepSignature
 
@@ -29,10 +28,9 @@ if TYPE_CHECKING:
 ARTIFACT_STEM = "train_step"
 
 
-class ArtifactKind(StrEnum):
-    """What an artifact's files are, so a runner can tell whether it can execute them."""
-
-    VM_LIBRARY = "relax-vm"  # a shared library of Relax VM bytecode and kernels, run by TVM's VM
+# What an artifact's files are, named by the back end that makes them (`Backend.kind`, "relax-vm"),
+# so a runner can tell whether it can execute them (`Runner.kinds`) and plan.json can record it.
+ArtifactKind = NewType("ArtifactKind", str)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +84,12 @@ class Backend(abc.ABC):
 
     def __init__(self, target: HardwareTarget, *, cache_dir: Path, tune_trials: int = 0) -> None:
         self.target, self.cache_dir, self.tune_trials = target, cache_dir, tune_trials
+
+    @classmethod
+    @abc.abstractmethod
+    def check(cls, target: HardwareTarget) -> str:
+        """What `target` compiles for with this back end, in words (`planner targets check`);
+        `BadInput` when its settings are not ones this back end can build for."""
 
     @abc.abstractmethod
     def build(self, model: Model, candidate: Candidate) -> BuiltArtifact:

@@ -32,19 +32,21 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 from planner import __version__, cachefile
 from planner.backend import gemm, link, sparse, tune
 from planner.backend._base import ARTIFACT_STEM, ArtifactKind, BuiltArtifact
-from planner.backend.graph import STEP_FUNC, build_training_module, update_lr
+from planner.backend.graph import STEP_FUNC, build_training_module
 from planner.backend.inplace import in_place_candidates, update_in_place
 from planner.backend.kernels import legalize
 from planner.backend.libraries import PACKAGE, link_options
 from planner.backend.memory import step_peak
 from planner.backend.schedule import default_schedule
 from planner.backend.storage import share_storage
+from planner.backend.trainer import update_lr
 from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
 from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSignature, Updates
 
 LIB_NAME = f"{ARTIFACT_STEM}.so"
+VM_LIBRARY = ArtifactKind("relax-vm")  # a shared library of Relax VM bytecode and kernels, run by TVM's VM
 META_NAME = "train_step.json"  # the cache entry's record, never part of the artifact
 
 
@@ -161,7 +163,7 @@ class BuildOptions:
     def for_target(cls, target: HardwareTarget, *, cache_dir: Path | None = None, tune_trials: int = 0) -> BuildOptions:
         """The build `target` (a hardware target file) asks for: its TVM target, toolchain,
         boards and kernels."""
-        return cls(target.tvm(), cache_dir, target.toolchain, tune_trials, target.boards, target.kernels)
+        return cls(tvm.target.Target(target.tvm_target), cache_dir, target.toolchain, tune_trials, target.boards, target.kernels)
 
 
 def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
@@ -315,7 +317,7 @@ def _baseline(model: Model, candidate: Candidate, build: BuildOptions) -> Memory
 
 def _load(entry: Path, meta: dict, cached: bool) -> CompiledStep:
     return CompiledStep(
-        kind=ArtifactKind.VM_LIBRARY,
+        kind=VM_LIBRARY,
         files=(entry / LIB_NAME,),
         directory=entry,
         signature=StepSignature.from_json(meta["signature"]),

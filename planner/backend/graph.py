@@ -16,367 +16,44 @@ differentiation: frozen and trainable BN layers both use running statistics (sca
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.frontend.onnx import from_onnx
 from tvm.relax.training import SetupTrainer
-from tvm.relax.training.loss import CrossEntropyLoss
-from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.backend import gradients as grads
 from planner.backend import recompute
-from planner.backend.rewrites import for_training
+from planner.backend.importer import imported
 from planner.backend.tir import accumulate_kernel, scale_kernel
-from planner.backend.weights import adapter_shapes, head, int8, lora_a, lora_b, origin, scale, scale_shape, tail
-from planner.errors import BadInput, CandidateFailed, last_line
+from planner.backend.trainer import ScaledCrossEntropy, fill, low_precision, make_optimizer, runtime_lr, update_lr
+from planner.backend.weights import as_stored, origin, stored_weights
+from planner.errors import CandidateFailed, last_line
 from planner.inputs.model import Model
-from planner.types import Candidate, FrozenWeights, ModeKind, Precision, Recompute, StepSignature
-from planner.types import Optimizer as OptimizerName
+from planner.types import Candidate, Recompute, StepSignature
 
 STEP_FUNC = "train_step"
 PREDICT_FUNC = "backbone"
 LABEL_DTYPE = "int64"
 
 
-# (model key, batch) -> the model imported for that batch, the least recently used dropped first:
-# a study's candidates take a few batch sizes (a space lists three or four, gradient accumulation
-# divides them), so 16 keep every one of a study's, with room for a second model, and a
-# long-lived process does not keep every graph it ever imported.
-_IMPORTED: OrderedDict[tuple[str, int], relax.Function] = OrderedDict()
-_IMPORTS_KEPT = 16
-_IMPORTED_LOCK = threading.Lock()  # builds run in several threads
-_CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must read are the same at any batch
-
-
-def check_importable(model: Model) -> None:
-    """Raise BadInput now, not in every trial, when TVM's ONNX frontend cannot read the model."""
-    if model.unbound:  # a sequence length the data has not set yet: the ops TVM must read are the same at any
-        model = model.bind([[d if isinstance(d, int) else _CHECK_BATCH for d in i.shape] for i in model.inputs], "a check")
-    _imported(model, model.fixed_batch or _CHECK_BATCH)
-
-
-def _imported(model: Model, batch: int) -> relax.Function:
-    """The model as one Relax function `(*inputs, *parameters)` for a step of `batch` samples; imported
-    once per model and batch while it is among the last `_IMPORTS_KEPT` used (shapes are folded for
-    the batch, see `planner.fixups`)."""
-    key = (model.key, batch)
-    with _IMPORTED_LOCK:
-        if key in _IMPORTED:
-            _IMPORTED.move_to_end(key)
-            return _IMPORTED[key]
-    try:
-        mod = from_onnx(model.import_proto(batch), keep_params_in_input=True)
-    except Exception as exc:  # the frontend raises assorted types for ops it does not know
-        raise BadInput(f"TVM cannot import {model.path.name}: {last_line(exc)}") from None
-    mod, _ = relax.frontend.detach_params(mod)
-    mod = _untangle_clip(mod)
-    func = for_training(mod["main"])
-    expected = len(model.inputs) + len(model.initializers)
-    if len(func.params) != expected:  # the frontend keeps initializers in graph order
-        raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
-    func = func.without_attr("params").without_attr("num_input")
-    with _IMPORTED_LOCK:
-        _IMPORTED[key] = func
-        if len(_IMPORTED) > _IMPORTS_KEPT:
-            _IMPORTED.popitem(last=False)
-    return func
-
-
-@relax.expr_functor.mutator
-class _ClipAsRelaxOps(relax.PyExprMutator):
-    """`call_tir(maximum|minimum, (x, bound))` -> `R.maximum|R.minimum(x, bound)`.
-
-    TVM's ONNX frontend lowers Clip with tensor bounds (every opset >= 11, so every ReLU6) straight
-    to TIR, which the gradient pass cannot see through; the Relax ops it stands for have gradients.
-    """
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        if call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and isinstance(call.args[0], relax.GlobalVar):
-            name = call.args[0].name_hint
-            operands = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else []
-            if len(operands) == 2 and name.rstrip("0123456789") in ("maximum", "minimum"):
-                op = relax.op.maximum if name.startswith("maximum") else relax.op.minimum
-                return op(*operands)
-        return call
-
-
-def _scalar(expr: relax.Expr) -> float | None:
-    if isinstance(expr, tvm.ir.Constant) and expr.value.numpy().size == 1:
-        return float(expr.value.numpy().reshape(()))
-    return None
-
-
-@relax.expr_functor.mutator
-class _ClampAsClip(relax.PyExprMutator):
-    """`minimum(maximum(x, lo), hi)` with constant bounds -> `R.clip(x, lo, hi)`.
-
-    Why: the gradients of maximum and minimum read their inputs, so ReLU6 kept both x and
-    maximum(x, lo) alive for the backward pass; `R.clip`'s gradient (planner.grads) reads only
-    its output, which the next layer keeps anyway.
-    """
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.minimum"):
-            return call
-        inner, hi = call.args
-        bound = self.lookup_binding(inner) if isinstance(inner, relax.Var) else inner
-        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == "relax.maximum"):
-            return call
-        x, lo = bound.args
-        low, high = _scalar(lo), _scalar(hi)
-        if low is None or high is None or x.ty.dtype != call.ty.dtype or x.ty.shape is None:
-            return call
-        return relax.op.clip(x, low, high)
-
-
-@relax.expr_functor.mutator
-class _ClampedTake(relax.PyExprMutator):
-    """`take(…, mode="fast")` -> `mode="clip"`.
-
-    The ONNX frontend gathers in "fast" mode: an index out of range reads (and its gradient
-    writes) out of bounds, and its lowering prints a warning on every compile saying so. The
-    gathers of exported classifiers index with constants (a class token, `qkv[0]`); clamping
-    costs a min and a max per index and makes any other safe."""
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.take" and call.attrs.mode == "fast":
-            return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
-        return call
-
-
-_FOLDED: dict[str, Callable[..., np.ndarray]] = {"relax.isnan": np.isnan, "relax.where": np.where}
-
-
-@relax.expr_functor.mutator
-class _FoldGuards(relax.PyExprMutator):
-    """`isnan` and `where` of constants computed here, in numpy, and every use of a value bound to
-    a constant given the constant itself. TVM's FoldConstant does the same by compiling and
-    running a kernel per folded op: 6 s per MobileNetV2 import (its 35 ReLU6 have 70 guards)."""
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op):
-            return call
-        args = [self._constant(a) for a in call.args]
-        if call.op.name in _FOLDED and all(isinstance(a, tvm.ir.Constant) for a in args):
-            value = _FOLDED[call.op.name](*(a.value.numpy() for a in args))
-            return relax.const(np.asarray(value).astype(str(call.ty.dtype)), str(call.ty.dtype))
-        if any(a is not b for a, b in zip(args, call.args)):
-            return relax.Call(call.op, args, call.attrs, call.ty_args)
-        return call
-
-    def _constant(self, arg: relax.Expr) -> relax.Expr:
-        bound = self.lookup_binding(arg) if isinstance(arg, relax.Var) else None
-        return bound if isinstance(bound, tvm.ir.Constant) else arg
-
-
-def _foldable(func: relax.Function) -> bool:
-    """Whether any op of `func` still has only constant operands (TVM's FoldConstant is needed)."""
-    found = []
-
-    @relax.expr_functor.visitor
-    class _Find(relax.PyExprVisitor):
-        def visit_call_(self, call: relax.Call) -> None:
-            if isinstance(call.op, tvm.ir.Op) and call.args and all(isinstance(a, tvm.ir.Constant) for a in call.args):
-                found.append(call)
-            super().visit_call_(call)
-
-    _Find().visit_expr(func)
-    return bool(found)
-
-
-def _untangle_clip(mod: tvm.IRModule) -> tvm.IRModule:
-    """Clip as Relax ops, and its bounds' NaN guards (`where(isnan(c), inf, c)`) folded to the
-    constants they are — low-precision passes would otherwise retype them (bf16 has no isnan);
-    then a constant clamp as one `R.clip` (see `_ClampAsClip`); gathers clamped (`_ClampedTake`)."""
-    mod["main"] = _FoldGuards().visit_expr(_ClampedTake().visit_expr(_ClipAsRelaxOps().visit_expr(mod["main"])))
-    if _foldable(mod["main"]):  # anything else an exporter left constant
-        mod = relax.transform.FoldConstant()(mod)
-    mod["main"] = _ClampAsClip().visit_expr(mod["main"])
-    return relax.transform.DeadCodeElimination(["main"])(mod)
-
-
-FP16_LOSS_SCALE = 1024.0
-
-
-def _retyped_attrs(attrs: tvm.ir.Attrs, old: str, new: str) -> tvm.ir.Attrs:
-    """`attrs` with every `dtype`/`out_dtype` field equal to `old` set to `new`."""
-    info = type(attrs).__tvm_ffi_type_info__
-    fields = {f.name: getattr(attrs, f.name) for f in info.fields}
-    if not any(k in ("dtype", "out_dtype") and str(v) == old for k, v in fields.items()):
-        return attrs
-    fields = {k: new if k in ("dtype", "out_dtype") and str(v) == old else v for k, v in fields.items()}
-    return tvm.ir.make_node(info.type_key, **fields)
-
-
-@relax.expr_functor.mutator
-class _Fp16AsBf16(relax.PyExprMutator):
-    """Every float16 cast, accumulator and constant becomes bfloat16.
-
-    `ToMixedPrecision` decides which ops run in low precision but only knows float16; bf16 steps
-    take its decisions and retype them. bf16 keeps fp32's exponent range, so it needs no loss
-    scaling; on CPUs without bf16 units TVM computes in fp32 and stores bf16 (half the bytes).
-    """
-
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        call = super().visit_call_(call)
-        if isinstance(call.op, tvm.ir.Op) and call.attrs is not None:
-            attrs = _retyped_attrs(call.attrs, "float16", "bfloat16")
-            if not attrs.same_as(call.attrs):
-                return relax.Call(call.op, call.args, attrs, call.ty_args)
-        return call
-
-    def visit_generic_const_(self, const: tvm.ir.Constant) -> relax.Expr:
-        if str(const.value.dtype) == "float16":
-            return relax.const(const.value.numpy().astype("float32"), "bfloat16")
-        return const
-
-
-def _low_precision(backbone: tvm.IRModule, precision: Precision) -> tuple[tvm.IRModule, float]:
-    """The backbone with convolutions and matmuls (and what follows them) in `precision`, and the
-    loss scale its gradients need.
-
-    Parameters stay fp32 master copies, cast inside the graph, so updates accumulate in fp32.
-    fp16's narrow exponent range flushes small gradients to zero: its loss is scaled, and the
-    caller unscales. bf16 has fp32's range and trains unscaled.
-    """
-    if precision is Precision.FP32:
-        return backbone, 1.0
-    mixed = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
-    if precision is Precision.FP16:
-        return mixed, FP16_LOSS_SCALE
-    func = _Fp16AsBf16().visit_expr(mixed[PREDICT_FUNC])
-    return tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs), 1.0
-
-
-class _ScaledCrossEntropy(CrossEntropyLoss):
-    """Mean cross-entropy times a constant: static loss scaling for fp16 training."""
-
-    def __init__(self, scale: float) -> None:
-        super().__init__(reduction="mean")
-        self.scale = scale
-
-    def __call__(self, predictions, targets, weights=None) -> relax.Function:
-        func = super().__call__(predictions, targets, weights)
-        if self.scale == 1.0:
-            return func
-        bb = relax.BlockBuilder()
-        params = [relax.Var(p.name, p.ty) for p in func.params]
-        with bb.function(self._loss_name, params):
-            with bb.dataflow():
-                logits = bb.emit(relax.op.astype(params[0], "float32"))
-                loss = bb.emit(relax.op.nn.nll_loss(relax.op.nn.log_softmax(logits), params[1], reduction="mean"))
-                out = bb.emit_output(loss * relax.const(self.scale, "float32"))
-            bb.emit_func_output(out)
-        return bb.get()[self._loss_name]
-
-
-class _Adam(Adam):
-    """TVM 0.27's `Adam.init` hands NumPy a TVM dtype object; a dtype string works everywhere."""
-
-    def _set_params_and_dtype(self, params: list[relax.Var]) -> None:
-        super()._set_params_and_dtype(params)
-        self.dtype: str = str(self.dtype)
-
-
-_LR = float("nan")  # the learning rate TVM's optimizers are built with: a mark `_runtime_lr` replaces
-
-
-def make_optimizer(candidate: Candidate) -> Optimizer:
-    """`sgd`: plain SGD (no momentum, no weight decay); `momentum`: SGD with momentum 0.9; `adam`.
-
-    Built with the `_LR` mark for a learning rate: the step takes its rate at run time
-    (`update_lr`), so candidates that differ only in lr share one compiled step.
-    """
-    match candidate.optimizer:
-        case OptimizerName.SGD:
-            return SGD(_LR)
-        case OptimizerName.MOMENTUM:
-            return MomentumSGD(_LR, momentum=0.9)
-        case OptimizerName.ADAM:
-            return _Adam(_LR)
-
-
-def update_lr(candidate: Candidate, loss_scale: float) -> float:
-    """The rate the step's update multiplies by, its last optimizer state (`StepSignature`).
-
-    Gradients arrive multiplied by `loss_scale`. SGD and momentum are linear in the gradient, so
-    dividing their learning rate undoes the scale exactly; Adam is invariant to it.
-    """
-    return candidate.lr if candidate.optimizer == "adam" else candidate.lr / loss_scale
-
-
-@relax.expr_functor.mutator
-class _MarkedLr(relax.PyExprMutator):
-    """Every `_LR` constant becomes the variable `lr`; `replaced` counts them."""
-
-    def __init__(self, lr: relax.Var):
-        super().__init__()
-        self.lr, self.replaced = lr, 0
-
-    def visit_generic_const_(self, const: tvm.ir.Constant) -> relax.Expr:
-        value = const.value.numpy()
-        if value.shape != () or not np.isnan(value) or str(const.value.dtype) != str(self.lr.ty.dtype):
-            return const
-        self.replaced += 1
-        return self.lr
-
-
-def _runtime_lr(optim: relax.Function, dtype: str) -> relax.Function:
-    """TVM's optimizer function (built with `_LR`) taking its learning rate as a fourth argument,
-    a scalar of the optimizer's dtype."""
-    lr = relax.Var("lr", relax.TensorType((), dtype))
-    marked = _MarkedLr(lr)
-    body = marked.visit_expr(optim.body)
-    if not marked.replaced:
-        raise CandidateFailed("the optimizer does not use its learning rate")
-    return relax.Function([*optim.params, lr], body, optim.ret_ty, optim.is_pure, optim.attrs)
-
-
-def _fill(tensor) -> float:
-    """Optimizer states start constant (zeros; Adam's running beta products at one)."""
-    values = tensor.numpy().ravel()
-    if values.size and not (values == values[0]).all():
-        raise CandidateFailed("optimizer state does not start constant")
-    return float(values[0]) if values.size else 0.0
-
-
 @grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix
 def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
     """The candidate's training module (unlegalized) and the signature of its step."""
-    adapters = _adapters(model, candidate)
-    trainable_set = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode) if p not in adapters}
-    splits = _channel_splits(model, candidate)
-    names = list(model.initializers)
-    trainable = [
-        stored
-        for n in names
-        for stored in ((head(n),) if n in splits else (lora_a(n), lora_b(n)) if n in adapters else (n,))
-        if n in trainable_set or n in adapters
-    ]
-    quantized = _quantized_weights(model, candidate, [n for n in names if n not in trainable_set])
-    frozen = [stored for n in names if n not in trainable_set for stored in ((int8(n), scale(n)) if n in quantized else (n,))] + [
-        tail(n) for n in names if n in splits
-    ]
+    how = stored_weights(model, candidate)
+    frozen, trainable = how.frozen, how.trainable
     if not trainable:
         raise CandidateFailed("candidate freezes every layer: nothing to train")
 
     B = candidate.batch_size
     if model.fixed_batch not in (None, B):
         raise CandidateFailed(f"model has a fixed batch size {model.fixed_batch}; cannot use batch {B}")
-    func = _imported(model, B)
+    func = imported(model, B)
     n_inputs = len(model.inputs)
-    if splits or quantized or adapters:
-        func, names = _with_stored_weights(func, n_inputs, names, splits, quantized, adapters)
+    names = list(model.initializers)
+    if how.layouts or how.quantized:
+        func, names = as_stored(func, n_inputs, names, how)
     xs, pvars = func.params[:n_inputs], func.params[n_inputs:]
     by_name = dict(zip(names, pvars))
     params = [*xs] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
@@ -390,7 +67,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     # candidate (a third of a classifier-only MobileNetV2 candidate's). Read through, the
     # prediction function's kernels are the step's forward kernels.
     backbone = relax.transform.CanonicalizeBindings()(backbone)
-    backbone, loss_scale = _low_precision(backbone, candidate.precision)
+    backbone, loss_scale = low_precision(backbone, candidate.precision, PREDICT_FUNC)
 
     optimizer = make_optimizer(candidate)
     labels = relax.TensorType((B,), LABEL_DTYPE)
@@ -399,7 +76,7 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
 
     def differentiate(func: relax.Function) -> tvm.IRModule:
         try:
-            return SetupTrainer(_ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
+            return SetupTrainer(ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
                 tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs)
             )
         except Exception as exc:  # TVM reports missing gradients etc. as generic errors
@@ -425,12 +102,11 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
         micro_batch=B,
         frozen=tuple(frozen),
         trainable=tuple(trainable),
-        splits={n: splits[n] for n in splits},
-        adapters=adapters,
-        quantized=quantized,
+        layouts=how.layouts,
+        quantized=how.quantized,
         loss_scale=loss_scale,
         optim_states=(
-            *((tuple(int(d) for d in t.shape), str(t.dtype), _fill(init)) for t, init in zip(state_types, optimizer.state)),
+            *((tuple(int(d) for d in t.shape), str(t.dtype), fill(init)) for t, init in zip(state_types, optimizer.state)),
             ((), lr_dtype, update_lr(candidate, loss_scale)),
         ),
         n_classes=model.n_classes,
@@ -519,142 +195,6 @@ def _saved(func: relax.Function, differentiate: Callable[[relax.Function], tvm.I
         v.name for b in adjoint.body.blocks[0].bindings if b.var.name not in forward for v in relax.analysis.free_vars(b.value)
     }
     return {forward[n] for n in read if n in forward}
-
-
-def _channel_splits(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
-    """weight -> (output-channel axis, channels updated) for every `ratio:r` layer."""
-    splits = {}
-    for name, mode in candidate.trainable:
-        if mode.kind is not ModeKind.RATIO:
-            continue
-        layer = model.layer(name)
-        if layer.out_axis is None or layer.weight is None:
-            raise CandidateFailed(f"ratio updates need a Conv, Gemm or MatMul weight; layer '{name}' is {layer.op}")
-        channels = layer.param_shapes[layer.weight][layer.out_axis]
-        assert mode.ratio is not None, "a `ratio` mode carries its ratio (`Mode`)"
-        k = max(1, min(channels, round(mode.ratio * channels)))
-        if k < channels:
-            splits[layer.weight] = (layer.out_axis, k)
-    return splits
-
-
-def _adapters(model: Model, candidate: Candidate) -> dict[str, tuple[int, int]]:
-    """weight -> (output-channel axis, rank) for every `lora:r` layer."""
-    adapters = {}
-    for name, mode in candidate.trainable:
-        if mode.kind is not ModeKind.LORA:
-            continue
-        layer = model.layer(name)
-        assert mode.rank is not None, "a `lora` mode carries its rank (`Mode`)"
-        if mode.rank > layer.max_rank or layer.weight is None or layer.out_axis is None:
-            raise CandidateFailed(f"layer '{name}' ({layer.op}) takes LoRA adapters up to rank {layer.max_rank}, not {mode.rank}")
-        adapters[layer.weight] = (layer.out_axis, mode.rank)
-    return adapters
-
-
-def _quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
-    """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
-    if candidate.frozen_weights is FrozenWeights.FP32:
-        return {}
-    frozen_set = set(frozen)
-    return {layer.weight: layer.out_axis for layer in model.layers if layer.weight in frozen_set and layer.out_axis is not None}
-
-
-@relax.expr_functor.mutator
-class _RebuildAtUse(relax.PyExprMutator):
-    """Each use of a weight becomes a rebuild from its stored parts, emitted right before the use,
-    so a dequantized or concatenated weight lives only as long as the op that needs it."""
-
-    def __init__(self, rebuild: dict[relax.Var, Callable[..., relax.Expr]]):
-        super().__init__()
-        self.rebuild = rebuild
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        make = self.rebuild.get(var)
-        return self.builder_.emit(make()) if make else var
-
-
-def _with_stored_weights(
-    func: relax.Function,
-    n_inputs: int,
-    names: list[str],
-    splits: dict[str, tuple[int, int]],
-    quantized: dict[str, int],
-    adapters: dict[str, tuple[int, int]],
-) -> tuple[relax.Function, list[str]]:
-    """`func(*inputs, *initializers)` (`n_inputs` inputs) taking each weight the way `planner.backend.weights` stores it,
-    and the stored names of its weight parameters in order (TVM's own names for the weights it
-    imported are not always the initializers', `onnx::MatMul_430`).
-
-    A split weight is taken as head and tail, concatenated where it is used, so only the head —
-    the first k output channels — can receive a gradient and optimizer state: a sparse update of
-    that layer. A quantized weight is taken as int8 values and fp32 scales, dequantized where it
-    is used. A weight with an adapter is taken with its factors B and A, and B·A is added to it
-    where it is used: the gradient reaches the factors only.
-    """
-    pvars = func.params[n_inputs:]
-    new_params: list[relax.Var] = list(func.params[:n_inputs])
-    stored: list[str] = []
-    rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
-    for name, var in zip(names, pvars):
-        shape = [int(d) for d in var.ty.shape]
-        dtype = var.ty.dtype
-        base: Callable[[], relax.Expr]
-        if name in splits:
-            axis, k = splits[name]
-            h_shape, t_shape = list(shape), list(shape)
-            h_shape[axis], t_shape[axis] = k, shape[axis] - k
-            h = relax.Var(head(name), relax.TensorType(h_shape, dtype))
-            t = relax.Var(tail(name), relax.TensorType(t_shape, dtype))
-            new_params += [h, t]
-            stored += [head(name), tail(name)]
-            base = partial(relax.op.concat, [h, t], axis=axis)
-        elif name in quantized:
-            q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
-            s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, quantized[name]), dtype))
-            new_params += [q, s]
-            stored += [int8(name), scale(name)]
-            base = partial(_dequantized, q, s, dtype)
-        else:
-            new_params.append(var)
-            stored.append(name)
-            base = partial(_itself, var)
-        if name in adapters:
-            axis, rank = adapters[name]
-            b_shape, a_shape = adapter_shapes(shape, axis, rank)
-            a = relax.Var(lora_a(name), relax.TensorType(a_shape, dtype))
-            b = relax.Var(lora_b(name), relax.TensorType(b_shape, dtype))
-            new_params += [a, b]
-            stored += [lora_a(name), lora_b(name)]
-            rebuild[var] = partial(_adapted, base, b, a, shape, axis)
-        elif name in splits or name in quantized:
-            rebuild[var] = base
-    body = _RebuildAtUse(rebuild).visit_expr(func.body)
-    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs), stored
-
-
-def _itself(var: relax.Var) -> relax.Expr:
-    return var
-
-
-def _dequantized(q: relax.Var, s: relax.Var, dtype: str) -> relax.Expr:
-    return relax.op.astype(q, dtype) * s
-
-
-def _adapted(base: Callable[[], relax.Expr], b: relax.Var, a: relax.Var, shape: list[int], axis: int) -> relax.Expr:
-    """The weight with its adapter's B·A added."""
-    return base() + _delta(b, a, shape, axis)
-
-
-def _delta(b: relax.Expr, a: relax.Expr, shape: list[int], axis: int) -> relax.Expr:
-    """B·A laid out as the weight (`weights.adapter_delta` in Relax)."""
-    others = [d for i, d in enumerate(shape) if i != axis]
-    product = relax.op.reshape(relax.op.matmul(b, a), [shape[axis], *others])
-    if axis == 0:
-        return product
-    order = list(range(1, len(shape)))
-    order.insert(axis, 0)
-    return relax.op.permute_dims(product, order)
 
 
 @relax.expr_functor.mutator
@@ -764,7 +304,7 @@ def _fused_step(
     accum: int = 1,
 ) -> tuple[relax.Function, list[relax.TensorType], dict[tvm.ir.GlobalVar, tvm.tirx.PrimFunc]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
-    learning rate is the last optimizer state, returned as it came (`_runtime_lr`).
+    learning rate is the last optimizer state, returned as it came (`runtime_lr`).
 
     Inlining lets fusion merge each weight-gradient kernel with its update, so many gradients
     are never materialised at all. With `accum` > 1 the step takes `accum` micro-batches at once
@@ -774,7 +314,7 @@ def _fused_step(
     model's inputs at one micro-batch, which the step takes at `accum` micro-batches.
     """
     adjoint = trainer["backbone_loss_adjoint"]
-    optim = _runtime_lr(trainer["optimizer"], lr_dtype)
+    optim = runtime_lr(trainer["optimizer"], lr_dtype)
     adjoint_gv = trainer.get_global_var("backbone_loss_adjoint")
     n_inputs = len(model_inputs) if prefix is None else len(prefix.ret_ty.fields)  # the adjoint's leading non-weight inputs
     micro = [relax.Var(v.name, v.ty) for v in adjoint.params]

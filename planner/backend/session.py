@@ -61,7 +61,7 @@ class TrainingSession:
         lib = load_step(library) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         self._set_input = self.vm.module["set_input"]
-        weights = to_step(weights, sig.splits, sig.quantized, sig.adapters)
+        weights = to_step(weights, sig.layouts, sig.quantized)
         missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]
         if missing:
             raise KeyError(f"weights lack {', '.join(missing)}")
@@ -133,4 +133,4 @@ class TrainingSession:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""
         names = (*self.sig.frozen, *self.sig.trainable)
         parts = {n: t.numpy() for n, t in zip(names, (*self.frozen, *self.trainable))}
-        return from_step(parts, self.sig.splits, self.sig.quantized, self.sig.adapters)
+        return from_step(parts, self.sig.layouts, self.sig.quantized)

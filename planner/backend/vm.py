@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import tvm
 
-from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, Provenance
-from planner.backend.compile import BuildOptions, CompiledStep, compile_candidate
+from planner.backend._base import Backend, BuiltArtifact, Provenance
+from planner.backend.compile import VM_LIBRARY, BuildOptions, CompiledStep, compile_candidate
+from planner.errors import BadInput, last_line
 from planner.inputs.model import Model
+from planner.inputs.targets import HardwareTarget
 from planner.types import Candidate
 
 HOST_TARGET = {"kind": "llvm"}  # this machine's CPU, as LLVM detects it
@@ -19,7 +21,14 @@ HOST_TARGET = {"kind": "llvm"}  # this machine's CPU, as LLVM detects it
 
 class VmBackend(Backend):
     name = "vm"
-    kind = ArtifactKind.VM_LIBRARY
+    kind = VM_LIBRARY
+
+    @classmethod
+    def check(cls, target: HardwareTarget) -> str:
+        try:
+            return str(tvm.target.Target(target.tvm_target))
+        except Exception as exc:  # noqa: BLE001 - TVM raises ValueError, TVMError, ... for a bad target
+            raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {last_line(exc)}") from None
 
     def _options(self) -> BuildOptions:
         return BuildOptions.for_target(self.target, cache_dir=self.cache_dir, tune_trials=self.tune_trials)

@@ -1,34 +1,31 @@
-"""How a step stores weights: ratio-split weights, int8 frozen weights and LoRA adapters.
+"""How a step stores weights: int8 frozen weights, and the weights a mode reshapes.
 
-A step does not always take an ONNX initializer as it is. A weight updated by `ratio:r` arrives as
-two tensors, its trainable head (first k output channels) and its frozen tail, concatenated inside
-the graph. A frozen Conv/Gemm/MatMul weight of a candidate with `frozen_weights: int8` arrives as
-int8 values plus one fp32 scale per output channel, dequantized inside the graph, so it occupies a
-quarter of the board's RAM. A weight trained by `lora:r` arrives frozen, with two small trainable
-factors B (output channels × r) and A (r × the rest) whose product is added to it inside the
-graph (Hu et al., "LoRA", 2021; α = r, so the product is added unscaled). This module is the one
-place that maps initializers to the step's inputs and back; back, the adapters are merged into
-their weights, so a fine-tuned model has the original graph and initializers.
+A step does not always take an ONNX initializer as it is. A frozen Conv/Gemm/MatMul weight of a
+candidate with `frozen_weights: int8` arrives as int8 values plus one fp32 scale per output
+channel, dequantized inside the graph, so it occupies a quarter of the board's RAM. A weight whose
+layer's mode reshapes it (`ratio:r`: a trainable head and a frozen tail; `lora:r`: the frozen
+weight and two trainable factors) arrives as the parts its mode (`planner.modes`) names. This
+module is the one place that maps initializers to the step's inputs and back; back, the parts are
+made whole (adapters merged into their weights), so a fine-tuned model has the original graph and
+initializers.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
+from tvm import relax
+
+from planner import modes
+from planner.errors import CandidateFailed
+from planner.inputs.model import Model
+from planner.modes import Layout
+from planner.types import Candidate, FrozenWeights
 
 QMAX = 127  # symmetric int8: -127..127, so that negating a weight cannot overflow
-
-
-def head(name: str) -> str:
-    """The trainable first channels of a ratio-updated weight."""
-    return f"{name}@head"
-
-
-def tail(name: str) -> str:
-    """The frozen remaining channels of a ratio-updated weight."""
-    return f"{name}@tail"
 
 
 def int8(name: str) -> str:
@@ -41,42 +38,11 @@ def scale(name: str) -> str:
     return f"{name}@scale"
 
 
-def lora_a(name: str) -> str:
-    """A LoRA adapter's second factor, r × the weight's other dimensions (random at the start)."""
-    return f"{name}@lora_a"
-
-
-def lora_b(name: str) -> str:
-    """A LoRA adapter's first factor, output channels × r (zero at the start)."""
-    return f"{name}@lora_b"
-
-
-def adapter_shapes(shape: Sequence[int], axis: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(B's shape, A's shape) of a rank-`rank` adapter for a weight of `shape`, output channels on `axis`."""
-    rest = int(np.prod([d for i, d in enumerate(shape) if i != axis]))
-    return (int(shape[axis]), rank), (rank, rest)
-
-
-def adapter_delta(b: np.ndarray, a: np.ndarray, shape: Sequence[int], axis: int) -> np.ndarray:
-    """B·A laid out as the weight: the output-channel axis back where it was."""
-    others = [d for i, d in enumerate(shape) if i != axis]
-    return np.moveaxis((b @ a).reshape(shape[axis], *others), 0, axis)
-
-
-def initial_adapter(name: str, shape: Sequence[int], axis: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """LoRA's start: B zero (the model unchanged), A uniform in ±1/√fan-in as PyTorch (and PEFT)
-    initialise it, seeded by the weight's name, so every run of a plan starts alike."""
-    b_shape, a_shape = adapter_shapes(shape, axis, rank)
-    bound = 1.0 / np.sqrt(a_shape[1])
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    return np.zeros(b_shape, np.float32), rng.uniform(-bound, bound, a_shape).astype(np.float32)
-
-
 def origin(stored: str) -> str:
     """The initializer a step input stands for (`c.w@head` -> `c.w`)."""
-    for part in ("@head", "@tail", "@int8", "@scale", "@lora_a", "@lora_b"):
-        if stored.endswith(part):
-            return stored[: -len(part)]
+    for part in ("int8", "scale", *modes.stored_suffixes()):
+        if stored.endswith(f"@{part}"):
+            return stored[: -len(part) - 1]
     return stored
 
 
@@ -94,41 +60,149 @@ def quantize(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, s
 
 
-def to_step(
-    weights: dict[str, np.ndarray],
-    splits: dict[str, tuple[int, int]],
-    quantized: dict[str, int],
-    adapters: dict[str, tuple[int, int]],
-) -> dict[str, np.ndarray]:
-    """Initializers as the step takes them (`splits`: weight -> (axis, k); `quantized`: weight ->
-    axis; `adapters`: weight -> (axis, rank), started as `initial_adapter` unless given)."""
+def to_step(weights: dict[str, np.ndarray], layouts: dict[str, Layout], quantized: dict[str, int]) -> dict[str, np.ndarray]:
+    """Initializers as the step takes them: each weight a mode reshapes as its parts (`layouts`,
+    `planner.modes`), then each frozen weight stored int8 (`quantized`: weight -> axis)."""
     out = dict(weights)
-    for name, (axis, rank) in adapters.items():
-        if name in out and lora_a(name) not in out:
-            out[lora_b(name)], out[lora_a(name)] = initial_adapter(name, out[name].shape, axis, rank)
-    for name, (axis, k) in splits.items():
+    for name, layout in layouts.items():
         if name in out:
-            out[head(name)], out[tail(name)] = np.split(out.pop(name), [k], axis=axis)
+            parts = modes.MODES[layout.mode].to_step(layout, name, out)
+            del out[name]
+            out.update(parts)
     for name, axis in quantized.items():
         if name in out:
             out[int8(name)], out[scale(name)] = quantize(out.pop(name), axis)
     return out
 
 
-def from_step(
-    parts: dict[str, np.ndarray],
-    splits: dict[str, tuple[int, int]],
-    quantized: dict[str, int],
-    adapters: dict[str, tuple[int, int]],
-) -> dict[str, np.ndarray]:
+def from_step(parts: dict[str, np.ndarray], layouts: dict[str, Layout], quantized: dict[str, int]) -> dict[str, np.ndarray]:
     """The inverse of `to_step`: initializers by ONNX name, int8 weights as the values they stand
-    for, adapters merged into their weights."""
+    for, reshaped weights made whole (adapters merged into their weights)."""
     out = dict(parts)
-    for name, (axis, _) in splits.items():
-        out[name] = np.concatenate([out.pop(head(name)), out.pop(tail(name))], axis=axis)
     for name in quantized:
         out[name] = out.pop(int8(name)).astype(np.float32) * out.pop(scale(name))
-    for name, (axis, _) in adapters.items():
-        delta = adapter_delta(out.pop(lora_b(name)), out.pop(lora_a(name)), out[name].shape, axis)
-        out[name] = (out[name] + delta).astype(out[name].dtype)
+    for name, layout in layouts.items():
+        mode = modes.MODES[layout.mode]
+        weight = mode.from_step(layout, name, out)
+        for part in mode.parts(layout, name, weight.shape):
+            del out[part.name]
+        out[name] = weight
     return out
+
+
+def layouts(model: Model, candidate: Candidate) -> dict[str, Layout]:
+    """weight -> how the step takes it, for every trained layer whose mode reshapes its weight."""
+    out = {}
+    for name, mode in candidate.trainable:
+        if not mode.spec.suffixes:  # a mode that takes the weight as it is stores nothing else
+            continue
+        layer = model.layer(name)
+        problem = mode.spec.refuses(layer, mode.value)
+        if problem:
+            raise CandidateFailed(problem)
+        layout = mode.spec.layout(layer, mode.value)
+        if layout is not None and layer.weight is not None:
+            out[layer.weight] = layout
+    return out
+
+
+def quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
+    """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
+    if candidate.frozen_weights is FrozenWeights.FP32:
+        return {}
+    frozen_set = set(frozen)
+    return {layer.weight: layer.out_axis for layer in model.layers if layer.weight in frozen_set and layer.out_axis is not None}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """The step's weight inputs, by stored name: the frozen ones, then the trainable ones (the
+    order the step takes them), and how weights are reshaped (`layouts`) and quantized."""
+
+    frozen: list[str]
+    trainable: list[str]
+    layouts: dict[str, Layout]
+    quantized: dict[str, int]
+
+
+def stored_weights(model: Model, candidate: Candidate) -> Stored:
+    """How `candidate`'s step takes `model`'s initializers. A weight its mode reshapes arrives as
+    its parts — trainable ones among the trainable inputs in model order, frozen ones after
+    every other frozen input —, and beside them as itself (frozen) when the mode keeps it."""
+    shaped = layouts(model, candidate)
+    kept = {w for w, layout in shaped.items() if modes.MODES[layout.mode].keeps_weight}
+    trained = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)} - kept
+    names = list(model.initializers)
+
+    def parts(name: str, trainable: bool) -> list[str]:
+        layout = shaped[name]
+        shape = model.initializers[name].shape
+        return [p.name for p in modes.MODES[layout.mode].parts(layout, name, shape) if p.trainable == trainable]
+
+    trainable = [s for n in names if n in trained or n in shaped for s in (parts(n, True) if n in shaped else (n,))]
+    quantized = quantized_weights(model, candidate, [n for n in names if n not in trained])
+    frozen = [s for n in names if n not in trained for s in ((int8(n), scale(n)) if n in quantized else (n,))]
+    frozen += [p for n in names if n in shaped for p in parts(n, False)]
+    return Stored(frozen, trainable, shaped, quantized)
+
+
+@relax.expr_functor.mutator
+class _RebuildAtUse(relax.PyExprMutator):
+    """Each use of a weight becomes a rebuild from its stored parts, emitted right before the use,
+    so a dequantized or concatenated weight lives only as long as the op that needs it."""
+
+    def __init__(self, rebuild: dict[relax.Var, Callable[..., relax.Expr]]):
+        super().__init__()
+        self.rebuild = rebuild
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        make = self.rebuild.get(var)
+        return self.builder_.emit(make()) if make else var
+
+
+def as_stored(func: relax.Function, n_inputs: int, names: list[str], how: Stored) -> tuple[relax.Function, list[str]]:
+    """`func(*inputs, *initializers)` (`n_inputs` inputs) taking each weight the way `how` stores
+    it, and the stored names of its weight parameters in order (TVM's own names for the weights
+    it imported are not always the initializers', `onnx::MatMul_430`).
+
+    A quantized weight is taken as int8 values and fp32 scales, dequantized where it is used; a
+    weight its mode reshapes as the mode's parts (and itself, when the mode keeps it), rebuilt
+    by the mode where it is used — so a gradient reaches only the parts the step trains.
+    """
+    new_params: list[relax.Var] = list(func.params[:n_inputs])
+    names_out: list[str] = []
+    rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
+    for name, var in zip(names, func.params[n_inputs:]):
+        shape = [int(d) for d in var.ty.shape]
+        dtype = var.ty.dtype
+        layout = how.layouts.get(name)
+        mode = modes.MODES[layout.mode] if layout is not None else None
+        base: Callable[[], relax.Expr] | None = None
+        if mode is None or mode.keeps_weight:
+            if name in how.quantized:
+                q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
+                s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, how.quantized[name]), dtype))
+                new_params += [q, s]
+                names_out += [int8(name), scale(name)]
+                base = partial(_dequantized, q, s, dtype)
+                rebuild[var] = base
+            else:
+                new_params.append(var)
+                names_out.append(name)
+                base = partial(_itself, var)
+        if mode is not None and layout is not None:
+            stored_parts = mode.parts(layout, name, shape)
+            parts = {p.name.rpartition("@")[2]: relax.Var(p.name, relax.TensorType(list(p.shape), dtype)) for p in stored_parts}
+            new_params += parts.values()
+            names_out += [p.name for p in stored_parts]
+            rebuild[var] = partial(mode.rebuild, layout, relax.op, base, parts, shape)
+    body = _RebuildAtUse(rebuild).visit_expr(func.body)
+    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs), names_out
+
+
+def _itself(var: relax.Var) -> relax.Expr:
+    return var
+
+
+def _dequantized(q: relax.Var, s: relax.Var, dtype: str) -> relax.Expr:
+    return relax.op.astype(q, dtype) * s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,6 +24,10 @@ from planner.cli._app import (
 from planner.cli._errors import INTERRUPTED, guard
 from planner.cli._output import note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
+from planner.search.samplers import DEFAULT_SAMPLER, SAMPLERS
+
+# the `--sampler` choices: every sampler registered by name
+SamplerName = StrEnum("SamplerName", {name: name for name in SAMPLERS})  # type: ignore[misc]  # members from the registry
 
 
 @app.command()
@@ -68,11 +73,8 @@ def plan(
     overlap: OverlapOpt = True,
     tune_trials: TuneOpt = 0,
     sampler: Annotated[
-        Literal["tpe", "random"],
-        typer.Option(
-            help="tpe: the space's hand-made schemes (last layer, all biases, all layers) first, then multivariate TPE; random: random search, a baseline"
-        ),
-    ] = "tpe",
+        SamplerName, typer.Option(help="; ".join(f"{name}: {s.help}" for name, s in SAMPLERS.items()))
+    ] = SamplerName(DEFAULT_SAMPLER),
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     budgets: Annotated[
@@ -126,7 +128,7 @@ def plan(
                 on_data=progress.data,
                 stop=stop,
                 tune_trials=tune_trials,
-                sampler=sampler,
+                sampler=sampler.value,
                 budgets=None if budgets is None else [b for b in budgets.split(",") if b.strip()],
             )
         )

@@ -19,11 +19,12 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
+from planner import modes
 from planner.errors import BadInput, first_line
 from planner.inputs.fixups import constant_values, for_import, name_nodes, tensor_types, untie_identities
 from planner.inputs.names import folded_values, layer_name, standalone_name
 from planner.inputs.trainability import blocking_nodes, layer_problem
-from planner.types import Mode, ModeKind, ModelInput
+from planner.types import Mode, ModelInput
 
 # Which inputs of an op are its weight and its bias; other parameters it takes are frozen buffers.
 _WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
@@ -64,29 +65,12 @@ class Layer:
     def trainable(self) -> bool:
         return self.problem is None
 
-    @property
-    def max_rank(self) -> int:
-        """The largest LoRA rank its weight takes: min(output channels, the rest), 0 for a layer
-        without a Conv, Gemm or 2-D MatMul weight (a rank beyond it is no low-rank update)."""
-        if self.weight is None or self.out_axis is None:
-            return 0
-        shape = self.param_shapes[self.weight]
-        if len(shape) != 2 and self.out_axis != 0:
-            return 0
-        return min(shape[self.out_axis], math.prod(d for i, d in enumerate(shape) if i != self.out_axis))
-
-    def params_for(self, mode: Mode | ModeKind | str) -> tuple[str, ...]:
-        """Parameters updated by a layer in `mode` (`full`: weight and bias, `bias`, `weight`;
-        `ratio`: a slice of the weight, all the bias; `lora`: the weight, through an adapter
-        merged into it; `frozen`: none)."""
-        kind = Mode.parse(mode).kind if not isinstance(mode, ModeKind) else mode
-        if kind in (ModeKind.FULL, ModeKind.RATIO):
-            return tuple(p for p in (self.weight, self.bias) if p)
-        if kind is ModeKind.BIAS:
-            return (self.bias,) if self.bias else ()
-        if kind in (ModeKind.WEIGHT, ModeKind.LORA):
-            return (self.weight,) if self.weight else ()
-        return ()
+    def params_for(self, mode: Mode | str) -> tuple[str, ...]:
+        """Parameters updated by this layer in `mode` (`planner.modes`: `full` its weight and bias,
+        `bias`, `weight`, `ratio` a slice of the weight and all the bias, `lora` the weight
+        through an adapter merged into it, `frozen` none)."""
+        kind = mode.kind if isinstance(mode, Mode) else str(mode).partition(":")[0]
+        return modes.get(kind).params(self)
 
 
 @dataclass

@@ -25,7 +25,8 @@ from planner.errors import BadInput
 from planner.inputs.model import Model
 from planner.inputs.spaces import FIXED_BATCH_HINT
 from planner.inputs.specs import load_spec
-from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Recompute, Updates
+from planner.modes import FROZEN, MODES, plain
+from planner.types import Candidate, FrozenWeights, Mode, Optimizer, Precision, Recompute, Updates
 
 
 class _Strict(BaseModel):
@@ -33,24 +34,38 @@ class _Strict(BaseModel):
 
 
 class Entry(_Strict):
-    """A layer with a mode, or a list of parameters (ONNX initializer names)."""
+    """A layer with a mode (and the number a mode carries, under its argument's name: `ratio: R`,
+    `rank: R`), or a list of parameters (ONNX initializer names)."""
 
     layer: str | None = None
-    mode: ModeKind = ModeKind.FULL
-    ratio: float | None = Field(default=None, gt=0, le=1)
-    rank: int | None = Field(default=None, ge=1)
+    mode: Mode = Mode("full")
     params: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_with_its_number(cls, data: object) -> object:
+        """`{mode: ratio, ratio: 0.25}` as the mode `ratio:0.25`; a number without its mode refused."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        kind = str(data.get("mode", "full"))
+        spec = MODES.get(kind)
+        if spec is None:
+            raise ValueError(f"no update mode '{kind}': the modes are {', '.join(m for m in MODES if m != FROZEN)}")
+        if kind == FROZEN:
+            raise ValueError("a frozen layer is left out of `trainable`")
+        for other in MODES.values():
+            arg = other.argument
+            if arg is not None and (arg.name in data) != (other is spec):
+                raise ValueError(f"`mode: {other.name}` goes with `{arg.name}: R` ({other.description}), and only with it")
+        value = data.pop(spec.argument.name) if spec.argument is not None else None
+        data["mode"] = Mode(kind, value)
+        return data
 
     @model_validator(mode="after")
     def _one_kind(self) -> Entry:
         if (self.layer is None) == (self.params is None):
             raise ValueError("each trainable entry names either a `layer` or `params`")
-        if self.mode is ModeKind.FROZEN:
-            raise ValueError("a frozen layer is left out of `trainable`")
-        if (self.mode is ModeKind.RATIO) != (self.ratio is not None):
-            raise ValueError("`mode: ratio` goes with `ratio: R` (the share of output channels updated), and only with it")
-        if (self.mode is ModeKind.LORA) != (self.rank is not None):
-            raise ValueError("`mode: lora` goes with `rank: R` (the adapter's rank), and only with it")
         return self
 
 
@@ -77,18 +92,10 @@ class Scheme(_Strict):
         for entry in self.trainable:
             if entry.layer is not None:
                 layer = model.layer(entry.layer)
-                if not layer.params_for(entry.mode):
-                    raise BadInput(f"scheme {self.name}: layer '{layer.name}' has no parameters for mode {entry.mode}")
-                if entry.mode in (ModeKind.RATIO, ModeKind.LORA) and layer.out_axis is None:
-                    raise BadInput(
-                        f"scheme {self.name}: {entry.mode} updates need a Conv, Gemm or MatMul layer; '{layer.name}' is {layer.op}"
-                    )
-                if entry.rank is not None and entry.rank > layer.max_rank:
-                    raise BadInput(
-                        f"scheme {self.name}: a rank-{entry.rank} adapter does not fit layer '{layer.name}' "
-                        f"(weight {list(layer.param_shapes[layer.weight or ''])})"
-                    )
-                modes[layer.name] = Mode(entry.mode, entry.ratio, entry.rank)
+                problem = entry.mode.spec.refuses(layer, entry.mode.value)
+                if problem:
+                    raise BadInput(f"scheme {self.name}: {problem}")
+                modes[layer.name] = entry.mode
                 continue
             params = entry.params
             assert params is not None, "an entry names a layer or params (`Entry._one_kind`)"
@@ -97,12 +104,11 @@ class Scheme(_Strict):
                     raise BadInput(f"scheme {self.name}: the model has no parameter '{p}'")
             for layer in map(model.layer, dict.fromkeys(owners[p] for p in params)):
                 wanted = {p for p in params if owners[p] == layer.name}
-                kind = next(
-                    (k for k in (ModeKind.FULL, ModeKind.BIAS, ModeKind.WEIGHT) if set(layer.params_for(k)) == wanted), None
-                )
+                kind = next((m.name for m in plain() if set(m.params(layer)) == wanted), None)
                 if kind is None:
                     raise BadInput(
-                        f"scheme {self.name}: {', '.join(sorted(wanted))} of layer '{layer.name}' is not an update planner supports (full, bias or weight)"
+                        f"scheme {self.name}: {', '.join(sorted(wanted))} of layer '{layer.name}' is not an update planner "
+                        f"supports ({' or '.join(m.name for m in plain())})"
                     )
                 modes[layer.name] = Mode(kind)
         if model.fixed_batch not in (None, self.batch_size):

@@ -14,10 +14,12 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.errors import BadInput, UnsupportedOp
-from planner.inputs.model import Model
+from planner.inputs.model import Layer, Model
 from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
-from planner.types import Candidate, FrozenWeights, Mode, ModeKind, Optimizer, Precision, Recompute, Updates
+from planner.modes import FROZEN, MODES, plain
+from planner.modes import get as get_mode
+from planner.types import Candidate, FrozenWeights, Mode, Optimizer, Precision, Recompute, Updates
 
 SPACES_DIR = shipped("search_spaces")
 FIXED_BATCH_HINT = (
@@ -61,9 +63,10 @@ class SearchSpace(_Strict):
     description: str = ""
     strategy: Literal["per-layer", "sparse", "last-k", "all"] = "per-layer"
     layers: list[str] | None = None
-    modes: list[ModeKind] = [ModeKind.FROZEN, ModeKind.BIAS, ModeKind.FULL]
-    ratios: list[float] = [0.125, 0.25, 0.5]  # for mode `ratio`: shares of output channels updated
-    ranks: list[int] = [4, 8]  # for mode `lora`: adapter ranks (those a layer's weight takes)
+    modes: list[str] = ["frozen", "bias", "full"]  # `planner.modes`
+    # for each mode that carries a number, the values a layer's may take; YAML names each list
+    # after the mode's argument (`ratios: [0.125, 0.25]` for `ratio`, `ranks: [4, 8]` for `lora`)
+    arguments: dict[str, list[int | float]] = {}
     batch_size: list[int] = [8, 16, 32]
     grad_accum: list[int] = [1]
     optimizer: list[Optimizer] = [Optimizer.SGD]
@@ -136,38 +139,64 @@ class SearchSpace(_Strict):
             if layer.problem and layer.name not in searched and (layer.weight or layer.bias)
         }
 
+    @model_validator(mode="before")
+    @classmethod
+    def _argument_lists(cls, data: object) -> object:
+        """Each mode's list of values, from the key its argument names (`ratios`, `ranks`)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        given = dict(data.pop("arguments", None) or {})
+        for mode in MODES.values():
+            if mode.argument is not None and mode.argument.plural in data:
+                given[mode.name] = data.pop(mode.argument.plural)
+        return {**data, "arguments": given}
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments(cls, given: dict[str, list[int | float]]) -> dict[str, list[int | float]]:
+        lists = {}
+        for mode in MODES.values():
+            arg = mode.argument
+            if arg is None:
+                continue
+            values = given.get(mode.name, list(arg.defaults))
+            if not values:
+                raise ValueError(f"{arg.plural} must list at least one {arg.name}, {arg.bounds}")
+            lists[mode.name] = [arg.parse(v) for v in values]
+        if set(given) - set(lists):
+            raise ValueError(f"no mode '{next(iter(set(given) - set(lists)))}' carries a number")
+        return lists
+
     @field_validator("modes")
     @classmethod
     def _some_mode(cls, v: list[str]) -> list[str]:
-        if not [m for m in v if m != "frozen"]:
-            raise ValueError("modes must include bias, weight, full, ratio or lora")
+        for m in v:
+            get_mode(m)
+        if not [m for m in v if m != FROZEN]:
+            raise ValueError(f"modes must include {' or '.join(m for m in MODES if m != FROZEN)}")
         return v
 
     @model_validator(mode="after")
     def _uniform_mode(self) -> SearchSpace:
-        if self.strategy in ("last-k", "all") and not set(self.modes) & {"bias", "weight", "full"}:
-            raise ValueError(f"strategy {self.strategy} trains its layers in one mode: bias, weight or full")
+        uniform = [m.name for m in plain()]
+        if self.strategy in ("last-k", "all") and not set(self.modes) & set(uniform):
+            raise ValueError(f"strategy {self.strategy} trains its layers in one mode: {' or '.join(uniform)}")
         return self
 
-    @field_validator("ranks")
-    @classmethod
-    def _ranks(cls, v: list[int]) -> list[int]:
-        if not v or any(r < 1 for r in v):
-            raise ValueError("ranks must be a non-empty list of whole numbers from 1")
-        return v
-
-    @field_validator("ratios")
-    @classmethod
-    def _ratios(cls, v: list[float]) -> list[float]:
-        if not v or any(not 0 < r <= 1 for r in v):
-            raise ValueError("ratios must be a non-empty list of numbers in (0, 1]")
-        return v
-
     def _allowed(self, model: Model, name: str) -> list[str]:
-        """The space's modes a layer can take (no bias-only for a bias-free layer, …)."""
+        """The space's modes a layer can take (no bias-only for a bias-free layer, a rank its
+        weight takes, …)."""
         layer = model.layer(name)
-        fits = {"ratio": layer.out_axis is not None, "lora": layer.max_rank >= min(self.ranks)}
-        return [str(m) for m in self.modes if m == "frozen" or fits.get(m, bool(layer.params_for(m)))]
+        return [
+            m
+            for m in self.modes
+            if get_mode(m).refuses(layer, None) is None and (get_mode(m).argument is None or self._values(layer, m))
+        ]
+
+    def _values(self, layer: Layer, mode: str) -> list[int | float]:
+        """The numbers a layer in `mode` may carry: those of the space's list it takes."""
+        return get_mode(mode).choices(layer, self.arguments[mode])
 
     def anchors(self, model: Model) -> list[dict[str, object]]:
         """The hand-made schemes this space contains, as Optuna parameters a study starts from.
@@ -229,18 +258,17 @@ class SearchSpace(_Strict):
                     modes[n] = str(trial.suggest_categorical(f"deepest_mode:{n}", [m for m in allowed if m != "frozen"]))
                 else:
                     modes[n] = str(trial.suggest_categorical(f"mode:{n}", allowed))
-                if modes[n] == "ratio":
-                    modes[n] = f"ratio:{float(trial.suggest_categorical(f'ratio:{n}', list(self.ratios))):g}"
-                elif modes[n] == "lora":
-                    ranks = [r for r in self.ranks if r <= model.layer(n).max_rank]
-                    modes[n] = f"lora:{int(trial.suggest_categorical(f'rank:{n}', ranks))}"
+                arg = get_mode(modes[n]).argument
+                if arg is not None:  # its number: a parameter of its own (`ratio:conv1`, `rank:fc`)
+                    value = trial.suggest_categorical(f"{arg.name}:{n}", self._values(model.layer(n), modes[n]))
+                    modes[n] = str(Mode(modes[n], value))
         else:
             k = int(trial.suggest_int("last_k", 1, len(names))) if self.strategy == "last-k" else len(names)
             # one mode for every layer: those that need no per-layer parameter (a ratio, a rank)
-            mode = str(trial.suggest_categorical("mode", [str(m) for m in self.modes if m not in ("frozen", "ratio", "lora")]))
+            mode = str(trial.suggest_categorical("mode", [m for m in self.modes if m in {p.name for p in plain()}]))
             modes = {n: mode for n in names[len(names) - k :]}
         # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
-        trainable = tuple((n, Mode.parse(m)) for n, m in modes.items() if m != "frozen" and model.layer(n).params_for(m))
+        trainable = tuple((n, Mode.parse(m)) for n, m in modes.items() if m != FROZEN and model.layer(n).params_for(m))
         lr = self.lr
         return Candidate(
             trainable=trainable,

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from planner.errors import BadInput, last_line
+from planner.errors import BadInput
 from planner.inputs.addresses import parse_host_port
 from planner.inputs.resources import shipped
 from planner.inputs.specs import load_spec
@@ -141,11 +141,6 @@ class HardwareTarget(BaseModel):
         # the default back end is left out: studies made before targets named one were its studies
         return self.model_dump(exclude={"description", "runner", "rpc", *(["backend"] if self.backend == "vm" else [])})
 
-    def tvm(self):  # -> tvm.target.Target; imported lazily: TVM is slow to import
-        import tvm
-
-        return tvm.target.Target(self.tvm_target)
-
     def toolchain_path(self) -> str | None:
         """The cross compiler found on PATH (None: the target uses the host's default compiler)."""
         if self.toolchain is None:
@@ -161,12 +156,7 @@ class HardwareTarget(BaseModel):
 
 def load_target(name_or_path: str) -> HardwareTarget:
     """A shipped target by name (`hw_targets/NAME.yaml`) or a user's YAML file."""
-    target = load_spec(name_or_path, TARGETS_DIR, "target", HardwareTarget)
-    try:
-        target.tvm()
-    except Exception as exc:
-        raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {last_line(exc)}") from None
-    return target
+    return load_spec(name_or_path, TARGETS_DIR, "target", HardwareTarget)
 
 
 def list_targets() -> list[HardwareTarget]:

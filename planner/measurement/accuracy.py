@@ -128,8 +128,9 @@ class FineTune:
         measured once per model, dataset, precision and int8 weights, and cached (a batch-1
         candidate spent a quarter of its fine-tune evaluating the untouched model)."""
         sig, m, d = session.sig, self.model, self.data
-        splits = sorted(sig.splits.items()) if sig.quantized else []  # where the int8 channels start
-        blob = [m.key, d.sha256, str(self.candidate.precision), sorted(sig.quantized.items()), splits, code_id()]
+        # with int8 weights, how each reshaped weight is stored decides what is quantized around it
+        layouts = sorted((w, [lay.mode, lay.axis, lay.size]) for w, lay in sig.layouts.items()) if sig.quantized else []
+        blob = [m.key, d.sha256, str(self.candidate.precision), sorted(sig.quantized.items()), layouts, code_id()]
         key = hashlib.sha256(json.dumps(blob).encode()).hexdigest()[:32]
         path = self.cache_dir / "accuracy" / "before" / f"{key}.json"
         cached = cachefile.read_json(path, key)

@@ -7,7 +7,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from planner.backend._base import Artifact, ArtifactKind
+from planner.backend._base import Artifact
+from planner.backend.compile import VM_LIBRARY
 from planner.backend.session import TrainingSession
 from planner.measurement._base import Measurement, Runner, Session
 from planner.measurement.latency import method, time_step
@@ -24,7 +25,7 @@ def local_session(artifact: Artifact, weights: dict[str, np.ndarray]) -> Trainin
 
 class LocalRunner(Runner):
     name = "local"
-    kinds = frozenset({ArtifactKind.VM_LIBRARY})
+    kinds = frozenset({VM_LIBRARY})
     runs_here = True
 
     @property

@@ -17,7 +17,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from planner.backend._base import Artifact, ArtifactKind
+from planner.backend._base import Artifact
+from planner.backend.compile import VM_LIBRARY
 from planner.backend.libraries import INSTALL_HINT, missing_library
 from planner.backend.session import TrainingSession
 from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, EnvironmentFailure, PlannerError, first_line, last_line
@@ -132,7 +133,7 @@ class TrackerRunner(Runner):
     """A target's boards behind its tracker (`rpc:` section), one candidate in flight per board."""
 
     name = "rpc"
-    kinds = frozenset({ArtifactKind.VM_LIBRARY})
+    kinds = frozenset({VM_LIBRARY})
     runs_here = False
 
     def __init__(self, target) -> None:

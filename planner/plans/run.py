@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.backend import Artifact, ArtifactKind, backend_for
+from planner.backend import Artifact, ArtifactKind, backend_class, backend_for
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from planner.inputs.data import Dataset, Tokenization, data_format, format_named, load_dataset
@@ -175,12 +175,10 @@ def _load_here(artifact: Artifact, weights: dict[str, np.ndarray], plan: Plan) -
 
 def _artifact(plan_dir: Path, plan: Plan) -> Artifact:
     """The plan's step, as plan.json records it (its files verified by `read_plan`)."""
-    try:
-        kind = ArtifactKind(plan.step.kind)
-    except ValueError:
-        raise BadInput(f"the plan's step is a {plan.step.kind!r}, which this planner cannot run") from None
+    if plan.step.kind != backend_class(plan.target.backend).kind:
+        raise BadInput(f"the plan's step is a {plan.step.kind!r}, which this planner cannot run")
     return Artifact(
-        kind=kind,
+        kind=ArtifactKind(plan.step.kind),
         files=tuple(plan_dir / f for f in plan.step.files),
         signature=plan.signature,
         requires=tuple(plan.step.requires),

@@ -11,30 +11,29 @@ from __future__ import annotations
 import json
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from planner.errors import BadInput
+from planner.inputs.data import FORMATS
 from planner.inputs.targets import HardwareTarget
-from planner.types import (
-    LEGACY_UPDATES,
-    Candidate,
-    FrozenWeights,
-    Mode,
-    ModeKind,
-    Optimizer,
-    Precision,
-    Recompute,
-    StepSignature,
-    Updates,
-)
+from planner.modes import FROZEN, MODES
+from planner.types import LEGACY_UPDATES, Candidate, FrozenWeights, Mode, Optimizer, Precision, Recompute, StepSignature, Updates
 
 # 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing; 4: text data's
-# tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`)
-SCHEMA_VERSION: Final = 5
+# tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`); 6: a layer's mode
+# as one text (`ratio:0.25`, `lora:4`), as every mode writes itself (`planner.modes`)
+SCHEMA_VERSION: Final = 6
 # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer, a version-4 plan one
-# whose step is the VM back end's library (`Step._migrate`); a choice before version 5 without `updates` updated by copy
-# (`Plan._migrate`)
-READS: Final = (2, 3, 4, 5)
+# whose step is the VM back end's library (`Step._migrate`); a plan before version 6 is migrated by `Plan._migrate`
+READS: Final = (2, 3, 4, 5, 6)
+MODE_TEXTS: Final = ", ".join(
+    m.text(None) if m.argument is None else f"{m.name}:R (R {m.argument.bounds}: {m.argument.name})"
+    for m in MODES.values()
+    if m.name != FROZEN
+)
+# the form of every mode's text; which modes there are is the registry's to say (`LayerUpdate._a_mode`)
+MODE_PATTERN: Final = "^[a-z][a-z0-9_-]*(:[0-9][0-9.e+-]*)?$"
+FORMAT_NAMES: Final = sorted(f.name for f in FORMATS)
 Policy = Literal["memory", "latency", "accuracy"]
 
 
@@ -74,7 +73,11 @@ class DatasetInfo(_Part):
     n_train: int
     n_val: int
     n_classes: int
-    format: Literal["npz", "npy", "images", "csv", "text"] = "npz"
+    format: str = Field(
+        default="npz",
+        description="how the data is kept (planner.inputs.data.FORMATS)",
+        json_schema_extra={"enum": list[JsonValue](FORMAT_NAMES)},
+    )
     classes: list[str] | None = Field(default=None, description="class names by index, when the data names its classes")
     preprocess: list[dict] | None = Field(
         default=None,
@@ -83,6 +86,13 @@ class DatasetInfo(_Part):
     )
     split: str = Field(default="", description="how train and val were drawn")
     tokenizer: TokenizerInfo | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _a_format(cls, v: str) -> str:
+        if v not in FORMAT_NAMES:
+            raise ValueError(f"unknown dataset format {v!r} (one of {', '.join(FORMAT_NAMES)})")
+        return v
 
 
 class TargetInfo(_Part):
@@ -98,13 +108,16 @@ class LayerUpdate(_Part):
 
     layer: str
     params: list[str]
-    mode: ModeKind
-    ratio: float | None = Field(default=None, gt=0, le=1, description="mode ratio: share of output channels trained")
-    rank: int | None = Field(default=None, ge=1, description="mode lora: the adapter's rank")
+    mode: str = Field(description=f"how it trains (planner.modes): {MODE_TEXTS}", pattern=MODE_PATTERN)
+
+    @field_validator("mode")
+    @classmethod
+    def _a_mode(cls, v: str) -> str:
+        return str(Mode.parse(v))
 
     @property
     def update_mode(self) -> Mode:
-        return Mode(self.mode, self.ratio, self.rank)
+        return Mode.parse(self.mode)
 
 
 class OptimizerChoice(_Part):
@@ -130,10 +143,7 @@ class Choice(_Part):
     def of(cls, candidate: Candidate, params: dict[str, tuple[str, ...]]) -> Choice:
         """`candidate` with each trained layer's parameters (`params`: layer -> names)."""
         return cls(
-            trainable=[
-                LayerUpdate(layer=name, params=list(params[name]), mode=mode.kind, ratio=mode.ratio, rank=mode.rank)
-                for name, mode in candidate.trainable
-            ],
+            trainable=[LayerUpdate(layer=name, params=list(params[name]), mode=str(mode)) for name, mode in candidate.trainable],
             precision=candidate.precision,
             batch_size=candidate.batch_size,
             grad_accum=candidate.grad_accum,
@@ -288,7 +298,7 @@ class StudyInfo(_Part):
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2, 3, 4, 5]
+    schema_version: Literal[2, 3, 4, 5, 6]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo
@@ -305,18 +315,18 @@ class Plan(_Part):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: object) -> object:
-        """A plan before version 5 may hold choices without `updates`: a planner whose steps all
-        updated by copy wrote them (`LEGACY_UPDATES`). From version 5 every choice says how it
-        updates (`Choice.of`), so that no new plan updates by copy for want of the field."""
+        """The choices of a plan before version 6 as version 6 writes them (`_old_choice`)."""
         version = data.get("schema_version") if isinstance(data, dict) else None
-        if not isinstance(data, dict) or not isinstance(version, int) or version >= 5:
+        if not isinstance(data, dict) or not isinstance(version, int) or version >= 6:
             return data
         migrated = dict(data)
         if "choice" in data:
-            migrated["choice"] = _old_choice(data["choice"])
+            migrated["choice"] = _old_choice(data["choice"], version)
         if isinstance(data.get("pareto"), list):
             migrated["pareto"] = [
-                {**entry, "choice": _old_choice(entry["choice"])} if isinstance(entry, dict) and "choice" in entry else entry
+                {**entry, "choice": _old_choice(entry["choice"], version)}
+                if isinstance(entry, dict) and "choice" in entry
+                else entry
                 for entry in data["pareto"]
             ]
         return migrated
@@ -340,9 +350,33 @@ class Plan(_Part):
         )
 
 
-def _old_choice(choice: object) -> object:
-    """A choice of a plan before version 5, with `updates` where it lacks it (`Plan._migrate`)."""
-    return {"updates": LEGACY_UPDATES, **choice} if isinstance(choice, dict) else choice
+def _old_choice(choice: object, version: int) -> object:
+    """A choice of a plan of schema `version` (before 6) as version 6 writes it (`Plan._migrate`):
+
+    - before version 5 a choice may lack `updates`: a planner whose steps all updated by copy
+      wrote it (`LEGACY_UPDATES`); from version 5 every choice says how it updates, so that no
+      new plan updates by copy for want of the field;
+    - before version 6 a layer's mode kept its number apart (`mode: ratio, ratio: 0.25`).
+    """
+    if not isinstance(choice, dict):
+        return choice
+    if version < 5:
+        choice = {"updates": LEGACY_UPDATES, **choice}
+    if isinstance(choice.get("trainable"), list):
+        choice = {**choice, "trainable": [_old_layer_update(t) for t in choice["trainable"]]}
+    return choice
+
+
+def _old_layer_update(entry: object) -> object:
+    """`{mode: ratio, ratio: 0.25}` -> `{mode: "ratio:0.25"}`; `{mode: lora, rank: 4}` -> `{mode: "lora:4"}`."""
+    if not isinstance(entry, dict):
+        return entry
+    entry = dict(entry)
+    ratio, rank = entry.pop("ratio", None), entry.pop("rank", None)
+    number = ratio if ratio is not None else rank
+    if number is not None and isinstance(entry.get("mode"), str):
+        entry["mode"] = f"{entry['mode']}:{number}"
+    return entry
 
 
 def json_schema() -> str:

@@ -18,11 +18,12 @@ from planner.inputs.data import format_named
 from planner.inputs.model import Model, load_model
 from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import load_target
+from planner.modes import FROZEN, MODES
 from planner.plans.directory import MODEL_FILE, TRIALS_FILE, read_plan
 from planner.plans.schema import ParetoEntry, Plan
 from planner.plans.select import choice_json, metrics_json, select
 from planner.search.urls import redact
-from planner.types import TrialRecord, TrialState
+from planner.types import Mode, TrialRecord, TrialState
 
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
 
@@ -36,7 +37,7 @@ class ReportContent:
     chosen: int | None  # the deployed (or, for a bare study, the would-be) trial
     choice: dict | None  # what the chosen trial trains, as plan.json's "choice"
     metrics: dict | None  # the chosen trial's numbers, as plan.json's "metrics"
-    layers: list[dict]  # per layer: name, op, param_bytes, mode, ratio, rank, params
+    layers: list[dict]  # per layer: name, op, param_bytes, mode, label, color, params
     provenance: dict  # how every number was measured; versions; the study
     plan: Plan | None = None
 
@@ -86,14 +87,15 @@ def _layer_map(model: Model, choice: dict | None) -> list[dict]:
     rows = []
     for layer in model.layers:
         t = trains.get(layer.name)
+        mode = Mode.parse(t["mode"]) if t else None
         rows.append(
             {
                 "layer": layer.name,
                 "op": layer.op,
                 "param_bytes": layer.param_bytes,
-                "mode": t["mode"] if t else frozen,
-                "ratio": t.get("ratio") if t else None,
-                "rank": t.get("rank") if t else None,
+                "mode": str(mode) if mode else FROZEN,
+                "label": mode.label if mode else frozen,  # `ratio 0.25`, `frozen (int8)`
+                "color": (mode.spec if mode else MODES[FROZEN]).color,
                 "params": t["params"] if t else [],
                 "precision": precision if t else None,
                 "excluded": layer.problem,  # why planner cannot train it (it stays frozen), None when it can

@@ -13,8 +13,9 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
+from planner.modes import FROZEN
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
-from planner.types import Measured, TrialRecord, TrialState
+from planner.types import Measured, Mode, TrialRecord, TrialState
 
 KIB = 1024
 COLORS = {
@@ -25,7 +26,6 @@ COLORS = {
     "fail": "#7f7f7f",
     "chosen": "#d62728",
 }
-MODE_COLORS = {"full": "#1f77b4", "weight": "#6baed6", "bias": "#9ecae1", "ratio": "#31a354", "lora": "#e6550d"}
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 
 
@@ -287,10 +287,7 @@ def _summary(content: ReportContent) -> str:
         origin = f"Trial {content.chosen} is what <code>planner plan</code> would choose; no plan is written yet."
     lat, mem, acc = m["step_latency_ms"], m["peak_memory_bytes"], m["accuracy"]
     ram = content.target.get("ram_budget_bytes")
-    trains = ", ".join(
-        f"{t['layer']}:{t['mode']}" + (f" {t['ratio']:g}" if t.get("ratio") else f" rank {t['rank']}" if t.get("rank") else "")
-        for t in c["trainable"]
-    )
+    trains = ", ".join(f"{t['layer']}:{Mode.parse(t['mode']).label}" for t in c["trainable"])
     return f"<p>{escape(head)}. {origin}</p>" + _table(
         [
             ("trains", escape(trains) or "—"),
@@ -321,13 +318,11 @@ def _layers(content: ReportContent) -> str:
         "<th>precision</th><th>parameter bytes</th></tr>"
     ]
     for r in content.layers:
-        mode = r["mode"]
-        color = MODE_COLORS.get(mode, "#e5e5e5")
-        label = f"ratio {r['ratio']:g}" if mode == "ratio" else f"lora rank {r['rank']}" if mode == "lora" else mode
+        color, text = r["color"], "#fff" if r["mode"] != FROZEN else "#333"
         width = 100 * r["param_bytes"] / biggest
         out.append(
             f"<tr><td>{escape(r['layer'])}</td><td>{escape(r['op'])}</td>"
-            f"<td><span class='mode' style='background:{color};color:{'#fff' if mode in MODE_COLORS else '#333'}'>{escape(label)}</span></td>"
+            f"<td><span class='mode' style='background:{color};color:{text}'>{escape(r['label'])}</span></td>"
             f"<td>{escape(updated(r))}</td><td>{escape(r['precision'] or '—')}</td>"
             f"<td><div class='bar' style='width:{width:.1f}%'></div>{r['param_bytes']:,}</td></tr>"
         )

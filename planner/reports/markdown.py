@@ -5,17 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
-from planner.types import TrialState
+from planner.types import Mode, TrialState
 
 
 def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
-
-
-def _mode(entry: dict) -> str:
-    if entry["mode"] == "lora":
-        return f"lora rank {entry['rank']}"
-    return f"ratio {entry['ratio']:g}" if entry["mode"] == "ratio" else entry["mode"]
 
 
 def _origin(content: ReportContent) -> str:
@@ -70,7 +64,7 @@ def render(content: ReportContent) -> str:
             "",
             "| | |",
             "|---|---|",
-            f"| trainable | {', '.join(t['layer'] + ':' + _mode(t) for t in c['trainable']) or '—'} |",
+            f"| trainable | {', '.join(t['layer'] + ':' + Mode.parse(t['mode']).label for t in c['trainable']) or '—'} |",
             f"| batch size | {c['batch_size']} |",
             f"| optimizer | {c['optimizer']['name']} (lr {c['optimizer']['lr']:.4g}) |",
             f"| precision | {c['precision']} |",
@@ -89,7 +83,7 @@ def render(content: ReportContent) -> str:
             "|---|---|---|---|---|",
         ]
         for r in content.layers:
-            lines.append(f"| {r['layer']} | {r['op']} | {_mode(r)} | {updated(r)} | {r['param_bytes']:,} |")
+            lines.append(f"| {r['layer']} | {r['op']} | {r['label']} | {updated(r)} | {r['param_bytes']:,} |")
     if m is not None:
         mem = m["peak_memory_bytes"]
         lines += ["", "## Memory at the step's peak", "", "| part | bytes | share |", "|---|---|---|"]

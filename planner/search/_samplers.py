@@ -7,8 +7,7 @@ from __future__ import annotations
 import optuna
 
 from planner.errors import BadInput
-
-SAMPLERS = ("tpe", "random")
+from planner.search.samplers import SAMPLERS
 
 
 class AnchoredSampler(optuna.samplers.BaseSampler):
@@ -57,23 +56,21 @@ def takes_anchors(sampler: str | optuna.samplers.BaseSampler) -> bool:
     the blind baseline `benchmarks/search_quality.py` compares with; nor another sampler object,
     taken as the script gave it (a grid's or a sequence's own bookkeeping would not survive
     fixed parameters) — a script wanting recipes there wraps its sampler in `AnchoredSampler`."""
-    return sampler == "tpe" or isinstance(sampler, optuna.samplers.TPESampler)
+    if isinstance(sampler, str):
+        return sampler in SAMPLERS and SAMPLERS[sampler].anchors
+    return isinstance(sampler, optuna.samplers.TPESampler)
 
 
 def make_sampler(
     sampler: str | optuna.samplers.BaseSampler, seed: int | None, anchors: list[dict] | None = None
 ) -> optuna.samplers.BaseSampler:
-    """`tpe`: multivariate TPE after 8 startup trials, which learns the budgets from the trials'
-    constraints (the default); `random`: independent uniform draws, the baseline
-    `benchmarks/search_quality.py` compares with; an Optuna sampler object as it is (its own
-    seed: `seed` names one only for planner's). `anchors` (the space's hand-made schemes) fix
+    """A sampler by name (`SAMPLERS`: `tpe`, the default, or `random`), built with `seed`, or an
+    Optuna sampler object as it is (its own seed). `anchors` (the space's hand-made schemes) fix
     the parameters of the first trials."""
     if isinstance(sampler, optuna.samplers.BaseSampler):
         base = sampler
-    elif sampler == "tpe":
-        base = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
-    elif sampler == "random":
-        base = optuna.samplers.RandomSampler(seed=seed)
+    elif isinstance(sampler, str) and sampler in SAMPLERS:
+        base = SAMPLERS[sampler].make(seed)
     else:
         what = repr(sampler) if isinstance(sampler, str) else f"a {type(sampler).__name__}"
         raise BadInput(f"unknown sampler {what} (one of {', '.join(SAMPLERS)}, or an optuna.samplers.BaseSampler)")

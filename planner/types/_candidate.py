@@ -6,57 +6,52 @@ import json
 from dataclasses import dataclass, fields
 from enum import StrEnum
 
-
-class ModeKind(StrEnum):
-    """How a layer trains: not at all, its bias, its weight, both, a share of its output
-    channels, or through a low-rank adapter beside its frozen weight (LoRA)."""
-
-    FROZEN = "frozen"
-    BIAS = "bias"
-    WEIGHT = "weight"
-    FULL = "full"
-    RATIO = "ratio"
-    LORA = "lora"
+from planner import modes
 
 
 @dataclass(frozen=True, eq=False)
 class Mode:
-    """A layer's update mode; `ratio` carries the share of output channels (the first ones)
-    updated, `lora` the rank of its adapter.
+    """A layer's update mode (`planner.modes`: `frozen`, `bias`, `weight`, `full`, `ratio`, `lora`)
+    and the number it carries, if any (`ratio`: the share of output channels updated, `lora`:
+    the adapter's rank).
 
-    Written as `full`, `bias`, `weight`, `ratio:R` or `lora:R` in plans, trial records and cache
+    Written as the mode says (`full`, `ratio:0.25`, `lora:4`) in plans, trial records and cache
     keys, and, like the enumerations here, equal to that string (`Mode.parse("ratio:0.25") ==
     "ratio:0.25"`)."""
 
-    kind: ModeKind
-    ratio: float | None = None
-    rank: int | None = None
+    kind: str
+    value: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ModeKind(self.kind))
-        if (self.kind is ModeKind.RATIO) != (self.ratio is not None):
-            raise ValueError("a ratio goes with mode `ratio`, and only with it")
-        if self.ratio is not None and not 0 < self.ratio <= 1:
-            raise ValueError(f"ratio must lie in (0, 1] (not {self.ratio:g})")
-        if (self.kind is ModeKind.LORA) != (self.rank is not None):
-            raise ValueError("a rank goes with mode `lora`, and only with it")
-        if self.rank is not None and (isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank < 1):
-            raise ValueError(f"a LoRA rank is a whole number from 1 (not {self.rank})")
+        spec = modes.get(self.kind)
+        object.__setattr__(self, "kind", spec.name)
+        if spec.argument is None:
+            if self.value is not None:
+                raise ValueError(f"mode {spec.name} carries no number (not {self.value!r})")
+        elif self.value is None:
+            raise ValueError(f"mode {spec.name} carries its {spec.argument.name}: {spec.name}:R, R {spec.argument.bounds}")
+        else:
+            object.__setattr__(self, "value", spec.argument.parse(self.value))
+
+    @property
+    def spec(self) -> modes.UpdateMode:
+        return modes.MODES[self.kind]
 
     @classmethod
     def parse(cls, text: str | Mode) -> Mode:
-        """`full`, `bias`, `weight`, `frozen`, `ratio:R` or `lora:R`."""
+        """`full`, `bias`, `weight`, `frozen`, `ratio:R` or `lora:R` (any registered mode)."""
         if isinstance(text, Mode):
             return text
         kind, _, value = str(text).partition(":")
-        if kind == ModeKind.LORA:
-            return cls(ModeKind.LORA, rank=int(value) if value else None)
-        return cls(ModeKind(kind), float(value) if value else None)
+        return cls(kind, value or None)  # type: ignore[arg-type]  # the mode's argument parses the text
+
+    @property
+    def label(self) -> str:
+        """How a report reads it (`ratio 0.25`, `lora rank 4`)."""
+        return self.spec.label(self.value)
 
     def __str__(self) -> str:
-        if self.kind is ModeKind.RATIO:
-            return f"ratio:{self.ratio:g}"
-        return f"lora:{self.rank}" if self.kind is ModeKind.LORA else self.kind.value
+        return self.spec.text(self.value)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (Mode, str)):
@@ -138,7 +133,7 @@ class Candidate:
     def __post_init__(self) -> None:
         convert = object.__setattr__
         convert(self, "trainable", tuple((str(name), Mode.parse(mode)) for name, mode in self.trainable))
-        if any(mode.kind is ModeKind.FROZEN for _, mode in self.trainable):
+        if any(mode.kind == modes.FROZEN for _, mode in self.trainable):
             raise ValueError("a frozen layer is left out of `trainable`, not listed as frozen")
         convert(self, "optimizer", Optimizer(self.optimizer))
         convert(self, "precision", Precision(self.precision))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from planner.modes import Layout
+
 
 @dataclass(frozen=True)
 class ModelInput:
@@ -44,8 +46,7 @@ class StepSignature:
     micro_batch: int  # samples per forward/backward (and per `backbone` call)
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
-    splits: dict[str, tuple[int, int]]  # ratio-updated weight -> (channel axis, channels trained)
-    adapters: dict[str, tuple[int, int]]  # LoRA-trained weight -> (output-channel axis, rank)
+    layouts: dict[str, Layout]  # weight its layer's mode reshapes -> how (`planner.modes`)
     quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
     loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
     # (shape, dtype, initial fill value); the last is the learning rate the update multiplies by
@@ -63,6 +64,7 @@ class StepSignature:
     def to_json(self) -> dict:
         d = asdict(self)
         d["inputs"] = [i.to_json() for i in self.inputs]
+        d["layouts"] = {w: [lay.mode, lay.axis, lay.size] for w, lay in self.layouts.items()}
         d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
         return d
 
@@ -78,14 +80,22 @@ class StepSignature:
             micro_batch=int(d.get("micro_batch", batch)),
             frozen=tuple(d["frozen"]),
             trainable=tuple(d["trainable"]),
-            splits={k: (int(a), int(n)) for k, (a, n) in d.get("splits", {}).items()},
-            adapters={k: (int(a), int(r)) for k, (a, r) in d.get("adapters", {}).items()},
+            layouts=_layouts(d),
             quantized={k: int(a) for k, a in d.get("quantized", {}).items()},
             loss_scale=float(d.get("loss_scale", 1.0)),
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
             kept=tuple(map(str, d.get("kept", ()))),
         )
+
+
+def _layouts(d: dict) -> dict[str, Layout]:
+    """A signature's reshaped weights; one written before modes were registered (plan schema 5
+    and earlier) keeps ratio splits and LoRA adapters apart, as (axis, size)."""
+    if "layouts" in d:
+        return {w: Layout(str(m), int(a), int(n)) for w, (m, a, n) in d["layouts"].items()}
+    old = {w: Layout("ratio", int(a), int(n)) for w, (a, n) in d.get("splits", {}).items()}
+    return old | {w: Layout("lora", int(a), int(r)) for w, (a, r) in d.get("adapters", {}).items()}
 
 
 @dataclass(frozen=True)
