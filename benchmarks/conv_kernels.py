@@ -6,8 +6,8 @@
 For each dense 3×3 convolution of torchvision's resnet18 at 64×64 (the issue-16 yardstick; or of
 the CIFAR ResNet-8, whose 16- and 32-channel layers are the thinnest products) and
 each batch: the three kernels planner compiles for it with `kernels: openblas` — forward, weight
-gradient, input gradient (`planner/backend/gemm.py`) — each timed by TVM's time evaluator (best
-of 5 rounds) and given as GFLOP/s and as a share of numpy's float32 1024³ matmul, measured right
+gradient, input gradient (`planner/backend/gemm_kernels.py`) — each timed by TVM's time evaluator
+(best of 5 rounds) and given as GFLOP/s and as a share of numpy's float32 1024³ matmul, measured right
 before and after each kernel (the higher of the two: this shared host drifts). Printed as a
 Markdown table. (The pause after each numpy product matters: numpy's OpenBLAS threads spin
 after their work, and a kernel timed right after them ran up to 3x slower.)
@@ -66,7 +66,8 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     import tvm
 
-    from planner.backend import gemm
+    from planner.backend import gemm_kernels
+    from planner.backend.im2col import Conv
     from planner.backend.libraries import load_openblas
 
     load_openblas()
@@ -78,12 +79,12 @@ def main() -> None:
     for n in args.batches:
         for c, o, size, stride in LAYERS[args.layers]:
             out = (size + 2 - 3) // stride + 1
-            s = gemm.Conv(n, c, size, size, o, 3, 3, out, out, stride, stride, 1, 1)
+            s = Conv(n, c, size, size, o, 3, 3, out, out, stride, stride, 1, 1)
             cells = []
             for build, shapes in (
-                (gemm.forward_kernel, [(n, c, size, size), (o, c, 3, 3), (n, o, out, out)]),
-                (gemm.weight_grad_kernel, [(n, c, size, size), (n, o, out, out), (o, c, 3, 3)]),
-                (gemm.input_grad_kernel, [(n, o, out, out), (o, c, 3, 3), (n, c, size, size)]),
+                (gemm_kernels.forward_kernel, [(n, c, size, size), (o, c, 3, 3), (n, o, out, out)]),
+                (gemm_kernels.weight_grad_kernel, [(n, c, size, size), (n, o, out, out), (o, c, 3, 3)]),
+                (gemm_kernels.input_grad_kernel, [(n, o, out, out), (o, c, 3, 3), (n, c, size, size)]),
             ):
                 lib = tvm.tirx.build(tvm.IRModule({"k": build(s, args.threads).with_attr("global_symbol", "k")}), target=target)
                 tensors = [tvm.runtime.tensor(np.random.rand(*shape).astype(np.float32)) for shape in shapes]

@@ -7,6 +7,7 @@ Real compiles of the tiny model, each in its own cache (not the session's shared
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import pytest
 import tvm
 
 from planner import cachefile
-from planner.backend import gemm, kernels, link
+from planner.backend import gemm, gemm_kernels, kernels, link
 from planner.backend.compile import LIB_NAME, META_NAME, BuildOptions, check_cache_dir, compile_candidate
 from planner.backend.session import TrainingSession
 from planner.errors import EnvironmentFailure
@@ -191,14 +192,36 @@ def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkey
 
 
 def test_a_kernel_parsed_after_its_source_changed_is_not_kept(pristine, tmp_path, monkeypatch):
-    """TVMScript parses gemm.py as it is on disk: changed under a running study (a checkout), the
-    kernel it gives must not be kept under the key of the source the process was started with."""
+    """TVMScript parses the kernels' modules as they are on disk: changed under a running study (a
+    checkout), the kernel it gives must not be kept under the key of the source the process was
+    started with."""
     model = pristine[0]
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
     gemm._built.cache_clear()
     monkeypatch.setattr(gemm, "_source_id", lambda: "another source")
     compile_candidate(model, _candidate(model), BuildOptions(HOST, tmp_path / "cache"))
     assert not list(gemm.kernels_dir(tmp_path / "cache").glob("*.json"))
+
+
+def test_every_module_of_the_kernels_tvmscript_keys_them(tmp_path, monkeypatch):
+    """TVMScript parses the OpenBLAS kernels, and the macros they call from another module, from
+    their modules as they are on disk: every planner module whose code the kernels use keys the
+    kernels kept parsed (`gemm._source_id`), and an edit to any of them changes the key."""
+    used = {Path(gemm_kernels.__file__).resolve()} | {
+        Path(inspect.getsourcefile(v) or "").resolve()
+        for v in vars(gemm_kernels).values()
+        if str(getattr(v, "__module__", None)).startswith("planner.")
+    }
+    assert used == {path.resolve() for path in gemm._KERNEL_SOURCES}
+    copies = [tmp_path / path.name for path in gemm._KERNEL_SOURCES]
+    for path, copy in zip(gemm._KERNEL_SOURCES, copies):
+        shutil.copy(path, copy)
+    monkeypatch.setattr(gemm, "_KERNEL_SOURCES", tuple(copies))
+    assert gemm._source_id() == gemm._MADE_BY
+    for copy in copies:
+        before = gemm._source_id()
+        copy.write_text(copy.read_text() + "\n")
+        assert gemm._source_id() != before
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import pytest
 import tvm
 from tvm import relax
 
-from planner.backend import gemm, gradients
+from planner.backend import gemm, gemm_kernels, gradients
+from planner.backend.im2col import Conv
 from planner.backend.kernels import legalize
 from planner.backend.libraries import load_openblas
 from planner.backend.schedule import default_schedule
@@ -96,7 +97,7 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
         (2, 3, 5, 7, 4, 3, 1, (3, 1, 2, 1)),  # more: whole rows of padding
     ],
 )
-@pytest.mark.parametrize("band_bytes", [gemm.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])
+@pytest.mark.parametrize("band_bytes", [gemm_kernels.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])
 @pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
 @pytest.mark.parametrize(
     "dw_split",
@@ -112,9 +113,9 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     (gradient accumulation) equals that sum plus TVM's; tiles of one image's band multiply their
     output (or output gradient) in place, tiles of several images a copy."""
     assert load_openblas() is not None
-    monkeypatch.setattr(gemm, "BAND_BYTES", band_bytes)
+    monkeypatch.setattr(gemm_kernels, "BAND_BYTES", band_bytes)
     for name, value in dw_split.items():
-        monkeypatch.setattr(gemm, name, value)
+        monkeypatch.setattr(gemm_kernels, name, value)
     target = tvm.target.Target({"kind": "llvm", **({"num-cores": cores} if cores else {})})
     mod = _conv_and_gradients(n, c, h, w, o, k, stride, pad)
     mine = legalize(target, Kernels.OPENBLAS)(mod)
@@ -135,8 +136,8 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     # the same weight gradient added onto a running sum where it lies (a micro-batch of several)
     x, _, dy = args
     oh, ow = dy.shape[2:]
-    s = gemm.Conv(n, c, h, w, o, k, k, oh, ow, stride, stride, pad[0], pad[1])
-    kernel = gemm.weight_grad_kernel(s, gemm.pool_threads(target), accumulate=True).with_attr("global_symbol", "main")
+    s = Conv(n, c, h, w, o, k, k, oh, ow, stride, stride, pad[0], pad[1])
+    kernel = gemm_kernels.weight_grad_kernel(s, gemm.pool_threads(target), accumulate=True).with_attr("global_symbol", "main")
     total = rng.standard_normal((o, c, k, k)).astype("float32")
     out = tvm.runtime.tensor(total)
     tvm.compile(tvm.IRModule({"main": kernel}), target)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy), out)

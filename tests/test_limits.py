@@ -16,10 +16,9 @@ ROOT = Path(__file__).resolve().parents[1] / "planner"
 MODULE_LINES, FUNCTION_LINES, PARAMETERS = 500, 80, 10
 
 # over a limit today: path -> lines; (path, function) -> (lines, parameters)
-MODULES_OVER = {"backend/gemm.py": 786, "backend/schedule.py": 611}
+MODULES_OVER: dict[str, int] = {}
 FUNCTIONS_OVER = {
-    ("backend/gemm.py", "_macros"): (114, 1),  # TVMScript macros: one kernel's text
-    ("backend/gemm.py", "_sgemm"): (2, 12),  # OpenBLAS's cblas_sgemm, called with its own 12 arguments
+    ("backend/gemm_kernels.py", "_sgemm"): (2, 12),  # OpenBLAS's cblas_sgemm, called with its own 12 arguments
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 import tvm
 
 import zoo
-from planner.backend import gemm
+from planner.backend import gemm_kernels
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.memory import PAGE
 from planner.inputs.model import load_model
@@ -101,7 +101,7 @@ def test_openblas_convolutions_keep_one_band_of_columns_at_any_batch(tmp_path):
     for batch in (8, 32):
         cand = Candidate(tuple((layer.name, "full") for layer in model.layers), batch_size=batch, optimizer="sgd", lr=0.01)
         scratch.append(compile_candidate(model, cand, build).memory.scratch)
-    assert all(0 < bytes_ <= gemm.BAND_BYTES + gemm.PRIVATE_BYTES for bytes_ in scratch), scratch
+    assert all(0 < bytes_ <= gemm_kernels.BAND_BYTES + gemm_kernels.PRIVATE_BYTES for bytes_ in scratch), scratch
 
 
 def test_int8_frozen_weights_hold_less_than_fp32_ones_through_the_backward_pass(tmp_path):

@@ -24,7 +24,7 @@ import tvm_ffi
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-from planner.backend import gemm, matmul
+from planner.backend import gemm, gemm_kernels, matmul
 from planner.backend.gemm import Lowering
 from planner.backend.libraries import load_openblas
 from planner.types import Kernels
@@ -105,7 +105,7 @@ def _softmax(shape: tuple[int, ...], threads: int) -> tirx.PrimFunc:
 def _softmax_kernel(shape: tuple[int, ...], threads: int) -> tirx.PrimFunc:
     """y = exp(x - max) / Σ exp(x - max) per row: the maximum and the sum as `SOFTMAX_LANES`
     partial ones, vectors along the row, folded into one at the row's end; the exponentials
-    written once and scaled in place (their `exp` vectorised by `schedule`'s fast form)."""
+    written once and scaled in place (their `exp` vectorised by `fast_math`'s fast form)."""
     length, lanes = shape[-1], SOFTMAX_LANES
     rows = functools.reduce(lambda a, b: a * b, shape[:-1], 1)
     share = -(-rows // threads)
@@ -230,7 +230,7 @@ def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None 
         "relax.nn.conv2d_transpose": conv2d_transpose_taps,
         "relax.nn.softmax": functools.partial(softmax_rows, threads=threads),
     }
-    flavor = (str(target), kernels.value, threads, *gemm.limits(), *matmul.limits())
+    flavor = (str(target), kernels.value, threads, *gemm_kernels.limits(), *matmul.limits())
     before: list[tvm.transform.Pass] = []
     if kernels == Kernels.OPENBLAS:
         # loaded here too, not only where the step is loaded: a module built in-process (tests,

@@ -32,7 +32,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.s_tir.analysis import estimate_tir_flops
 
 from planner import cachefile
-from planner.backend.gemm import FLOPS
+from planner.backend.gemm_kernels import FLOPS
 from planner.backend.memory import kernel_workspaces
 
 # The finishing passes of relax.build's pipeline (CPU targets)

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
-from planner.backend.gemm import CALLS, FLOPS, GEMM, NO_TRANS, ROW_MAJOR, TRANS, Lowering
+from planner.backend.gemm import Lowering
+from planner.backend.gemm_kernels import CALLS, FLOPS, GEMM, NO_TRANS, ROW_MAJOR, TRANS
 
 # A product of fewer flops than this keeps TVM's lowering. Measured on this host (2 threads, each
 # product alone, TVM's under planner's schedule): the classifier's [8, 128] x [128, 10] took 1.5 us
