@@ -5,7 +5,7 @@ A silently wrong gradient is the worst defect planner can have, and a schedule i
 mishandles some rewritten kernels for some shapes only. MaxPool's gradient came out wrong only
 when its output rows were a multiple of the vector and its windows overhung the input; the
 classifier's update only at batch size 1; a 2x2 MaxPool's gradient only when its input had a
-second consumer (`_vectorizes_a_let` and `_inline` in `planner.schedule`). So each case is a small
+second consumer (`_vectorizes_a_let` and `_inline` in `planner.backend.schedule`). So each case is a small
 model whose branches exercise a kernel of every kind a training step contains, at shapes, batch
 sizes and candidate options drawn with a seeded RNG (CI runs the same cases every time); its
 fused step (forward, backward and update fused as the real step fuses them) is built twice,
@@ -547,7 +547,7 @@ BROADCASTS = [
     ],
 )
 def test_scheduled_kernel_computes_what_the_unscheduled_one_does(kernel):
-    """`_vectorizes_a_let` and `_inline` in `planner.schedule`: TVM miscompiles the first when it
+    """`_vectorizes_a_let` and `_inline` in `planner.backend.schedule`: TVM miscompiles the first when it
     is vectorised, and inlines the second's update into its unit-extent reduction wrongly. The
     broadcast kernels check `_broadcast_runs`'s split into parallel rows and vector runs."""
     rng = np.random.default_rng(0)

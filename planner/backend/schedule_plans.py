@@ -270,7 +270,7 @@ def _in_registers(
 
 
 def _taps_tiled(sch: s_tir.Schedule, block: Block, kinds: str, epilogue: Block | None, cap: int) -> None:
-    """A transposed convolution by taps (`planner.kernels`), lane-tiled like `_lane_tiled`, with
+    """A transposed convolution by taps (`planner.backend.kernels`), lane-tiled like `_lane_tiled`, with
     each output row split into its stride phases (a phase's rows all use the same kernel rows,
     so that arithmetic leaves the inner loops) and a tile of whole column groups (every phase
     of `x_in` columns) unrolled in registers: the tap indices of each unrolled output are then

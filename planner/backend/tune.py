@@ -7,7 +7,7 @@ compile cache (`tuning/<target hash>/`); a lock file serialises writers across p
 
 Tuning is opt-in (`--tune-trials N`): on this 2-core host MetaSchedule needs about 3-7 s per
 trial, and a training step has tens of kernels. Kernels without a record keep planner's default
-schedule (`planner.schedule`).
+schedule (`planner.backend.schedule`).
 """
 
 from __future__ import annotations
