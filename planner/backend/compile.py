@@ -245,26 +245,49 @@ def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None)
     return CandidateFailed(f"{stage} failed: {last_line(exc)}")
 
 
+@dataclass(frozen=True)
+class LoweredStep:
+    """A candidate's step after planner's passes, before code generation: a static program of
+    storages, tensors and kernel calls (`lowered[STEP_FUNC]`) that a back end turns into code."""
+
+    lowered: tvm.IRModule
+    signature: StepSignature
+    kernels: int  # compiled kernels in the step
+    tuned: tuple[str, ...]  # those scheduled from the tuning database
+    tune_seconds: float
+    in_place: int  # updates written over their old buffers
+
+
+def lower_step(
+    mod: tvm.IRModule, sig: StepSignature, candidate: Candidate, build: BuildOptions, cache_dir: Path | None
+) -> LoweredStep:
+    """The candidate's training module (`build_training_module`) fused, tuned (with
+    `build.tune_trials`), scheduled, updated in place and memory-planned for `build.target`."""
+    target = build.target
+    fused = _fuse(mod, target, build.kernels, cache_dir)
+    # judged before tuning and scheduling rewrite the kernels
+    in_place_ok = in_place_candidates(fused, sig) if candidate.updates is Updates.IN_PLACE else set()
+    tuned: tuple[str, ...] = ()
+    tune_seconds = 0.0
+    if build.tune_trials > 0 and cache_dir is not None:
+        db = tune.database_dir(cache_dir, target)
+        t_tune = time.perf_counter()
+        tune.tune(fused, target, build.tune_trials, db, build.rpc, build.toolchain)
+        tune_seconds = time.perf_counter() - t_tune
+        fused, tuned = tune.apply(fused, target, db)
+    kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
+    scheduled = _schedule(fused, target)
+    scheduled, in_place = update_in_place(scheduled, sig, in_place_ok)
+    return LoweredStep(_lower(scheduled, target), sig, kernels, tuned, tune_seconds, in_place)
+
+
 def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir: Path, entry: Path) -> CompiledStep:
     t0 = time.perf_counter()
-    target, toolchain, tune_trials = build.target, build.toolchain, build.tune_trials
+    target, toolchain = build.target, build.toolchain
     mod, sig = build_training_module(model, candidate)
     try:
-        fused = _fuse(mod, target, build.kernels, cache_dir)
-        # judged before tuning and scheduling rewrite the kernels
-        in_place_ok = in_place_candidates(fused, sig) if candidate.updates is Updates.IN_PLACE else set()
-        tuned: tuple[str, ...] = ()
-        tune_seconds = 0.0
-        if tune_trials > 0:
-            db = tune.database_dir(cache_dir, target)
-            t_tune = time.perf_counter()
-            tune.tune(fused, target, tune_trials, db, build.rpc, toolchain)
-            tune_seconds = time.perf_counter() - t_tune
-            fused, tuned = tune.apply(fused, target, db)
-        kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for _, f in fused.functions_items())
-        scheduled = _schedule(fused, target)
-        scheduled, in_place = update_in_place(scheduled, sig, in_place_ok)
-        lowered = _lower(scheduled, target)
+        step = lower_step(mod, sig, candidate, build, cache_dir)
+        lowered, kernels, tuned, tune_seconds, in_place = step.lowered, step.kernels, step.tuned, step.tune_seconds, step.in_place
         executable, workspaces, kernel_table = link.build(lowered, target, cache_dir)
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
         requires = [PACKAGE] if gemm.calls_openblas(lowered) else []

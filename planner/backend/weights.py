@@ -180,8 +180,8 @@ def as_stored(func: relax.Function, n_inputs: int, names: list[str], how: Stored
         base: Callable[[], relax.Expr] | None = None
         if mode is None or mode.keeps_weight:
             if name in how.quantized:
-                q = relax.Var(int8(name), relax.TensorType(shape, "int8"))
-                s = relax.Var(scale(name), relax.TensorType(scale_shape(shape, how.quantized[name]), dtype))
+                q = relax.Var(_identifier(int8(name)), relax.TensorType(shape, "int8"))
+                s = relax.Var(_identifier(scale(name)), relax.TensorType(scale_shape(shape, how.quantized[name]), dtype))
                 new_params += [q, s]
                 names_out += [int8(name), scale(name)]
                 base = partial(_dequantized, q, s, dtype)
@@ -192,12 +192,22 @@ def as_stored(func: relax.Function, n_inputs: int, names: list[str], how: Stored
                 base = partial(_itself, var)
         if mode is not None and layout is not None:
             stored_parts = mode.parts(layout, name, shape)
-            parts = {p.name.rpartition("@")[2]: relax.Var(p.name, relax.TensorType(list(p.shape), dtype)) for p in stored_parts}
+            parts = {
+                p.name.rpartition("@")[2]: relax.Var(_identifier(p.name), relax.TensorType(list(p.shape), dtype))
+                for p in stored_parts
+            }
             new_params += parts.values()
             names_out += [p.name for p in stored_parts]
             rebuild[var] = partial(mode.rebuild, layout, relax.op, base, parts, shape)
     body = _RebuildAtUse(rebuild).visit_expr(func.body)
     return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs), names_out
+
+
+def _identifier(stored: str) -> str:
+    """A stored part's name as its variable's in the graph (`c.w@head` -> `c.w__head`): kernels take
+    their parameters' names from it, and C (`planner.backend.cstep`) has no `@` in a name. The
+    step's signature keeps the stored names; the graph knows its variables by position."""
+    return stored.replace("@", "__")
 
 
 def _itself(var: relax.Var) -> relax.Expr:

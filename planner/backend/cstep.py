@@ -1,0 +1,404 @@
+"""A compiled step as C: every kernel as TVM's C code generator writes it, and a driver that calls
+them in the planned order with every tensor at a fixed offset in one static arena.
+
+What planner builds is already a static program: after its own passes (fuse, schedule, update in
+place, storages shared by lifetime) a step's lowered `train_step` holds only storages of a fixed
+size, tensors at offset 0 of a storage, reshapes (views), kernel calls and kills — no VM builtin, no
+shape function. So a step needs no VM where no VM runs (a microcontroller, a firmware image): the
+driver lays the storages out one after another in an arena sized at build time, describes each
+tensor once as a static `DLTensor`, and calls each kernel through TVM's packed C calling convention,
+the one its C code generator emits. A kernel's scratch (`TVMBackendAllocWorkspace`) comes from a
+second static pool, taken and given back in stack order, as TVM's kernels do.
+
+The step's C API (`train_step.h`), no heap, no OS:
+
+    int32_t planner_step(void* const inputs[PLANNER_N_INPUTS], void* const params[PLANNER_N_PARAMS],
+                         const int64_t* labels, float* loss);
+
+`inputs` are the batch's model inputs, `params` every other tensor the step takes in the order of
+its `StepSignature` (frozen weights, trainable weights, optimizer states, the learning rate last);
+the trainable weights and the states are updated where they are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from planner.backend.graph import STEP_FUNC
+from planner.errors import CandidateFailed
+from planner.types import StepSignature
+
+ALIGN = 64  # every tensor and scratch block starts on a cache line (and any SIMD load's alignment)
+C_TARGET = {"kind": "c"}
+# TVM's C code generator: no runtime checks of argument shapes (the driver passes what the step was
+# compiled for), no vector types (not C)
+C_PASS_CONFIG = {"tirx.disable_assert": True, "tirx.disable_vectorize": True}
+_WORKSPACE = re.compile(r"TVMBackendAllocWorkspace\(\d+, \w+, \(uint64_t\)(\d+)ULL")
+_FUNCTION = re.compile(r"^TVM_DLL int32_t (__tvm_ffi_\w+)\(", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class CStep:
+    """A step's C sources and the static memory they declare."""
+
+    kernels: str  # train_step_kernels.c: every kernel, TVM's C
+    driver: str  # train_step.c: the arena, the tensors, the calls
+    header: str  # train_step.h: the API
+    arena_bytes: int  # the step's storages, laid out one after another
+    workspace_bytes: int  # the kernels' scratch pool: the most any one kernel takes at once
+
+
+@dataclass
+class _Tensor:
+    """A tensor of the step: a C name, its shape and dtype, and where its data is."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    data: str  # a C expression of its address
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    t = tvm.runtime.DataType(dtype)
+    return max(1, t.bits * t.lanes // 8)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _shape(expr: relax.Expr) -> tuple[int, ...]:
+    values = expr.values if isinstance(expr, relax.ShapeExpr) else expr.ty.shape.values
+    return tuple(int(d) for d in values)
+
+
+def _op(value: relax.Expr) -> str:
+    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else ""
+
+
+_FLOAT_LITERAL = re.compile(r"(?<![\w.])\d\.\d{6}e[+-]\d{2,3}f?")
+
+
+def _printed(value: float, dtype: str) -> str:
+    """How TVM's C code generator writes a float constant: seven significant digits."""
+    return f"{value:e}" + ("f" if dtype == "float32" else "")
+
+
+def _exact_literals(source: str, funcs: list[tirx.PrimFunc]) -> str:
+    """`source` with every float literal TVM's C code generator printed as the exact constant of
+    the TIR it printed, in C99's hexadecimal form (`0x1.715476p+0f`).
+
+    Why: the code generator writes a float with seven significant digits (`1.442695e+00f`) and
+    float32 needs nine, so a constant such as `fast_exp`'s log2(e) drifted by an ulp and the C step
+    by 5e-7 from the VM's, which LLVM compiles with the exact constant. Two constants that print
+    alike could not be told apart: the step is refused rather than built with either."""
+    exact: dict[str, set[str]] = {}
+
+    def note(imm: tirx.FloatImm) -> None:
+        dtype, value = str(imm.ty), abs(float(imm.value))
+        if math.isfinite(value):
+            exact.setdefault(_printed(value, dtype), set()).add(value.hex() + ("f" if dtype == "float32" else ""))
+
+    for f in funcs:
+        tvm_ffi.structural_walk(f.body, [(tirx.FloatImm, note)])
+
+    def replace(m: re.Match) -> str:
+        values = exact.get(m.group(0))
+        if values is None:
+            return m.group(0)
+        if len(values) > 1:
+            raise CandidateFailed(f"the C back end cannot tell apart the constants {', '.join(sorted(values))}")
+        return next(iter(values))
+
+    return _FLOAT_LITERAL.sub(replace, source)
+
+
+def kernels_source(lowered: tvm.IRModule) -> str:
+    """Every kernel (PrimFunc) of `lowered` as one C file, by TVM's C code generator, its float
+    constants exact (`_exact_literals`)."""
+    funcs = {
+        gv.name_hint: f.with_attr("global_symbol", gv.name_hint)
+        for gv, f in lowered.functions_items()
+        if isinstance(f, tirx.PrimFunc)
+    }
+    with tvm.transform.PassContext(config=C_PASS_CONFIG):
+        lib = tvm.tirx.build(tvm.IRModule(funcs), target=tvm.target.Target(C_TARGET))
+    return _exact_literals(lib.inspect_source(), list(funcs.values()))
+
+
+def workspace_bytes(kernels: str) -> int:
+    """The scratch pool the kernels need: the most any one kernel holds at once (its blocks are
+    taken and given back in stack order, each rounded up to `ALIGN`), read from their C."""
+    most = 0
+    bodies = _FUNCTION.split(kernels)[1:]
+    for _, body in zip(bodies[::2], bodies[1::2]):
+        most = max(most, sum(_aligned(int(n)) for n in _WORKSPACE.findall(body)))
+    return most
+
+
+class _Driver:
+    """Walks the lowered step once, in program order, and writes its C."""
+
+    def __init__(self, func: relax.Function, sig: StepSignature):
+        self.func, self.sig = func, sig
+        self.tensors: dict[relax.Var, _Tensor] = {}
+        self.storages: dict[relax.Var, int] = {}  # storage -> its offset in the arena
+        self.arena = 0
+        self.constants: list[str] = []
+        self.calls: list[str] = []
+        self.kernels: set[str] = set()
+        self.tuples: dict[relax.Var, list[relax.Expr]] = {}
+
+    def _name(self, hint: str) -> str:
+        return f"t{len(self.tensors)}_{re.sub(r'[^0-9A-Za-z_]', '_', hint)}"[:64]
+
+    def _tensor(self, var: relax.Var, data: str, shape: tuple[int, ...] | None = None, dtype: str | None = None) -> _Tensor:
+        ty = var.ty
+        t = _Tensor(self._name(var.name), shape if shape is not None else _shape(var), dtype or str(ty.dtype), data)
+        self.tensors[var] = t
+        return t
+
+    def _new_storage(self, nbytes: int) -> int:
+        offset = self.arena
+        self.arena += _aligned(nbytes)
+        return offset
+
+    def _argument(self, arg: relax.Expr) -> _Tensor:
+        if isinstance(arg, relax.Var):
+            if arg not in self.tensors:
+                raise CandidateFailed(f"the C back end met {arg.name}, a value the step never made")
+            return self.tensors[arg]
+        if isinstance(arg, tvm.ir.Constant):
+            value = arg.value.numpy()
+            name = f"c{len(self.constants)}"
+            ctype = _ctype(str(value.dtype))
+            items = ", ".join(_literal(v, str(value.dtype)) for v in value.ravel().tolist()) or "0"
+            self.constants.append(f"static {ctype} {name}_data[{max(1, value.size)}] = {{{items}}};")
+            t = _Tensor(name, tuple(value.shape), str(value.dtype), f"{name}_data")
+            self.tensors[relax.Var(name, arg.ty)] = t
+            return t
+        raise CandidateFailed(f"the C back end cannot pass {type(arg).__name__} to a kernel")
+
+    def walk(self) -> None:
+        params = self.func.params
+        n_inputs = len(self.sig.inputs)
+        for i, p in enumerate(params[:n_inputs]):
+            self._tensor(p, f"inputs[{i}]")
+        for i, p in enumerate(params[n_inputs:-1]):
+            self._tensor(p, f"params[{i}]")
+        self._tensor(params[-1], "(void*)labels")
+        for block in self.func.body.blocks:
+            for binding in block.bindings:
+                self._binding(binding.var, binding.value)
+
+    def _binding(self, var: relax.Var, value: relax.Expr) -> None:
+        op = _op(value)
+        if op == "relax.memory.alloc_storage":
+            self.storages[var] = self._new_storage(_shape(value.args[0])[0])
+        elif op == "relax.memory.alloc_tensor":
+            storage, offset = value.args[0], int(value.args[1].value)
+            if offset != 0:
+                raise CandidateFailed("the C back end takes tensors at the start of their storage")
+            self._tensor(var, f"arena + {self.storages[storage]}")
+        elif op == "relax.builtin.alloc_tensor":  # a tensor TVM did not plan (a returned one): a storage of its own
+            t = self._tensor(var, "")
+            t.data = f"arena + {self._new_storage(t.nbytes)}"
+        elif op == "relax.reshape":
+            source = self._argument(value.args[0])
+            self._tensor(var, source.data)
+        elif op in ("relax.memory.kill_tensor", "relax.memory.kill_storage"):
+            pass
+        elif isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar):
+            args = [self._argument(a) for a in value.args]
+            symbol = f"__tvm_ffi_{value.op.name_hint}"
+            self.kernels.add(symbol)
+            self.calls.append(f"  CALL({symbol}, {', '.join('&' + a.name for a in args)});")
+        elif isinstance(value, relax.Tuple):
+            self.tuples[var] = list(value.fields)
+        elif isinstance(value, relax.Var):
+            self.tensors[var] = self.tensors[value]
+        else:
+            raise CandidateFailed(f"the C back end cannot emit {op or type(value).__name__} in the step")
+
+    def outputs(self) -> list[_Tensor]:
+        """What the step returns: the loss, then each trainable weight and optimizer state as updated."""
+        result = self.func.body.body
+        fields = self.tuples.get(result) if isinstance(result, relax.Var) else None
+        if fields is None:
+            fields = list(result.fields) if isinstance(result, relax.Tuple) else [result]
+        return [self._argument(f) for f in fields]
+
+    def distinct(self) -> list[_Tensor]:
+        """Every tensor once (a variable bound to another shares its tensor)."""
+        return list({id(t): t for t in self.tensors.values()}.values())
+
+
+def _ctype(dtype: str) -> str:
+    return {
+        "float32": "float",
+        "float64": "double",
+        "int64": "int64_t",
+        "int32": "int32_t",
+        "int8": "int8_t",
+        "uint8": "uint8_t",
+        "bool": "uint8_t",
+    }[dtype]
+
+
+def _literal(v: float | int, dtype: str) -> str:
+    """A constant's element as C writes it exactly: a float in hexadecimal."""
+    if dtype.startswith("float"):
+        return float(v).hex() + ("f" if dtype == "float32" else "")
+    return str(int(v))
+
+
+def _dl_dtype(dtype: str) -> str:
+    t = tvm.runtime.DataType(dtype)
+    return f"{{{int(t.type_code)}, {int(t.bits)}, {int(t.lanes)}}}"
+
+
+def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
+    """The C of `lowered` (a memory-planned module, `planner.backend.compile`) and its step's API."""
+    kernels = kernels_source(lowered)
+    d = _Driver(lowered[STEP_FUNC], sig)
+    d.walk()
+    outputs = d.outputs()
+    n_inputs, n_params = len(sig.inputs), len(sig.frozen) + len(sig.trainable) + len(sig.optim_states)
+    workspace = workspace_bytes(kernels)
+    tensors = d.distinct()
+    lines = [
+        "/* Generated by planner: one training step, every tensor at a fixed place (see train_step.h). */",
+        '#include "train_step.h"',
+        "",
+        "#include <string.h>",
+        "",
+        '#include "tvm/ffi/c_api.h"',
+        "",
+        "typedef int32_t (*planner_kernel)(void* self, void* args, int32_t num_args, void* result);",
+        *(f"extern int32_t {k}(void* self, void* args, int32_t num_args, void* result);" for k in sorted(d.kernels)),
+        "",
+        f"static uint8_t arena[{max(ALIGN, d.arena)}] __attribute__((aligned({ALIGN})));",
+        f"static uint8_t workspace[{max(ALIGN, workspace)}] __attribute__((aligned({ALIGN})));",
+        "static uint64_t workspace_top;",
+        "",
+        "/* The kernels' scratch, taken and given back in stack order (as TVM's kernels do). */",
+        "void* TVMBackendAllocWorkspace(int device_type, int device_id, uint64_t nbytes, int code, int bits) {",
+        "  (void)device_type; (void)device_id; (void)code; (void)bits;",
+        f"  uint64_t size = (nbytes + {ALIGN - 1}u) / {ALIGN}u * {ALIGN}u;",
+        "  if (workspace_top + size > sizeof(workspace)) return 0;",
+        "  void* block = workspace + workspace_top;",
+        "  workspace_top += size;",
+        "  return block;",
+        "}",
+        "",
+        "int TVMBackendFreeWorkspace(int device_type, int device_id, void* ptr) {",
+        "  (void)device_type; (void)device_id;",
+        "  workspace_top = (uint64_t)((uint8_t*)ptr - workspace);",
+        "  return 0;",
+        "}",
+        "",
+        *d.constants,
+    ]
+    for t in tensors:
+        shape = ", ".join(map(str, t.shape)) or "1"
+        lines.append(f"static int64_t {t.name}_shape[{max(1, len(t.shape))}] = {{{shape}}};")
+        lines.append(
+            f"static DLTensor {t.name} = {{0, {{kDLCPU, 0}}, {len(t.shape)}, {_dl_dtype(t.dtype)}, {t.name}_shape, 0, 0}};"
+        )
+    lines += [
+        "",
+        "static int32_t call(planner_kernel kernel, DLTensor* const* args, int32_t n) {",
+        "  TVMFFIAny packed[16];",
+        "  TVMFFIAny result;",
+        "  for (int32_t i = 0; i < n; ++i) {",
+        "    packed[i].type_index = kTVMFFIDLTensorPtr;",
+        "    packed[i].zero_padding = 0;",
+        "    packed[i].v_ptr = args[i];",
+        "  }",
+        "  result.type_index = kTVMFFINone;",
+        "  return kernel(0, packed, n, &result);",
+        "}",
+        "",
+        "#define CALL(kernel, ...)                                                         \\",
+        "  do {                                                                            \\",
+        "    DLTensor* const args_[] = {__VA_ARGS__};                                      \\",
+        "    int32_t rc_ = call(kernel, args_, (int32_t)(sizeof(args_) / sizeof(args_[0]))); \\",
+        "    if (rc_ != 0) return rc_;                                                     \\",
+        "  } while (0)",
+        "",
+        f"int32_t planner_step(void* const inputs[{max(1, n_inputs)}], void* const params[{max(1, n_params)}], const int64_t* labels, float* loss) {{",
+        "  workspace_top = 0;",
+    ]
+    lines += [f"  {t.name}.data = {t.data};" for t in tensors]
+    lines += d.calls
+    loss_t, updated = outputs[0], outputs[1:]
+    lines.append(f"  *loss = *(float*){loss_t.name}.data;")
+    n_frozen = len(sig.frozen)
+    for i, t in enumerate(updated):
+        param = n_frozen + i
+        lines.append(f"  if ({t.name}.data != params[{param}]) memcpy(params[{param}], {t.name}.data, {t.nbytes});")
+    lines += ["  return 0;", "}", ""]
+    header = "\n".join(
+        [
+            "/* Generated by planner: the C API of one training step (no heap, no OS). */",
+            "#ifndef PLANNER_TRAIN_STEP_H",
+            "#define PLANNER_TRAIN_STEP_H",
+            "",
+            "#include <stdint.h>",
+            "",
+            f"#define PLANNER_BATCH {sig.batch_size}",
+            f"#define PLANNER_N_INPUTS {n_inputs}",
+            f"#define PLANNER_N_PARAMS {n_params}  /* frozen, trainable, optimizer states; the learning rate last */",
+            f"#define PLANNER_ARENA_BYTES {max(ALIGN, d.arena)}",
+            f"#define PLANNER_WORKSPACE_BYTES {max(ALIGN, workspace)}",
+            "",
+            "/* One step on a batch: `inputs` the model's inputs, `params` the step's other tensors in the",
+            "   order of its signature, updated in place; the batch's mean loss in `loss`. 0 on success. */",
+            f"int32_t planner_step(void* const inputs[{max(1, n_inputs)}], void* const params[{max(1, n_params)}], const int64_t* labels, float* loss);",
+            "",
+            "#endif",
+            "",
+        ]
+    )
+    return CStep(kernels, "\n".join(lines), header, max(ALIGN, d.arena), max(ALIGN, workspace))
+
+
+def include_dirs() -> list[Path]:
+    """Where the headers the kernels include are: TVM FFI's (`tvm/ffi/c_api.h`, `dlpack/dlpack.h`)
+    and TVM's runtime (`tvm/runtime/c_backend_api.h`), both in their wheels."""
+    return [Path(tvm_ffi.__file__).parent / "include", Path(tvm.__file__).parent / "include"]
+
+
+def write_sources(step: CStep, directory: Path) -> list[Path]:
+    """The step's C sources in `directory`: the driver, the kernels, the header."""
+    files = {"train_step.c": step.driver, "train_step_kernels.c": step.kernels, "train_step.h": step.header}
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return [directory / name for name in files]
+
+
+def compile_host(step: CStep, directory: Path, *, compiler: str = "gcc") -> Path:
+    """The step built for this machine as a shared library (`train_step_host.so` in `directory`),
+    with no floating-point contraction: the step the VM runs, computed in the same order."""
+    sources = [s for s in write_sources(step, directory) if s.suffix == ".c"]
+    library = directory / "train_step_host.so"
+    flags = ["-O2", "-ffp-contract=off", "-shared", "-fPIC", *(f"-I{d}" for d in include_dirs())]
+    done = subprocess.run([compiler, *flags, "-o", str(library), *map(str, sources), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CandidateFailed(
+            f"{compiler} cannot build the C step: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        )
+    return library

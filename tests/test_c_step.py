@@ -1,0 +1,111 @@
+"""A step as C (`planner.backend.cstep`): every kernel TVM's C code generator writes, and a driver
+that calls them in the planned order with every tensor at a fixed offset in one static arena.
+
+Built for this machine with gcc and no floating-point contraction, the C step is the VM's step
+computed in the same order: losses and weights equal to the bit over several steps, for every kind
+of update — the last layer, every layer, ratio-split and LoRA weights, int8 frozen weights,
+momentum and Adam, micro-batches, recomputation, updates by copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+
+from planner.backend.compile import BuildOptions, compile_candidate, lower_step
+from planner.backend.cstep import ALIGN, compile_host, emit
+from planner.backend.graph import build_training_module
+from planner.backend.session import TrainingSession
+from planner.backend.weights import from_step, to_step
+from planner.inputs.model import load_model
+from planner.inputs.resources import shipped
+from planner.inputs.schemes import load_scheme
+from planner.types import Candidate, Kernels, StepSignature
+
+# one core, no FMA: the VM's kernels multiply and add as C without contraction does
+NO_FMA = tvm.target.Target({"kind": "llvm", "num-cores": 1, "mattr": ["-fma"]})
+DIGITS = shipped("examples") / "digits"
+
+
+class CSession:
+    """The C step loaded with ctypes, holding the step's tensors as TrainingSession does."""
+
+    def __init__(self, library: Path, sig: StepSignature, weights: dict[str, np.ndarray]):
+        self.lib, self.sig = ctypes.CDLL(str(library)), sig
+        self.stored = to_step(weights, sig.layouts, sig.quantized)
+        self.names = [*sig.frozen, *sig.trainable]
+        self.params = [np.ascontiguousarray(self.stored[n]) for n in self.names]
+        self.params += [np.full(shape, fill, dtype) for shape, dtype, fill in sig.optim_states]
+        self.pointers = (ctypes.c_void_p * len(self.params))(*(p.ctypes.data for p in self.params))
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y, dtype=np.int64)
+        loss = ctypes.c_float()
+        inputs = (ctypes.c_void_p * 1)(x.ctypes.data)
+        assert self.lib.planner_step(inputs, self.pointers, ctypes.c_void_p(y.ctypes.data), ctypes.byref(loss)) == 0
+        return loss.value
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return from_step({**self.stored, **dict(zip(self.names, self.params))}, self.sig.layouts, self.sig.quantized)
+
+
+def _both(model_path: Path, candidate: Candidate, tmp_path: Path) -> tuple[TrainingSession, CSession, int]:
+    model = load_model(model_path)
+    build = BuildOptions(NO_FMA, tmp_path / "cache", kernels=Kernels.TVM)
+    vm = compile_candidate(model, candidate, build)
+    mod, sig = build_training_module(model, candidate)
+    step = emit(lower_step(mod, sig, candidate, build, None).lowered, sig)
+    weights = dict(model.initializers)
+    c = CSession(compile_host(step, tmp_path), sig.with_lr(candidate.lr), weights)
+    return TrainingSession(vm.library, vm.signature.with_lr(candidate.lr), weights), c, step.arena_bytes
+
+
+def _equal_over_steps(vm: TrainingSession, c: CSession, shape: tuple[int, ...], classes: int, steps: int = 4) -> None:
+    rng = np.random.default_rng(0)
+    batch = c.sig.batch_size
+    for _ in range(steps):
+        x = rng.normal(0, 1, (batch, *shape)).astype(np.float32)
+        y = rng.integers(0, classes, batch)
+        assert c.step(x, y) == vm.step(x, y)
+    expected, got = vm.weights(), c.weights()
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize("scheme", ["head-only", "last-conv", pytest.param("all-layers", marks=pytest.mark.slow)])
+def test_the_c_step_is_the_vm_step_to_the_bit_on_the_bundled_example(scheme, tmp_path):
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / f"{scheme}.yaml")).candidate(model)
+    vm, c, arena = _both(DIGITS / "model.onnx", candidate, tmp_path)
+    assert arena % ALIGN == 0 and arena > 0
+    _equal_over_steps(vm, c, model.only_input.shape, model.n_classes)
+
+
+UPDATES = {
+    "ratio, momentum": {"trainable": (("c2", "ratio:0.5"), ("fc", "full")), "optimizer": "momentum"},
+    "lora, adam": {"trainable": (("c1", "lora:2"), ("fc", "full")), "optimizer": "adam", "lr": 0.01},
+    "int8 frozen, adam": {
+        "trainable": (("c2", "full"), ("fc", "full")),
+        "optimizer": "adam",
+        "lr": 0.01,
+        "frozen_weights": "int8",
+    },
+    "micro-batches": {"trainable": (("c1", "full"), ("fc", "bias")), "grad_accum": 2, "batch_size": 2},
+    "recompute": {"trainable": (("c1", "full"), ("c2", "full"), ("fc", "full")), "recompute": "auto"},
+    "copy updates": {"trainable": (("c2", "bias"), ("fc", "full")), "updates": "copy", "optimizer": "momentum"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("update", UPDATES, ids=list(UPDATES))
+def test_the_c_step_is_the_vm_step_to_the_bit_for_every_kind_of_update(update, tiny_model, tmp_path):
+    fields = {"batch_size": 4, "optimizer": "sgd", "lr": 0.05, **UPDATES[update]}
+    candidate = Candidate(**fields)
+    model = load_model(tiny_model)
+    vm, c, _ = _both(tiny_model, candidate, tmp_path)
+    _equal_over_steps(vm, c, model.only_input.shape, model.n_classes)
