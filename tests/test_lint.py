@@ -44,3 +44,13 @@ def test_the_type_checker_finds_nothing(tmp_path):
     pytest.importorskip("mypy", reason="the test extra installs mypy")
     res = _run("mypy", "--cache-dir", str(tmp_path / "mypy-cache"))
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_package_of_planner_is_in_the_wheel():
+    """pyproject.toml lists the wheel's packages (the shipped data is mapped in beside them): a
+    package missing from the list installs from a checkout and breaks from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "planner").rglob("__init__.py")}
+    assert found - listed == set(), "add them to [tool.setuptools] packages"

@@ -25,6 +25,7 @@ from planner.errors import BadInput
 from planner.inputs.data import DataFormat, data_format, load_dataset
 from planner.inputs.defaults import DEFAULT_TARGET
 from planner.inputs.model import load_model
+from planner.plans.schema import SCHEMA_VERSION
 
 LENGTH = 12  # token_bag's, and the PyTorch text families'
 
@@ -187,7 +188,7 @@ def test_text_plans_records_its_tokenizer_and_runs_with_the_plans_copy(tmp_path)
     accuracy = result.plan.metrics.accuracy
     assert accuracy.after > accuracy.before + 0.2  # a keyword decides the class: fine-tuning learns it
     recorded = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    assert recorded["schema_version"] == 5 and recorded["dataset"]["format"] == "text"
+    assert recorded["schema_version"] == SCHEMA_VERSION and recorded["dataset"]["format"] == "text"
     assert recorded["dataset"]["tokenizer"]["sha256"] == recorded["files"]["tokenizer.json"] == sha256
     assert (tmp_path / "plan" / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert "tokenised by tokenizer.json" in (tmp_path / "plan" / "report.md").read_text()
