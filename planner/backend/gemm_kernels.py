@@ -137,8 +137,11 @@ def _nothing(a0, a1, a2, a3, a4, a5, a6, a7):
     T.evaluate(0)
 
 
-def _sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc):
-    return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), a, lda, b, ldb, beta, c, ldc)
+def _sgemm(trans, mnk, a, b, beta, c):
+    """C = A·B + beta·C through cblas_sgemm (row major, alpha 1): `trans` is A's and B's flag,
+    `mnk` the product's sizes, and `a`, `b`, `c` each an operand's address and leading dimension."""
+    (ta, tb), (m, n, k), (pa, lda), (pb, ldb), (pc, ldc) = trans, mnk, a, b, c
+    return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, pb, ldb, beta, pc, ldc)
 
 
 def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
@@ -180,18 +183,12 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                     )
                 T.evaluate(
                     _sgemm(
-                        NO_TRANS,
-                        NO_TRANS,
-                        o,
-                        t.columns(s, i // bands, i % bands),
-                        k,
-                        wt.data,
-                        k,
-                        T.address_of(ws[th * per]),
-                        t.width,
+                        (NO_TRANS, NO_TRANS),
+                        (o, t.columns(s, i // bands, i % bands), k),
+                        (wt.data, k),
+                        (T.address_of(ws[th * per]), t.width),
                         T.float32(0),
-                        product(y, ws, th, i // bands, i % bands),
-                        t.ld(s),
+                        (product(y, ws, th, i // bands, i % bands), t.ld(s)),
                     )
                 )
                 for j in range(t.count(s, i // bands)):
@@ -316,7 +313,7 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, trans
         cols = (T.address_of(ws[at(th)]), t.width)
         dys = (gradient(dy, ws, th, g, b), t.ld(s))
         first, second, m, n, ldc = (cols, dys, kt, s.o, s.o) if transposed else (dys, cols, s.o, kt, s.k)
-        return _sgemm(NO_TRANS, TRANS, m, n, t.columns(s, g, b), *first, *second, beta, out, ldc)
+        return _sgemm((NO_TRANS, TRANS), (m, n, t.columns(s, g, b)), first, second, beta, (out, ldc))
 
     @T.macro
     def tile(x, dy, ws, th, i, k0, kt, beta, out):
@@ -413,18 +410,12 @@ def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
                         gather(dy, ws, th * per + k * t.width, t.width, t.image(g, j), j * t.run(s), t.row(b), t.span(s, b))
                     T.evaluate(
                         _sgemm(
-                            TRANS,
-                            NO_TRANS,
-                            k,
-                            t.columns(s, g, b),
-                            o,
-                            wt.data,
-                            k,
-                            gradient(dy, ws, th, g, b),
-                            t.ld(s),
+                            (TRANS, NO_TRANS),
+                            (k, t.columns(s, g, b), o),
+                            (wt.data, k),
+                            (gradient(dy, ws, th, g, b), t.ld(s)),
                             T.float32(0),
-                            T.address_of(ws[th * per]),
-                            t.width,
+                            (T.address_of(ws[th * per]), t.width),
                         )
                     )
                     for j in range(t.count(s, g)):
