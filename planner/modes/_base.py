@@ -13,6 +13,7 @@ so reading a plan or a search space never loads a compiler.
 
 from __future__ import annotations
 
+import math
 from abc import ABC
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,19 +59,16 @@ class Argument:
     valid: Callable[[float], bool]
 
     def parse(self, value: object) -> int | float:
-        """`value` as this argument's type, or ValueError naming the bounds."""
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
+        """`value` (a number, or its text) as this argument's type, or ValueError naming the bounds."""
+        number = math.nan
+        if isinstance(value, int | float | str) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if not math.isfinite(number) or (self.type is int and not number.is_integer()) or not self.valid(self.type(number)):
             raise ValueError(f"{self.name} must be {self.bounds} (not {value!r})")
-        try:
-            number = float(value)
-        except ValueError:
-            raise ValueError(f"{self.name} must be {self.bounds} (not {value!r})") from None
-        if self.type is int and number != int(number):
-            raise ValueError(f"{self.name} must be {self.bounds} (not {value!r})")
-        parsed = self.type(number)
-        if not self.valid(parsed):
-            raise ValueError(f"{self.name} must be {self.bounds} (not {value!r})")
-        return parsed
+        return self.type(number)
 
 
 @dataclass(frozen=True)
