@@ -615,6 +615,18 @@ def _(ctx):
     return Case(ctx.plan("--space", space), "batch_size.0: Input should be a valid integer")
 
 
+@case("space with an infinite rank and an unknown mode")
+def _(ctx):
+    space = ctx.yaml("inf-space.yaml", "modes: [frozen, lora]\nranks: [4, .inf]\n")
+    return Case(ctx.plan("--space", space), "rank must be a whole number from 1 (not inf)")
+
+
+@case("space with an unknown mode")
+def _(ctx):
+    space = ctx.yaml("mode-space.yaml", "modes: [frozen, sideways]\n")
+    return Case(ctx.plan("--space", space), "no update mode 'sideways': the modes are frozen, full, bias, weight, ratio, lora")
+
+
 @case("space with a scalar for a list")
 def _(ctx):
     return Case(
