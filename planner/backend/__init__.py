@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # a target's `backend:` -> "module:class" of its implementation
-BACKENDS: dict[str, str] = {"vm": "planner.backend.vm:VmBackend"}
+BACKENDS: dict[str, str] = {"vm": "planner.backend.vm:VmBackend", "c": "planner.backend.mcu:CBackend"}
 
 
 def backend_class(name: str) -> type[Backend]:

@@ -22,8 +22,10 @@ import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import tvm
 from tvm import relax
@@ -178,31 +180,53 @@ def compile_candidate(model: Model, candidate: Candidate, build: BuildOptions) -
 def _compile_or_load(model: Model, candidate: Candidate, build: BuildOptions) -> CompiledStep:
     cache_dir = build.cache_dir or cachefile.default_cache_dir()
     entry = cache_dir / "steps" / cache_key(model, candidate, build)
-    if (step := _cached(entry)) is not None:
+    return cached_build(entry, lambda tmp: _compile(model, candidate, build, cache_dir, tmp), _load)
+
+
+T = TypeVar("T")
+
+
+def cached_build(entry: Path, make: Callable[[Path], dict], load: Callable[[Path, dict, bool], T]) -> T:
+    """The artifact in the cache entry `entry`, built by `make(tmp)` when it is not there whole.
+
+    `make` writes the artifact's files into the empty folder `tmp` and returns the entry's record,
+    whose `files` maps each of them to its digest; the folder is renamed into place, so a killed
+    build leaves nothing half-written. `load(entry, record, cached)` makes the artifact. Workers
+    of one study share the cache: whoever builds a candidate first, the others wait for it and
+    load the result instead of building it again."""
+    if (step := _cached(entry, load)) is not None:
         return step
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        # workers of one study share the cache: whoever compiles a candidate first, the others
-        # wait for it and load the result instead of compiling it again
         with open(entry.parent / f"{entry.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if (step := _cached(entry)) is not None:
+            if (step := _cached(entry, load)) is not None:
                 return step
             _discard(entry)
-            return _compile(model, candidate, build, cache_dir, entry)
+            tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+            try:
+                meta = make(tmp)
+                cachefile.write_json(tmp / META_NAME, meta, entry.name)
+                tmp.rename(entry)  # under the lock, after `_discard`: no other entry is there
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            return load(entry, meta, False)
     except OSError as exc:  # the cache's own files: its folders, the lock, the entry's metadata
-        raise EnvironmentFailure(f"cannot write the compile cache {cache_dir}: {reason(exc)}") from None
+        raise EnvironmentFailure(f"cannot write the compile cache {entry.parent.parent}: {reason(exc)}") from None
 
 
-def _cached(entry: Path) -> CompiledStep | None:
-    """The entry's step when its metadata verifies and its library is the one the metadata
+def _cached(entry: Path, load: Callable[[Path, dict, bool], T]) -> T | None:
+    """The entry's artifact when its metadata verifies and every file is the one the metadata
     hashed; None (a miss) for a missing, partial, damaged or edited entry. Nothing may load a
     library before this check: dlopen of a truncated one is a SIGBUS, not an exception."""
     meta = cachefile.read_json(entry / META_NAME, entry.name)
-    if meta is None or not cachefile.matches(entry / LIB_NAME, meta.get("library")):
+    if meta is None or not isinstance(meta.get("files"), dict) or not meta["files"]:
+        return None
+    if not all(cachefile.matches(entry / name, digest) for name, digest in meta["files"].items()):
         return None
     try:
-        return _load(entry, meta, cached=True)
+        return load(entry, meta, True)
     except (KeyError, TypeError, ValueError):  # a field missing or of the wrong kind
         return None
 
@@ -281,7 +305,8 @@ def lower_step(
     return LoweredStep(_lower(scheduled, target), sig, kernels, tuned, tune_seconds, in_place)
 
 
-def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir: Path, entry: Path) -> CompiledStep:
+def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir: Path, tmp: Path) -> dict:
+    """The candidate compiled and linked into `tmp`; the cache entry's record."""
     t0 = time.perf_counter()
     target, toolchain = build.target, build.toolchain
     mod, sig = build_training_module(model, candidate)
@@ -296,35 +321,27 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
     if candidate.recompute != Recompute.NONE:
         memory = replace(memory, recompute_saved=_held(_baseline(model, candidate, build)) - _held(memory))
 
-    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
     try:
-        try:
-            compiler = toolchain or tvm.support.cc.get_cc()
-            options = link_options(compiler, cache_dir) if requires else []
-            executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain), options=options)
-        except Exception as exc:
-            raise _failure(exc, "linking the step", cache_dir, toolchain) from None
-        meta = {
-            "library": cachefile.digest(tmp / LIB_NAME),
-            "signature": sig.to_json(),
-            "memory": memory.to_json(),
-            "compile_seconds": time.perf_counter() - t0,  # linked, as a trial waits for it
-            "kernels": kernels,
-            "tuned_kernels": list(tuned),
-            "tune_seconds": tune_seconds,
-            "in_place_updates": in_place,
-            "candidate": candidate.to_json(),
-            "target": str(target),
-            "toolchain": toolchain,
-            "requires": requires,
-            "kernel_table": [asdict(k) for k in kernel_table],
-        }
-        cachefile.write_json(tmp / META_NAME, meta, entry.name)
-        tmp.rename(entry)  # under the lock, after `_discard`: no other entry is there
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return _load(entry, meta, cached=False)
+        compiler = toolchain or tvm.support.cc.get_cc()
+        options = link_options(compiler, cache_dir) if requires else []
+        executable.export_library(str(tmp / LIB_NAME), fcompile=link.linker(toolchain), options=options)
+    except Exception as exc:
+        raise _failure(exc, "linking the step", cache_dir, toolchain) from None
+    return {
+        "files": {LIB_NAME: cachefile.digest(tmp / LIB_NAME)},
+        "signature": sig.to_json(),
+        "memory": memory.to_json(),
+        "compile_seconds": time.perf_counter() - t0,  # linked, as a trial waits for it
+        "kernels": kernels,
+        "tuned_kernels": list(tuned),
+        "tune_seconds": tune_seconds,
+        "in_place_updates": in_place,
+        "candidate": candidate.to_json(),
+        "target": str(target),
+        "toolchain": toolchain,
+        "requires": requires,
+        "kernel_table": [asdict(k) for k in kernel_table],
+    }
 
 
 def _held(memory: MemoryBreakdown) -> int:

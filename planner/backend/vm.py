@@ -25,6 +25,10 @@ class VmBackend(Backend):
 
     @classmethod
     def check(cls, target: HardwareTarget) -> str:
+        if target.mcu is not None:
+            raise BadInput(
+                f"target {target.name}: the vm back end builds for Linux; a microcontroller (`mcu:`) needs `backend: c`"
+            )
         try:
             return str(tvm.target.Target(target.tvm_target))
         except Exception as exc:  # noqa: BLE001 - TVM raises ValueError, TVMError, ... for a bad target

@@ -14,6 +14,23 @@ Targets are YAML files (`hw_targets/NAME.yaml`, or a user's path), validated her
     runner: rpc                             # where the step runs: local (the default) | rpc
     kernels: openblas                       # optional: openblas (default) | tvm
     rpc: {tracker: 127.0.0.1:9190, key: raspberry-pi-4, priority: 1, session_timeout_s: 600}
+
+A microcontroller is a target of the `c` back end (a bare-metal C step) and the `qemu` runner (the
+step run and its instructions counted on an emulated board of the same core):
+
+    backend: c
+    runner: qemu
+    toolchain: arm-none-eabi-gcc
+    tvm_target: {kind: llvm, mtriple: thumbv7em-none-eabihf, mcpu: cortex-m4, num-cores: 1}
+    kernels: tvm
+    ram_budget_bytes: 256KiB                # SRAM
+    flash_budget_bytes: 1MiB
+    mcu:
+      cflags: [-mcpu=cortex-m4, -mthumb, -mfloat-abi=hard, -mfpu=fpv4-sp-d16]
+      clock_hz: 64e6
+      flash: {origin: 0x0, bytes: 4MiB}     # the emulated board's memory map, where the step is linked
+      sram: {origin: 0x20000000, bytes: 4MiB}
+      qemu: {machine: mps2-an386, cpu: cortex-m4}
 """
 
 from __future__ import annotations
@@ -73,6 +90,55 @@ class RpcRunner(BaseModel):
         return parse_host_port(self.tracker)
 
 
+class Region(BaseModel):
+    """A range of a board's address space."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    origin: int = Field(ge=0, lt=2**32)
+    bytes: int = Field(gt=0)
+
+    @field_validator("bytes", mode="before")
+    @classmethod
+    def _size(cls, v: int | str) -> int:
+        return parse_bytes(v)
+
+    def holds(self, address: int) -> bool:
+        return self.origin <= address < self.origin + self.bytes
+
+
+class Emulator(BaseModel):
+    """The qemu-system-arm machine that runs a microcontroller target's steps (and counts their
+    instructions): its machine and core, as `qemu-system-arm -machine M -cpu C` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    machine: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    cpu: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+
+
+class Mcu(BaseModel):
+    """A microcontroller: how gcc compiles for its core, its clock, and the memory map a step is
+    linked into — the emulated board's (`qemu`), where the step is measured; a real board's
+    firmware project links the same sources with its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cflags: list[str] = Field(min_length=1)  # e.g. [-mcpu=cortex-m4, -mthumb, -mfloat-abi=hard, -mfpu=fpv4-sp-d16]
+    clock_hz: float = Field(gt=0)  # the core's clock: an instruction count becomes an estimate in ms at it
+    flash: Region
+    sram: Region
+    qemu: Emulator
+
+    @field_validator("cflags")
+    @classmethod
+    def _flags(cls, v: list[str]) -> list[str]:
+        bad = [f for f in v if not re.fullmatch(r"-m[a-z0-9=.+-]+", f)]
+        if bad:
+            raise ValueError(f"only -m options (the core, its FPU and ABI) belong here, not {bad[0]!r}")
+        return v
+
+
 class HardwareTarget(BaseModel):
     """A board planner plans for."""
 
@@ -91,6 +157,7 @@ class HardwareTarget(BaseModel):
     backend: str = Field(default="vm", pattern=r"^[a-z][a-z0-9-]*$")
     runner: str = Field(default="local", pattern=r"^[a-z][a-z0-9-]*$")
     rpc: RpcRunner | None = None  # the `rpc` runner's boards
+    mcu: Mcu | None = None  # a microcontroller (the `c` back end's targets)
     # dense convolutions through OpenBLAS (scipy-openblas32 where the step runs) or TVM's schedules
     kernels: Kernels = Kernels.OPENBLAS
 

@@ -20,7 +20,11 @@ if TYPE_CHECKING:
 __all__ = ["RUNNERS", "Measurement", "Runner", "Session", "runner_for"]
 
 # a target's `runner:` -> "module:class" of its implementation
-RUNNERS: dict[str, str] = {"local": "planner.measurement.local:LocalRunner", "rpc": "planner.measurement.rpc:TrackerRunner"}
+RUNNERS: dict[str, str] = {
+    "local": "planner.measurement.local:LocalRunner",
+    "rpc": "planner.measurement.rpc:TrackerRunner",
+    "qemu": "planner.measurement.qemu:QemuRunner",
+}
 
 
 def runner_for(target: HardwareTarget) -> Runner:

@@ -1,0 +1,150 @@
+"""`CBackend`: the C step built, linked for the target's board and cached by content."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+
+from planner import __version__, cachefile
+from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, Provenance
+from planner.backend.compile import BuildOptions, cached_build, code_id, compile_candidate, lower_step
+from planner.backend.cstep import emit
+from planner.backend.graph import build_training_module
+from planner.backend.mcu._firmware import build_firmware
+from planner.backend.trainer import update_lr
+from planner.backend.vm import HOST_TARGET
+from planner.errors import BadInput, CandidateFailed, last_line
+from planner.inputs.model import Model
+from planner.inputs.targets import HardwareTarget, Mcu
+from planner.types import Candidate, Kernels, MemoryBreakdown, StepSignature
+
+C_FIRMWARE = ArtifactKind("c-firmware")  # an ELF for the target's emulated board, with the C it is built from
+DEFAULT_COMPILER = "arm-none-eabi-gcc"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CFirmware(BuiltArtifact):
+    """The C back end's artifact: the ELF (the entry) and its sources, as linked."""
+
+    directory: Path  # the cache entry
+    flash_bytes: int  # from the ELF's sections
+    planned_sram_bytes: int  # from the storage plan, before linking (memory.total is the ELF's)
+
+    @property
+    def stored_bytes(self) -> int:
+        """The flash the image takes (code, constants, .data's initial values), not its files'
+        bytes: sources and debug information never reach the board."""
+        return self.flash_bytes
+
+
+class CBackend(Backend):
+    name = "c"
+    kind = C_FIRMWARE
+
+    @classmethod
+    def check(cls, target: HardwareTarget) -> str:
+        if target.mcu is None:
+            raise BadInput(f"target {target.name}: the c back end needs an `mcu:` section (cflags, clock_hz, flash, sram, qemu)")
+        if target.kernels is not Kernels.TVM:
+            raise BadInput(f"target {target.name}: the c back end computes every kernel as C; set `kernels: tvm`")
+        try:
+            tvm.target.Target(target.tvm_target)
+        except Exception as exc:  # noqa: BLE001 - TVM raises ValueError, TVMError, ... for a bad target
+            raise BadInput(f"target {target.name}: tvm_target is not a valid TVM target: {last_line(exc)}") from None
+        return f"C for {' '.join(target.mcu.cflags)} ({target.toolchain or DEFAULT_COMPILER}), on qemu {target.mcu.qemu.machine}"
+
+    @property
+    def _board(self) -> Mcu:
+        self.check(self.target)
+        assert self.target.mcu is not None
+        return self.target.mcu
+
+    def _key(self, model: Model, candidate: Candidate) -> str:
+        """Everything that decides the image: the learning rate too, as `planner_init` starts from it."""
+        t = self.target
+        blob = json.dumps(
+            {
+                "model": model.key,
+                "candidate": candidate.to_json(),
+                "target": t.model_dump(include={"tvm_target", "toolchain", "mcu", "kernels"}),
+                "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def build(self, model: Model, candidate: Candidate) -> CFirmware:
+        entry = self.cache_dir / "steps" / f"c-{self._key(model, candidate)}"
+        return cached_build(entry, lambda tmp: self._make(model, candidate, tmp), _load)
+
+    def _make(self, model: Model, candidate: Candidate, tmp: Path) -> dict:
+        t0 = time.perf_counter()
+        board = self._board
+        build = BuildOptions(tvm.target.Target(self.target.tvm_target), self.cache_dir, kernels=Kernels.TVM)
+        mod, sig = build_training_module(model, candidate)
+        sig = sig.with_lr(update_lr(candidate, sig.loss_scale))
+        try:
+            lowered = lower_step(mod, sig, candidate, build, None)
+            step = emit(lowered.lowered, sig)
+        except CandidateFailed:
+            raise
+        except Exception as exc:
+            raise CandidateFailed(f"TVM compile failed: {last_line(exc)}") from None
+        firmware = build_firmware(step, sig, model.initializers, board, self.target.toolchain or DEFAULT_COMPILER, tmp)
+        plan = firmware.planned
+        memory = MemoryBreakdown(
+            total=firmware.sram_bytes,
+            activations=plan.arena + plan.batch,
+            trainable_params=plan.trainable,
+            gradients=0,  # in the arena, among the activations
+            optimizer_state=plan.optimizer,
+            frozen_params=0,  # in flash
+            scratch=firmware.sram_bytes - plan.arena - plan.batch - plan.trainable - plan.optimizer,
+        )
+        return {
+            "files": {f.name: cachefile.digest(f) for f in firmware.files},
+            "order": [f.name for f in firmware.files],
+            "signature": sig.to_json(),
+            "memory": memory.to_json(),
+            "flash_bytes": firmware.flash_bytes,
+            "planned_sram_bytes": plan.total,
+            "compile_seconds": time.perf_counter() - t0,
+            "kernels": lowered.kernels,
+            "in_place_updates": lowered.in_place,
+            "candidate": candidate.to_json(),
+        }
+
+    def host_build(self, model: Model, candidate: Candidate) -> BuiltArtifact:
+        """The step for the fine-tune on this machine: the VM's, which the C step equals up to the
+        rounding of the board's libm (`tests/test_c_step.py`)."""
+        return compile_candidate(model, candidate, BuildOptions(tvm.target.Target(HOST_TARGET), self.cache_dir))
+
+    def provenance(self, artifact: BuiltArtifact) -> Provenance:
+        return Provenance(
+            memory="the linked ELF's sections in the board's SRAM (.data, .bss: the arena every activation and "
+            "gradient shares, the kernels' scratch, the batch, trainable weights and optimizer state; the stack) "
+            "and in flash (code, frozen weights, trainable weights' start)",
+            schedules=f"planner's default schedules for {self.target.tvm_target.get('mcpu', 'the core')}, every kernel "
+            "emitted as C by TVM and compiled by gcc",
+        )
+
+
+def _load(entry: Path, meta: dict, cached: bool) -> CFirmware:
+    return CFirmware(
+        kind=C_FIRMWARE,
+        files=tuple(entry / name for name in meta["order"]),
+        directory=entry,
+        signature=StepSignature.from_json(meta["signature"]),
+        memory=MemoryBreakdown(**meta["memory"]),
+        compile_seconds=float(meta["compile_seconds"]),
+        cached=cached,
+        kernels=int(meta["kernels"]),
+        in_place_updates=int(meta["in_place_updates"]),
+        flash_bytes=int(meta["flash_bytes"]),
+        planned_sram_bytes=int(meta["planned_sram_bytes"]),
+    )
