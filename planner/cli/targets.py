@@ -19,7 +19,7 @@ app.add_typer(targets_app, name="targets")
 @targets_app.command("list")
 def targets_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """The shipped targets (hw_targets/*.yaml)."""
-    from planner.inputs.targets import list_targets
+    from planner.inputs.targets import budget_label, list_targets
     from planner.measurement import runner_for
 
     targets = guard(list_targets)
@@ -31,7 +31,7 @@ def targets_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> N
         table.add_column(col)
     for t in targets:
         tvm_target = " ".join(str(t.tvm_target[k]) for k in ("kind", "mtriple", "mcpu") if k in t.tvm_target)
-        table.add_row(t.name, guard(lambda: runner_for(t)).device, f"{t.ram_budget_bytes / 2**20:,.0f} MiB", tvm_target)
+        table.add_row(t.name, guard(lambda: runner_for(t)).device, budget_label(t.ram_budget_bytes), tvm_target)
     stdout.print(table)
 
 

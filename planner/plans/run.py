@@ -21,7 +21,7 @@ from planner.inputs.data import Dataset, Tokenization, data_format, format_named
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
 from planner.inputs.preprocess import Preprocess
-from planner.inputs.targets import HardwareTarget
+from planner.inputs.targets import HardwareTarget, load_target
 from planner.measurement import Session, runner_for
 from planner.measurement.accuracy import evaluate, finetune
 from planner.measurement.local import LocalRunner, local_session
@@ -76,6 +76,8 @@ def run_plan(
         order_seed = seed if shuffle else None
 
         artifact = _artifact(plan_dir, plan)
+        if target is None and artifact.kind not in LocalRunner.kinds:
+            target = _own_target(plan)
         if target is not None and not _built_for(plan, target):
             artifact = backend_for(target, cache_dir=default_cache_dir()).build(model, plan.candidate)
         runner = runner_for(target) if target is not None else None
@@ -183,6 +185,19 @@ def _artifact(plan_dir: Path, plan: Plan) -> Artifact:
         signature=plan.signature,
         requires=tuple(plan.step.requires),
     )
+
+
+def _own_target(plan: Plan) -> HardwareTarget:
+    """The shipped target a plan was made for, when its step runs only there (firmware for an
+    emulated board): `planner run PLAN` then runs it where it was measured."""
+    where = f"the plan's step is a {plan.step.kind}, which runs on {plan.target.device}"
+    try:
+        target = load_target(plan.target.name)
+    except BadInput:
+        raise BadInput(f"{where}: give the target it was made for (`target`, --target)") from None
+    if not _built_for(plan, target):
+        raise BadInput(f"{where}: the target {plan.target.name} here is not the one it was made for; give that target")
+    return target
 
 
 def _built_for(plan: Plan, target: HardwareTarget) -> bool:

@@ -1,0 +1,163 @@
+"""Microcontroller targets: the `c` back end's firmware run and counted on qemu's Cortex-M boards.
+
+The firmware trains where it is measured: on each emulated core the weights after 10 steps are
+those of the VM's step on this machine (within 1e-5), the SRAM planner planned before linking is
+the linked ELF's (within 1 %), and a plan made for an emulated board reproduces its accuracy when
+`planner run` trains it there. What cannot run: nothing here (the toolchain and qemu come from the
+package registries, `.ci/run`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner import api
+from planner.backend import backend_for
+from planner.backend.session import TrainingSession
+from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
+from planner.inputs.model import load_model
+from planner.inputs.resources import shipped
+from planner.inputs.schemes import load_scheme
+from planner.inputs.targets import load_target
+from planner.measurement import runner_for
+from planner.measurement.qemu import QemuSession
+from planner.types import Candidate
+
+DIGITS = shipped("examples") / "digits"
+
+
+@pytest.fixture(autouse=True)
+def _toolchain():
+    missing = [t for t in ("arm-none-eabi-gcc", "qemu-system-arm") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (apt-get install gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm)")
+
+
+def _weights_after_steps(target_name: str, model_path: Path, candidate: Candidate, cache: Path, steps: int = 10):
+    """(firmware, weights on the emulated board, weights of the VM's step here) after `steps` steps
+    on the same batches."""
+    model = load_model(model_path)
+    target = load_target(target_name)
+    backend = backend_for(target, cache_dir=cache)
+    firmware = backend.build(model, candidate)
+    host = backend.host_build(model, candidate)
+    vm = TrainingSession(host.library, host.signature, dict(model.initializers))
+    rng = np.random.default_rng(1)
+
+    def train(session) -> dict[str, np.ndarray]:
+        for _ in range(steps):
+            x = rng.normal(0, 1, (candidate.batch_size, *model.only_input.shape)).astype(np.float32)
+            y = rng.integers(0, model.n_classes, candidate.batch_size)
+            assert session.step(x, y) == pytest.approx(vm.step(x, y), rel=1e-5)
+        return session.weights()
+
+    return firmware, runner_for(target).train(firmware, dict(model.initializers), train), vm.weights()
+
+
+def _close(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_the_firmware_trains_as_the_vm_on_the_emulated_cortex_m4(tmp_path):
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / "head-only.yaml")).candidate(model)
+    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", DIGITS / "model.onnx", candidate, tmp_path)
+    _close(got, expected)
+    changed = [n for n in candidate_params(candidate, model) if not np.array_equal(got[n], model.initializers[n])]
+    assert changed, "the trained layer did not move"
+    # planned before linking, measured from the ELF's sections: within 1 %
+    assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total
+    # frozen weights are flash constants, not SRAM
+    frozen = sum(model.initializers[n].nbytes for n in firmware.signature.frozen)
+    assert firmware.memory.frozen_params == 0 and firmware.stored_bytes > frozen
+    assert {f.name for f in firmware.files} >= {"train_step.elf", "train_step.c", "train_step.h", "train_step.mk"}
+
+
+def candidate_params(candidate: Candidate, model) -> list[str]:
+    return [p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["cortex-m7-qemu", "cortex-m55-qemu"])
+def test_the_firmware_trains_as_the_vm_on_every_emulated_core(target, tmp_path):
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / "last-conv.yaml")).candidate(model)
+    firmware, got, expected = _weights_after_steps(target, DIGITS / "model.onnx", candidate, tmp_path)
+    _close(got, expected)
+    assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total
+
+
+@pytest.mark.slow
+def test_int8_frozen_weights_lora_and_adam_train_as_the_vm_on_the_board(tiny_model, tmp_path):
+    candidate = Candidate(
+        trainable=(("c1", "lora:2"), ("fc", "full")), batch_size=4, optimizer="adam", lr=0.01, frozen_weights="int8"
+    )
+    _, got, expected = _weights_after_steps("cortex-m4-qemu", tiny_model, candidate, tmp_path)
+    _close(got, expected)
+
+
+def test_weights_that_are_not_the_firmwares_are_refused(tmp_path):
+    """Frozen weights are compiled into flash: a session given others says so, not trains wrong."""
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / "head-only.yaml")).candidate(model)
+    target = load_target("cortex-m4-qemu")
+    firmware = backend_for(target, cache_dir=tmp_path).build(model, candidate)
+    other = {n: (w + 1).astype(w.dtype) for n, w in model.initializers.items()}
+    with pytest.raises(CandidateFailed, match="frozen weights"):
+        QemuSession(firmware, other, target.mcu)
+
+
+def test_a_missing_emulator_is_the_machines_failure_not_the_candidates(tmp_path, monkeypatch):
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / "head-only.yaml")).candidate(model)
+    target = load_target("cortex-m4-qemu")
+    firmware = backend_for(target, cache_dir=tmp_path).build(model, candidate)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(EnvironmentFailure, match="qemu-system-arm"):
+        runner_for(target).measure(firmware, dict(model.initializers), 1)
+
+
+def test_a_microcontroller_target_needs_the_c_back_end_and_tvm_kernels(tmp_path):
+    text = (shipped("hw_targets") / "cortex-m4-qemu.yaml").read_text()
+    for change, error in (
+        (("backend: c\nrunner: qemu", "backend: vm\nrunner: local"), "needs `backend: c`"),
+        (("kernels: tvm", "kernels: openblas"), "set `kernels: tvm`"),
+    ):
+        path = tmp_path / "t.yaml"
+        path.write_text(text.replace(*change))
+        with pytest.raises(BadInput, match=error):
+            api.check_target(str(path))
+
+
+@pytest.mark.slow
+def test_a_plan_for_an_emulated_board_reproduces_its_accuracy_when_run_there(tmp_path):
+    """`planner plan --target cortex-m4-qemu` on the bundled example, then `planner run PLAN`:
+    trained on the emulated board, the plan's measured accuracy comes back."""
+    out = tmp_path / "plan"
+    env = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}
+    steps = "40"
+    cli = [sys.executable, "-m", "planner"]
+    common = {"capture_output": True, "text": True, "env": {**os.environ, **env}}
+    done = subprocess.run(
+        [*cli, "plan", "--target", "cortex-m4-qemu", "--out", str(out), "--trials", "3", "--accuracy-steps", steps], **common
+    )
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["step"]["kind"] == "c-firmware" and plan["target"]["device"] == "qemu:mps2-an386"
+    assert "instructions per step" in plan["measurement"]["latency"]
+    assert plan["metrics"]["peak_memory_bytes"]["total"] <= 512 * 1024
+    done = subprocess.run([*cli, "run", str(out), "--steps", steps, "--out", str(tmp_path / "run"), "--json"], **common)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["device"] == "qemu:mps2-an386"
+    assert result["after"]["accuracy"] == pytest.approx(plan["metrics"]["accuracy"]["after"], abs=1e-9)
