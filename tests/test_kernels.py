@@ -97,11 +97,13 @@ def _conv_and_gradients(n, c, h, w, o, k, stride, pad) -> tvm.IRModule:
         (2, 3, 5, 7, 4, 3, 1, (3, 1, 2, 1)),  # more: whole rows of padding
     ],
 )
-@pytest.mark.parametrize("band_bytes", [gemm_kernels.BAND_BYTES, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"])
+@pytest.mark.parametrize(
+    "band_bytes", [gemm_kernels.LIMITS.band_bytes, 6000, 1], ids=["tiles-default", "tiles-small", "tile-per-row"]
+)
 @pytest.mark.parametrize("cores", [None, 3], ids=["cores-host", "cores-3"])
 @pytest.mark.parametrize(
     "dw_split",
-    [{"NARROW": 1 << 30, "MIN_PIXELS": 0}, {"NARROW": 0}, pytest.param({"PRIVATE_BYTES": 0}, marks=pytest.mark.slow)],
+    [{"NARROW": 1 << 30, "MIN_PIXELS": 0}, {"NARROW": 0}, pytest.param({"private_bytes": 0}, marks=pytest.mark.slow)],
     # every weight gradient here split by tiles, or none: by columns into dWᵀ, or into dW in place
     ids=["dw-per-thread", "dw-by-columns", "dw-by-columns-in-place"],
 )
@@ -113,8 +115,10 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     (gradient accumulation) equals that sum plus TVM's; tiles of one image's band multiply their
     output (or output gradient) in place, tiles of several images a copy."""
     assert load_openblas() is not None
-    monkeypatch.setattr(gemm_kernels, "BAND_BYTES", band_bytes)
-    for name, value in dw_split.items():
+    split = dict(dw_split)  # the parameter's own dict is shared by every test of it
+    limits = gemm_kernels.Limits(band_bytes, split.pop("private_bytes", gemm_kernels.LIMITS.private_bytes))
+    monkeypatch.setattr(gemm_kernels, "LIMITS", limits)
+    for name, value in split.items():
         monkeypatch.setattr(gemm_kernels, name, value)
     target = tvm.target.Target({"kind": "llvm", **({"num-cores": cores} if cores else {})})
     mod = _conv_and_gradients(n, c, h, w, o, k, stride, pad)
@@ -137,7 +141,9 @@ def test_openblas_convolution_and_gradients_equal_tvms_lowering(
     x, _, dy = args
     oh, ow = dy.shape[2:]
     s = Conv(n, c, h, w, o, k, k, oh, ow, stride, stride, pad[0], pad[1])
-    kernel = gemm_kernels.weight_grad_kernel(s, gemm.pool_threads(target), accumulate=True).with_attr("global_symbol", "main")
+    kernel = gemm_kernels.weight_grad_kernel(s, gemm.pool_threads(target), limits, accumulate=True).with_attr(
+        "global_symbol", "main"
+    )
     total = rng.standard_normal((o, c, k, k)).astype("float32")
     out = tvm.runtime.tensor(total)
     tvm.compile(tvm.IRModule({"main": kernel}), target)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy), out)

@@ -33,7 +33,7 @@ def fresh(monkeypatch):
 def _lowered(mods: list[tvm.IRModule], flavors: list[tuple[Kernels, int]], monkeypatch) -> list[tvm.IRModule]:
     out = []
     for mod, (kind, band) in zip(mods, flavors):
-        monkeypatch.setattr(gemm_kernels, "BAND_BYTES", band)
+        monkeypatch.setattr(gemm_kernels, "LIMITS", gemm_kernels.Limits(band, gemm_kernels.LIMITS.private_bytes))
         with TARGET:
             out.append(legalize(TARGET, kind)(mod))
     return out
@@ -56,11 +56,11 @@ def test_remembered_lowerings_equal_fresh_ones_across_candidates(tmp_path, fresh
     mods = [build_training_module(model, c)[0] for c in candidates]
     # OpenBLAS and TVM's own kernels in one process; OpenBLAS with other tiles
     flavors = [
-        (Kernels.OPENBLAS, gemm_kernels.BAND_BYTES),
-        (Kernels.TVM, gemm_kernels.BAND_BYTES),
+        (Kernels.OPENBLAS, gemm_kernels.LIMITS.band_bytes),
+        (Kernels.TVM, gemm_kernels.LIMITS.band_bytes),
         (Kernels.OPENBLAS, 6000),
-        (Kernels.OPENBLAS, gemm_kernels.BAND_BYTES),
-        (Kernels.TVM, gemm_kernels.BAND_BYTES),
+        (Kernels.OPENBLAS, gemm_kernels.LIMITS.band_bytes),
+        (Kernels.TVM, gemm_kernels.LIMITS.band_bytes),
     ]
     remembered = _lowered(mods, flavors, monkeypatch)
     assert len(kernels._Remembered.memo) > 0
@@ -83,7 +83,7 @@ def _product(same: bool) -> tvm.IRModule:
 @pytest.mark.parametrize("first", ["x * x", "x * y"])
 def test_an_operand_used_twice_is_not_confused_with_two_operands(first, fresh, monkeypatch):
     order = [_product(first == "x * x"), _product(first != "x * x")]
-    flavors = [(Kernels.TVM, gemm_kernels.BAND_BYTES)] * 2
+    flavors = [(Kernels.TVM, gemm_kernels.LIMITS.band_bytes)] * 2
     remembered = _lowered(order, flavors, monkeypatch)
     fresh()
     for mine, theirs in zip(remembered, _lowered(order, flavors, monkeypatch)):

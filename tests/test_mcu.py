@@ -9,6 +9,7 @@ package registries, `.ci/run`).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -131,7 +132,7 @@ def test_a_microcontroller_target_needs_the_c_back_end_and_tvm_kernels(tmp_path)
     text = (shipped("hw_targets") / "cortex-m4-qemu.yaml").read_text()
     for change, error in (
         (("backend: c\nrunner: qemu", "backend: vm\nrunner: local"), "needs `backend: c`"),
-        (("kernels: tvm", "kernels: openblas"), "set `kernels: tvm`"),
+        (("kernels: portable", "kernels: openblas"), "set `kernels: portable`"),
     ):
         path = tmp_path / "t.yaml"
         path.write_text(text.replace(*change))
@@ -161,3 +162,33 @@ def test_a_plan_for_an_emulated_board_reproduces_its_accuracy_when_run_there(tmp
     result = json.loads(done.stdout)
     assert result["device"] == "qemu:mps2-an386"
     assert result["after"]["accuracy"] == pytest.approx(plan["metrics"]["accuracy"]["after"], abs=1e-9)
+
+
+def test_the_portable_sgemm_is_blas_for_every_transposition_and_odd_size(tmp_path):
+    """planner's C sgemm (the microcontroller kernels' products) against numpy: row-major,
+    each operand plain or transposed, sizes around its 4x4 blocks, leading dimensions wider than
+    the operands, beta 0 (C's old values ignored, NaN included) and 1."""
+    from planner.backend.mcu._firmware import RUNTIME
+
+    library = tmp_path / "sgemm.so"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(library), str(RUNTIME / "sgemm.c")], check=True)
+    sgemm = ctypes.CDLL(str(library)).planner_sgemm
+    f, i, p = ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+    sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+    rng = np.random.default_rng(0)
+    for m, n, k in [(1, 1, 1), (4, 4, 4), (5, 7, 3), (16, 9, 13), (3, 8, 0), (9, 4, 33)]:
+        for ta, tb in [(111, 111), (111, 112), (112, 111), (112, 112)]:
+            for beta in (0.0, 1.0):
+                a = rng.normal(size=(k, m + 2) if ta == 112 else (m, k + 2)).astype(np.float32)
+                b = rng.normal(size=(n, k + 1) if tb == 112 else (k, n + 1)).astype(np.float32)
+                c = rng.normal(size=(m, n + 3)).astype(np.float32)
+                if beta == 0.0:
+                    c[:] = np.nan
+                padding = c[:, n:].copy()
+                op_a = a[:, :m].T if ta == 112 else a[:, :k]
+                op_b = b[:, :k].T if tb == 112 else b[:, :n]
+                expected = op_a.astype(np.float64) @ op_b + beta * np.nan_to_num(c[:, :n].astype(np.float64))
+                args = (101, ta, tb, m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta)
+                assert sgemm(*args, c.ctypes.data, c.shape[1]) == 0
+                np.testing.assert_allclose(c[:, :n], expected, rtol=1e-5, atol=1e-5, err_msg=f"{m}x{n}x{k} {ta} {tb} {beta}")
+                np.testing.assert_array_equal(c[:, n:], padding)  # nothing written past n

@@ -93,7 +93,7 @@ def test_scheduled_kernels_keep_no_whole_tensor_scratch(tmp_path):
 
 def test_openblas_convolutions_keep_one_band_of_columns_at_any_batch(tmp_path):
     """The OpenBLAS convolutions' im2col workspace is a few tiles per thread (and a small weight
-    gradient's per-thread copies): planned, and within `BAND_BYTES` + `PRIVATE_BYTES` at batch 8
+    gradient's per-thread copies): planned, and within the band and the private copies (`gemm_kernels.LIMITS`) at batch 8
     and at batch 32 (the whole batch's columns of the first stage alone would be 4.5 and 18 MiB)."""
     model = load_model(zoo.save(zoo.resnet(8, resolution=32), tmp_path / "resnet8.onnx"))
     build = BuildOptions(tvm.target.Target({"kind": "llvm"}), kernels=Kernels.OPENBLAS)
@@ -101,7 +101,7 @@ def test_openblas_convolutions_keep_one_band_of_columns_at_any_batch(tmp_path):
     for batch in (8, 32):
         cand = Candidate(tuple((layer.name, "full") for layer in model.layers), batch_size=batch, optimizer="sgd", lr=0.01)
         scratch.append(compile_candidate(model, cand, build).memory.scratch)
-    assert all(0 < bytes_ <= gemm_kernels.BAND_BYTES + gemm_kernels.PRIVATE_BYTES for bytes_ in scratch), scratch
+    assert all(0 < bytes_ <= gemm_kernels.LIMITS.band_bytes + gemm_kernels.LIMITS.private_bytes for bytes_ in scratch), scratch
 
 
 def test_int8_frozen_weights_hold_less_than_fp32_ones_through_the_backward_pass(tmp_path):

@@ -115,8 +115,8 @@ def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_
     mod = sparse.embedding_sgd(mod, threads=gemm.pool_threads(target))
     with target:
         fused = tvm.transform.Sequential(passes)(mod)
-    if kernels == Kernels.OPENBLAS:
-        fused = gemm.accumulate_in_place(fused, STEP_FUNC, gemm.pool_threads(target), cache=cache_dir)
+    if kernels.sgemm:
+        fused = gemm.accumulate_in_place(fused, STEP_FUNC, gemm.pool_threads(target), gemm.limits_for(kernels), cache=cache_dir)
     return fused
 
 

@@ -33,8 +33,9 @@ from tvm import relax
 
 from planner import cachefile
 from planner.backend import gemm_kernels, im2col
-from planner.backend.gemm_kernels import CALLS, CONV, forward_kernel, input_grad_kernel, limits, weight_grad_kernel
+from planner.backend.gemm_kernels import CALLS, CONV, Limits, constants, forward_kernel, input_grad_kernel, weight_grad_kernel
 from planner.backend.im2col import Conv
+from planner.types import Kernels
 
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
 
@@ -55,6 +56,12 @@ def _static(call: relax.Call, layouts: tuple[str, str, str]) -> bool:
 
 def _ints(shape) -> list[int]:
     return [int(d) for d in shape]
+
+
+def limits_for(kernels: Kernels) -> Limits:
+    """The workspace the kernels' tiling may take: kilobytes for a microcontroller's portable
+    sgemm, a megabyte beside OpenBLAS."""
+    return gemm_kernels.MICRO_LIMITS if kernels == Kernels.PORTABLE else gemm_kernels.LIMITS
 
 
 def pool_threads(target: tvm.target.Target) -> int:
@@ -91,9 +98,9 @@ _MADE_BY = _source_id()  # the source this process runs
 
 @functools.lru_cache(maxsize=1024)
 def _built(
-    kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, made: tuple[int, ...], cache: Path | None
+    kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, limits: Limits, cache: Path | None
 ) -> tvm.tirx.PrimFunc:
-    """`kernel(s, threads)`, made once per process (under the `limits()` it was made with) and,
+    """`kernel(s, threads, limits)`, made once per process (under the module's `constants()`) and,
     given a `cache` directory, once per compile cache. Parsing a kernel's TVMScript takes
     100-200 ms, a third of a MobileNetV3 compile; a study legalizes the same convolutions for
     candidate after candidate, and workers, reruns and `compile` in other processes meet them
@@ -106,7 +113,7 @@ def _built(
     of its few batch sizes, some hundreds; the cache directory serves one dropped since."""
     if cache is not None:
         name = getattr(kernel, "func", kernel).__name__ + repr(sorted(getattr(kernel, "keywords", {}).items()))
-        made_of = json.loads(json.dumps([name, astuple(s), threads, made, _MADE_BY]))  # as it reads back
+        made_of = json.loads(json.dumps([name, astuple(s), threads, astuple(limits), constants(), _MADE_BY]))  # as it reads back
         key = hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:32]
         path = kernels_dir(cache) / f"{key}.json"
         cached = cachefile.read_json(path, key)
@@ -118,7 +125,7 @@ def _built(
             if isinstance(loaded, tvm.tirx.PrimFunc) and _conv_of(loaded) == astuple(s):
                 return loaded
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
-        func = parser.submit(kernel, s, threads).result()
+        func = parser.submit(kernel, s, threads, limits).result()
     # TVMScript parses the source on disk: if it is no longer the source this process runs (a
     # checkout during a study), the kernel is used here but not kept under this source's key
     if cache is not None and _source_id() == _MADE_BY:
@@ -142,7 +149,9 @@ def kernels_dir(cache: Path) -> Path:
     return cache / "kernels-tir"
 
 
-def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, cache: Path | None) -> relax.Expr:
+def conv2d(
+    bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, limits: Limits, cache: Path | None
+) -> relax.Expr:
     """`relax.nn.conv2d`: a layer's forward convolution, or TVM's weight gradient (x in a CNHW
     view convolved by dy in an IOHW view, dilated by the layer's stride), through OpenBLAS."""
     a = call.attrs
@@ -152,7 +161,7 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, kh, kw = _ints(call.ty.shape)
         sh, sw = _ints(a.dilation)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits(), cache), "conv2d_weight_grad_gemm")
+        gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits, cache), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     if (
         _static(call, ("NCHW", "OIHW", "NCHW"))
@@ -164,13 +173,13 @@ def conv2d(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, thre
         _, _, oh, ow = _ints(call.ty.shape)
         sh, sw = _ints(a.strides)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(forward_kernel, s, threads, limits(), cache), "conv2d_gemm")
+        gv = bb.add_func(_built(forward_kernel, s, threads, limits, cache), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
 
 def conv2d_transpose(
-    bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, cache: Path | None
+    bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, limits: Limits, cache: Path | None
 ) -> relax.Expr:
     """`relax.nn.conv2d_transpose` as TVM's input gradient writes it (NCHW dy, the IOHW view of
     the layer's OIHW weight) through OpenBLAS."""
@@ -182,14 +191,14 @@ def conv2d_transpose(
     _, _, h, w = _ints(call.ty.shape)
     sh, sw = _ints(a.strides)
     s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-    gv = bb.add_func(_built(input_grad_kernel, s, threads, limits(), cache), "conv2d_input_grad_gemm")
+    gv = bb.add_func(_built(input_grad_kernel, s, threads, limits, cache), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
 
 
 _weight_grad_accumulating = functools.partial(weight_grad_kernel, accumulate=True)
 
 
-def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int, *, cache: Path | None) -> tvm.IRModule:
+def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int, limits: Limits, *, cache: Path | None) -> tvm.IRModule:
     """`mod` with each micro-batch's weight gradient through OpenBLAS added by its own kernel to
     the running sum, where the sum lies, instead of written to a buffer of its own that an
     accumulation kernel then adds (`graph._in_place`): the step holds one dW, not two."""
@@ -220,9 +229,7 @@ def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int, *, cache: Pa
         if not source.args[0].name_hint.startswith("conv2d_weight_grad_gemm") or kernel.attrs.get(CONV) is None:
             continue
         s = Conv(*(int(d) for d in kernel.attrs[CONV]))
-        gv = builder.add_func(
-            _built(_weight_grad_accumulating, s, threads, limits(), cache), "conv2d_weight_grad_gemm_accumulate"
-        )
+        gv = builder.add_func(_built(_weight_grad_accumulating, s, threads, limits, cache), "conv2d_weight_grad_gemm_accumulate")
         x, dy = source.args[1].fields
         fused[b.var] = relax.op.call_tir_inplace(gv, relax.Tuple([x, dy, total]), 2, call.ty)
     if not fused:

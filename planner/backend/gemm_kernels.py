@@ -12,7 +12,7 @@ works on its own tiles in its own part of one workspace: it builds a tile's colu
 them with a single-threaded sgemm and writes its own outputs, never waiting for another thread
 (OpenBLAS runs inside TVM's pool, never beside it: their two pools fought over the cores). A tile
 is whole images side by side when images are small, else a band of output rows (`Tiles`); all
-the threads' tiles together stay within about `BAND_BYTES` whatever the batch, since the
+the threads' tiles together stay within about `Limits.band_bytes` whatever the batch, since the
 workspace is counted in the step's planned memory like any other buffer. The forward and input
 gradient deal out images (or rows) to threads; the weight gradient deals out its columns, so no
 two threads accumulate into one weight.
@@ -40,16 +40,30 @@ ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
 CONV = "planner.conv"  # function attribute: the `Conv` a kernel computes, field by field
-# the tiling limits (`limits`): a kernel made under other limits is another kernel
-BAND_BYTES = 1024 * 1024  # all threads' tiles: a quarter of this ran up to 2x slower on 4x4 and 2x2 maps
-PRIVATE_BYTES = 256 * 1024  # every thread's own copy of dW, in all, when a weight gradient is split by tiles
 NARROW = 128  # dW columns per thread under which a weight gradient split by columns multiplies too thin a product
 MIN_PIXELS = 256  # output pixels per image from which that thin product costs measurably (16x16 maps)
 
 
 @dataclass(frozen=True)
+class Limits:
+    """How much workspace a kernel's tiling may take: a kernel made under other limits is another
+    kernel (`gemm._built` keys them by these)."""
+
+    band_bytes: int  # all threads' tiles
+    private_bytes: int  # every thread's own copy of dW, in all, when a weight gradient is split by tiles
+
+
+# A Linux board's: a quarter of the band ran up to 2x slower on 4x4 and 2x2 maps.
+LIMITS = Limits(band_bytes=1024 * 1024, private_bytes=256 * 1024)
+# A microcontroller's: its SRAM is kilobytes. Bands of 16 KiB cut the weight gradients' products so
+# short that the portable sgemm's per-block work showed (4.0 instructions per MAC on a Cortex-M4);
+# 32 KiB ran every dense kernel at 2.6-3.8 (benchmarks/mcu_kernels.py, docs/benchmarks.md).
+MICRO_LIMITS = Limits(band_bytes=32 * 1024, private_bytes=16 * 1024)
+
+
+@dataclass(frozen=True)
 class Tiles:
-    """How a kernel's columns are cut into per-thread tiles of at most `BAND_BYTES` in all.
+    """How a kernel's columns are cut into per-thread tiles of at most `Limits.band_bytes` in all.
 
     A tile is either `images` whole images side by side (small feature maps: one image's few
     pixels would make a product too thin for sgemm to run fast), or a band of `rows` output rows
@@ -60,11 +74,11 @@ class Tiles:
     width: int
 
     @classmethod
-    def of(cls, s: Conv, threads: int, rows_per_column: int) -> Tiles:
+    def of(cls, s: Conv, threads: int, rows_per_column: int, limits: Limits) -> Tiles:
         """Tiles for `threads` workspaces of `rows_per_column` floats per column each. Whole
         images are dealt out evenly: as many tiles as a multiple of the threads needs, each
         as wide as that allows (8 images of 4 pixels, 2 threads: 4 and 4, never 6 and 2)."""
-        cols = max(s.ow, BAND_BYTES // (4 * threads * rows_per_column))
+        cols = max(s.ow, limits.band_bytes // (4 * threads * rows_per_column))
         if cols >= s.p:
             most = max(1, min(s.n, cols // s.p))
             rounds = -(-s.n // (threads * most))
@@ -144,12 +158,12 @@ def _sgemm(trans, mnk, a, b, beta, c):
     return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, pb, ldb, beta, pc, ldc)
 
 
-def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
+def forward_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
     """y_n = W · col(x_n). The pool's threads take the tiles in turn (contiguous shares), each
     building its own tile's columns, multiplying them into its workspace and copying the product
     out image by image: one parallel region, no thread waits for another."""
     k, o = s.k, s.o
-    t = Tiles.of(s, threads, k + o)
+    t = Tiles.of(s, threads, k + o, limits)
     per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the product
     bands = t.bands(s)
     tiles = t.groups(s) * bands
@@ -206,17 +220,17 @@ def forward_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
     return conv2d_gemm
 
 
-def weight_grad_kernel(s: Conv, threads: int, accumulate: bool = False) -> tvm.tirx.PrimFunc:
+def weight_grad_kernel(s: Conv, threads: int, limits: Limits, accumulate: bool = False) -> tvm.tirx.PrimFunc:
     """dW = Σ_n dy_n · col(x_n)ᵀ (or, `accumulate`, dW += that: a micro-batch's gradient added
     to the running sum where it lies, see `gemm.accumulate_in_place`), in one of two ways so
     that no two threads add into one weight and none waits for another while multiplying:
 
     - split by its columns (kernel taps × input channels): each thread builds only its rows of
       every tile's columns and accumulates into only its part of dW — as its rows of dWᵀ,
-      written out at the end, where all of dW fits in `PRIVATE_BYTES` (`_weight_grad_tile`);
+      written out at the end, where all of dW fits in `Limits.private_bytes` (`_weight_grad_tile`);
     - split by tiles, where that split would leave each thread fewer than `NARROW` columns of
       dW (16 input channels of a 3×3 layer on 2 threads: 72) on maps of `MIN_PIXELS` or more,
-      and every thread's own copy of dW fits in `PRIVATE_BYTES`: each thread builds
+      and every thread's own copy of dW fits in `Limits.private_bytes`: each thread builds
       whole columns of its own tiles and accumulates into its own dW; the copies are summed at
       the end. Why: ResNet-8's 16-channel weight gradients ran split by columns at a quarter of
       numpy's speed, a fifth of its batch-32 step; by tiles 1.3–1.6× faster. On small maps and
@@ -224,14 +238,14 @@ def weight_grad_kernel(s: Conv, threads: int, accumulate: bool = False) -> tvm.t
 
     A `single` tile's dy is multiplied in place; several images side by side are gathered."""
     k, o = s.k, s.o
-    if _by_tiles(s, threads):
-        return _weight_grad_by_tiles(s, threads, accumulate)
+    if _by_tiles(s, threads, limits):
+        return _weight_grad_by_tiles(s, threads, limits, accumulate)
     kb = -(-k // threads)  # dW columns per thread
-    t = Tiles.of(s, threads, kb + o)
+    t = Tiles.of(s, threads, kb + o, limits)
     cols = t.width * (kb + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
     # where dW fits a copy of its rows per thread (dWᵀ, `_weight_grad_tile`): accumulated there and
     # written out at the end; else dW's columns, strided, accumulated where they belong
-    transposed = o * k * 4 <= PRIVATE_BYTES
+    transposed = o * k * 4 <= limits.private_bytes
     per = cols + (kb * o if transposed else 0)
     tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width, transposed=transposed)
 
@@ -285,15 +299,15 @@ def weight_grad_kernel(s: Conv, threads: int, accumulate: bool = False) -> tvm.t
     return conv2d_weight_grad_gemm
 
 
-def _by_tiles(s: Conv, threads: int) -> bool:
+def _by_tiles(s: Conv, threads: int, limits: Limits) -> bool:
     """Whether `weight_grad_kernel` splits dW by tiles (measured per shape, side by side with the
     column split, in docs/benchmarks.md)."""
-    return threads > 1 and s.k // threads < NARROW and s.p >= MIN_PIXELS and threads * s.o * s.k * 4 <= PRIVATE_BYTES
+    return threads > 1 and s.k // threads < NARROW and s.p >= MIN_PIXELS and threads * s.o * s.k * 4 <= limits.private_bytes
 
 
-def limits() -> tuple[int, ...]:
-    """The module's tiling limits: a kernel made under other limits is another kernel."""
-    return (BAND_BYTES, PRIVATE_BYTES, NARROW, MIN_PIXELS)
+def constants() -> tuple[int, ...]:
+    """The module's fixed choices among tilings: a kernel chosen under others is another kernel."""
+    return (NARROW, MIN_PIXELS)
 
 
 def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, transposed: bool = False):
@@ -335,12 +349,12 @@ def _in_place(s: Conv, t: Tiles, copy, at: Callable):
     return copy, lambda buf, ws, th, g, b: T.address_of(ws[at(th)])
 
 
-def _weight_grad_by_tiles(s: Conv, threads: int, accumulate: bool) -> tvm.tirx.PrimFunc:
+def _weight_grad_by_tiles(s: Conv, threads: int, limits: Limits, accumulate: bool) -> tvm.tirx.PrimFunc:
     """`weight_grad_kernel` split by tiles: thread th takes a contiguous share of the tiles,
     accumulates col · dyᵀ into its own dWᵀ at the end of its workspace, and a second parallel
     loop sums the threads' copies, transposed, into dw."""
     k, o = s.k, s.o
-    t = Tiles.of(s, threads, k + o)
+    t = Tiles.of(s, threads, k + o, limits)
     cols = t.width * (k + (0 if t.single else o))  # its tile's columns, then dy
     per = cols + o * k  # ... then its own dWᵀ
     tiles = t.groups(s) * t.bands(s)
@@ -379,12 +393,12 @@ def _weight_grad_by_tiles(s: Conv, threads: int, accumulate: bool) -> tvm.tirx.P
     return conv2d_weight_grad_gemm
 
 
-def input_grad_kernel(s: Conv, threads: int) -> tvm.tirx.PrimFunc:
+def input_grad_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
     """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each gathering its
     tiles' dy, multiplying them into its own columns and adding those back onto its own images:
     a band's taps overlap the next band's rows, so an image is never split between threads."""
     k, o = s.k, s.o
-    t = Tiles.of(s, threads, k + o)
+    t = Tiles.of(s, threads, k + o, limits)
     per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the gathered dy
     groups, bands = t.groups(s), t.bands(s)
     share = -(-groups // threads)

@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import functools
 import threading
+from dataclasses import astuple
 from pathlib import Path
 
 import tvm
@@ -230,16 +231,18 @@ def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None 
         "relax.nn.conv2d_transpose": conv2d_transpose_taps,
         "relax.nn.softmax": functools.partial(softmax_rows, threads=threads),
     }
-    flavor = (str(target), kernels.value, threads, *gemm_kernels.limits(), *matmul.limits())
+    limits = gemm.limits_for(kernels)
+    flavor = (str(target), kernels.value, threads, *astuple(limits), *gemm_kernels.constants(), *matmul.limits())
     before: list[tvm.transform.Pass] = []
-    if kernels == Kernels.OPENBLAS:
-        # loaded here too, not only where the step is loaded: a module built in-process (tests,
-        # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
-        load_openblas()
+    if kernels.sgemm:
+        if kernels == Kernels.OPENBLAS:
+            # loaded here too, not only where the step is loaded: a module built in-process (tests,
+            # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
+            load_openblas()
         tvms = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")
-        ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads, cache=cache)
+        ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads, limits=limits, cache=cache)
         ops["relax.nn.conv2d_transpose"] = functools.partial(
-            gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads, cache=cache
+            gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads, limits=limits, cache=cache
         )
         before, ops = [matmul.fold], ops | matmul.lowerings(threads)
     lowered = relax.transform.LegalizeOps({name: _Remembered(lower, flavor) for name, lower in (_registered() | ops).items()})

@@ -14,7 +14,7 @@ from planner.backend.compile import VM_LIBRARY, BuildOptions, CompiledStep, comp
 from planner.errors import BadInput, last_line
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
-from planner.types import Candidate
+from planner.types import Candidate, Kernels
 
 HOST_TARGET = {"kind": "llvm"}  # this machine's CPU, as LLVM detects it
 
@@ -29,6 +29,8 @@ class VmBackend(Backend):
             raise BadInput(
                 f"target {target.name}: the vm back end builds for Linux; a microcontroller (`mcu:`) needs `backend: c`"
             )
+        if target.kernels is Kernels.PORTABLE:
+            raise BadInput(f"target {target.name}: `kernels: portable` is the c back end's; a Linux board takes openblas or tvm")
         try:
             return str(tvm.target.Target(target.tvm_target))
         except Exception as exc:  # noqa: BLE001 - TVM raises ValueError, TVMError, ... for a bad target

@@ -12,7 +12,7 @@ Targets are YAML files (`hw_targets/NAME.yaml`, or a user's path), validated her
     precisions: [fp32]
     backend: vm                             # optional: what builds the step (vm, the default: TVM's Relax VM)
     runner: rpc                             # where the step runs: local (the default) | rpc
-    kernels: openblas                       # optional: openblas (default) | tvm
+    kernels: openblas                       # optional: openblas (default) | tvm | portable (microcontrollers)
     rpc: {tracker: 127.0.0.1:9190, key: raspberry-pi-4, priority: 1, session_timeout_s: 600}
 
 A microcontroller is a target of the `c` back end (a bare-metal C step) and the `qemu` runner (the
@@ -22,7 +22,7 @@ step run and its instructions counted on an emulated board of the same core):
     runner: qemu
     toolchain: arm-none-eabi-gcc
     tvm_target: {kind: llvm, mtriple: thumbv7em-none-eabihf, mcpu: cortex-m4, num-cores: 1}
-    kernels: tvm
+    kernels: portable
     ram_budget_bytes: 256KiB                # SRAM
     flash_budget_bytes: 1MiB
     mcu:

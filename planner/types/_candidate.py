@@ -69,11 +69,19 @@ class Precision(StrEnum):
 
 
 class Kernels(StrEnum):
-    """Who computes a step's dense convolutions: OpenBLAS's sgemm (`planner.backend.gemm`; the
-    board needs scipy-openblas32) or TVM's own schedules (nothing to install)."""
+    """Who computes a step's dense convolutions and matrix products: OpenBLAS's sgemm
+    (`planner.backend.gemm`; the board needs scipy-openblas32), TVM's own schedules (nothing to
+    install), or planner's portable C sgemm under the same im2col kernels sized for a
+    microcontroller's kilobytes (the `c` back end: the step carries it)."""
 
     OPENBLAS = "openblas"
     TVM = "tvm"
+    PORTABLE = "portable"
+
+    @property
+    def sgemm(self) -> bool:
+        """Whether dense convolutions and products become im2col kernels calling an sgemm."""
+        return self is not Kernels.TVM
 
 
 class Optimizer(StrEnum):

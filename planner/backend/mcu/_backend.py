@@ -14,6 +14,7 @@ from planner import __version__, cachefile
 from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, Provenance
 from planner.backend.compile import BuildOptions, cached_build, code_id, compile_candidate, lower_step
 from planner.backend.cstep import emit
+from planner.backend.gemm_kernels import FLOPS
 from planner.backend.graph import build_training_module
 from planner.backend.mcu._firmware import build_firmware
 from planner.backend.trainer import update_lr
@@ -34,6 +35,7 @@ class CFirmware(BuiltArtifact):
     directory: Path  # the cache entry
     flash_bytes: int  # from the ELF's sections
     planned_sram_bytes: int  # from the storage plan, before linking (memory.total is the ELF's)
+    calls: tuple[tuple[str, int], ...] = ()  # each kernel call of the step: its kernel and flops (0: not counted)
 
     @property
     def stored_bytes(self) -> int:
@@ -50,8 +52,10 @@ class CBackend(Backend):
     def check(cls, target: HardwareTarget) -> str:
         if target.mcu is None:
             raise BadInput(f"target {target.name}: the c back end needs an `mcu:` section (cflags, clock_hz, flash, sram, qemu)")
-        if target.kernels is not Kernels.TVM:
-            raise BadInput(f"target {target.name}: the c back end computes every kernel as C; set `kernels: tvm`")
+        if target.kernels is Kernels.OPENBLAS:
+            raise BadInput(
+                f"target {target.name}: a microcontroller has no OpenBLAS; set `kernels: portable` (planner's C sgemm) or `tvm`"
+            )
         try:
             tvm.target.Target(target.tvm_target)
         except Exception as exc:  # noqa: BLE001 - TVM raises ValueError, TVMError, ... for a bad target
@@ -85,7 +89,7 @@ class CBackend(Backend):
     def _make(self, model: Model, candidate: Candidate, tmp: Path) -> dict:
         t0 = time.perf_counter()
         board = self._board
-        build = BuildOptions(tvm.target.Target(self.target.tvm_target), self.cache_dir, kernels=Kernels.TVM)
+        build = BuildOptions(tvm.target.Target(self.target.tvm_target), self.cache_dir, kernels=self.target.kernels)
         mod, sig = build_training_module(model, candidate)
         sig = sig.with_lr(update_lr(candidate, sig.loss_scale))
         try:
@@ -116,6 +120,7 @@ class CBackend(Backend):
             "compile_seconds": time.perf_counter() - t0,
             "kernels": lowered.kernels,
             "in_place_updates": lowered.in_place,
+            "calls": [[name, _flops(lowered.lowered[name])] for name in step.calls],
             "candidate": candidate.to_json(),
         }
 
@@ -147,4 +152,10 @@ def _load(entry: Path, meta: dict, cached: bool) -> CFirmware:
         in_place_updates=int(meta["in_place_updates"]),
         flash_bytes=int(meta["flash_bytes"]),
         planned_sram_bytes=int(meta["planned_sram_bytes"]),
+        calls=tuple((str(name), int(flops)) for name, flops in meta["calls"]),
     )
+
+
+def _flops(func) -> int:
+    """A kernel's multiply-adds x 2 where planner's kernels record them (`gemm_kernels.FLOPS`), else 0."""
+    return int((func.attrs or {}).get(FLOPS, 0))

@@ -9,6 +9,7 @@
      C  the frozen weights in, each of planner_frozen_bytes[i]  -> 'k' when they are the ones in flash, else 'x'
      L  state tensors in, each of planner_state_bytes[i]        -> 'k'
      S  a batch (every input, then the labels) in; one step     -> rc (i32), loss (f32), ticks (u64)
+     K  as S, each kernel call's ticks (u32) first, in order    -> ticks x PLANNER_N_CALLS, then as S
      P  a predict batch of every input in                      -> rc (i32), logits (f32 ...)
      W                                                          -> the state tensors
      Q                                                          -> 'k', then qemu exits with 0
@@ -99,6 +100,19 @@ static void write_exact(const void* data, uint32_t n) {
   }
 }
 
+static uint8_t profiling;
+static uint64_t since;
+
+/* After each kernel of a profiled step: its ticks since the last one, written out at once (nothing
+   kept in SRAM), the write itself left out of the next kernel's count. */
+void planner_kernel_done(int32_t index) {
+  (void)index;
+  if (!profiling) return;
+  uint32_t spent = (uint32_t)(ticks() - since);
+  write_exact(&spent, 4);
+  since = ticks();
+}
+
 static float instructions_per_tick(void) {
   const uint32_t loops = 1u << 20; /* two instructions each: subs, bne */
   uint32_t n = loops;
@@ -137,13 +151,16 @@ int main(void) {
     } else if (command == 'L') {
       for (uint32_t i = 0; i < PLANNER_N_STATE; ++i) read_exact(planner_state[i], planner_state_bytes[i]);
       write_exact("k", 1);
-    } else if (command == 'S') {
+    } else if (command == 'S' || command == 'K') {
       for (uint32_t i = 0; i < PLANNER_N_INPUTS; ++i) read_exact(planner_inputs[i], planner_input_bytes[i]);
       read_exact(planner_labels, sizeof(planner_labels));
       float loss = 0;
+      profiling = command == 'K';
       uint64_t t0 = ticks();
+      since = t0;
       int32_t rc = planner_train(&loss);
       uint64_t spent = ticks() - t0;
+      profiling = 0;
       write_exact(&rc, 4);
       write_exact(&loss, 4);
       write_exact(&spent, 8);
