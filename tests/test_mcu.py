@@ -22,7 +22,7 @@ import pytest
 
 from planner import api
 from planner.backend import backend_for
-from planner.backend.session import TrainingSession
+from planner.backend.session import TrainingSession, example_batch
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.model import load_model
 from planner.inputs.resources import shipped
@@ -192,3 +192,43 @@ def test_the_portable_sgemm_is_blas_for_every_transposition_and_odd_size(tmp_pat
                 assert sgemm(*args, c.ctypes.data, c.shape[1]) == 0
                 np.testing.assert_allclose(c[:, :n], expected, rtol=1e-5, atol=1e-5, err_msg=f"{m}x{n}x{k} {ta} {tb} {beta}")
                 np.testing.assert_array_equal(c[:, n:], padding)  # nothing written past n
+
+
+@pytest.mark.slow
+def test_dense_convolutions_take_at_most_4_instructions_per_mac_on_the_cortex_m4(tmp_path):
+    """Instruction counts are deterministic under `-icount` (no wall clock): every dense convolution
+    kernel call of the example's all-layers step, forward and both gradients, counted on the
+    emulated Cortex-M4, takes at most 4 instructions per multiply-accumulate (TVM's scalar loops
+    as C: about 13.5)."""
+    model = load_model(DIGITS / "model.onnx")
+    target = load_target("cortex-m4-qemu")
+    candidate = load_scheme(str(DIGITS / "all-layers.yaml")).candidate(model)
+    firmware = backend_for(target, cache_dir=tmp_path).build(model, candidate)
+    session = QemuSession(firmware, dict(model.initializers), target.mcu)
+    try:
+        x, y = example_batch(firmware.signature, np.random.default_rng(0))
+        counts = session.profile(x, y, len(firmware.calls))
+    finally:
+        session.close()
+    dense = {
+        f"{name} #{i}": count / (flops // 2) for i, ((name, flops), count) in enumerate(zip(firmware.calls, counts)) if flops
+    }
+    assert len(dense) >= 8, dense  # the 3 layers' forward, input and weight gradients
+    assert max(dense.values()) <= 4.0, dense
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(tmp_path):
+    """MobileNetV2's blocks (BatchNorm and ReLU6 after each im2col convolution, residual adds) on
+    the board: its elementwise kernels write over activations nothing reads afterwards
+    (`planner.backend.activations`), and the weights after 10 steps are still the VM's."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import zoo
+
+    path = zoo.save(zoo.mobilenet_v2(0.35, 32), tmp_path / "mbv2.onnx")
+    names = [layer.name for layer in load_model(path).layers if layer.trainable]
+    trained = ((names[0], "bias"), *((n, "full") for n in names[-4:]))
+    candidate = Candidate(trained, batch_size=2, optimizer="momentum", lr=0.01)
+    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path)
+    _close(got, expected)
+    assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total

@@ -1,6 +1,6 @@
 """Edge architectures built in code with `onnx.helper` — nothing is downloaded.
 
-MobileNetV2, a CIFAR-style ResNet, an MCUNet-style net (MobileNetV2 blocks with mixed kernel
+MobileNetV2, a CIFAR-style ResNet, MLPerf Tiny's keyword-spotting DS-CNN, an MCUNet-style net (MobileNetV2 blocks with mixed kernel
 sizes and expansion ratios), a small vision transformer block, and the tiny CNN of the first
 baseline measurements. Weights are random (He init,
 BN with real-looking statistics); they exist so planner's op coverage, gradients, memory and
@@ -147,6 +147,22 @@ def mcunet(resolution: int = 64, classes: int = 10, seed: int = 0) -> onnx.Model
         c = out
     g.head(x, c, classes)
     return g.model(f"mcunet_{resolution}", (3, resolution, resolution), classes)
+
+
+def ds_cnn(classes: int = 12, seed: int = 0) -> onnx.ModelProto:
+    """MLPerf Tiny's keyword-spotting DS-CNN (Zhang et al. 2017, "Hello Edge"): 49 frames of 10 MFCC
+    features; a 10x4 convolution (stride 2, TensorFlow's "same" padding) to 64 channels, four
+    depthwise-separable blocks of 64, average pooling, 12 keywords. BatchNorm after every conv."""
+    g = _Graph(seed)
+    w = g.param("conv1.weight", g.rng.normal(0, np.sqrt(2.0 / 40), (64, 1, 10, 4)))
+    b = g.param("conv1.bias", np.zeros(64))
+    x = g.node("Conv", ["input", w, b], "conv1", kernel_shape=[10, 4], strides=[2, 2], pads=[4, 1, 5, 1])
+    x = g.node("Relu", [g.bn(x, "conv1_bn", 64)], "conv1_act")
+    for i in range(4):
+        x = g.node("Relu", [g.bn(g.conv(x, f"b{i}.dw", 64, 64, 3, groups=64), f"b{i}.dw_bn", 64)], f"b{i}.dw_act")
+        x = g.node("Relu", [g.bn(g.conv(x, f"b{i}.pw", 64, 64, 1), f"b{i}.pw_bn", 64)], f"b{i}.pw_act")
+    g.head(x, 64, classes)
+    return g.model("ds_cnn_kws", (1, 49, 10), classes)
 
 
 def tiny_cnn(resolution: int = 28, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
