@@ -601,6 +601,19 @@ def _(ctx):  # e.g. the model given as --target by mistake
     return Case(ctx.plan("--target", str(binary)), "not a YAML target (the file is not text)")
 
 
+@case("microcontroller target without its mcu section")
+def _(ctx):
+    target = ctx.yaml("mcu.yaml", "backend: c\nrunner: qemu\ntvm_target: {kind: llvm}\nram_budget_bytes: 256KiB\n")
+    return Case(ctx.plan("--target", target), "the qemu runner needs an `mcu:` section")
+
+
+@case("microcontroller target with OpenBLAS kernels")
+def _(ctx):
+    text = (Path(__file__).parent.parent / "hw_targets" / "cortex-m4-qemu.yaml").read_text()
+    target = ctx.yaml("mcu-blas.yaml", text.replace("kernels: portable", "kernels: openblas"))
+    return Case(ctx.plan("--target", target), "a microcontroller has no OpenBLAS; set `kernels: portable`")
+
+
 @case("space with an unknown key")
 def _(ctx):
     return Case(

@@ -29,7 +29,7 @@ from planner.backend._base import Artifact
 from planner.backend.mcu import C_FIRMWARE
 from planner.backend.session import Inputs, example_batch
 from planner.backend.weights import from_step, to_step
-from planner.errors import CandidateFailed, EnvironmentFailure
+from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import HardwareTarget, Mcu
 from planner.measurement._base import Measurement, Runner, Session
 from planner.types import Latency, StepSignature
@@ -44,7 +44,7 @@ COMMAND_TIMEOUT_S = 600.0  # one command (a step of a large model runs minutes e
 
 def _board(target: HardwareTarget) -> Mcu:
     if target.mcu is None:
-        raise CandidateFailed(f"target {target.name} has no `mcu:` section for the qemu runner")
+        raise BadInput(f"target {target.name}: the qemu runner needs an `mcu:` section (its `qemu:` machine and core, the clock)")
     return target.mcu
 
 
