@@ -22,7 +22,6 @@ the trainable weights and the states are updated where they are.
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 from dataclasses import dataclass
@@ -31,20 +30,14 @@ from string import Template
 
 import numpy as np
 import tvm
-import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax
 
+from planner.backend.ckernels import include_dirs, kernels_source, workspace_bytes
 from planner.backend.graph import PREDICT_FUNC, STEP_FUNC
 from planner.errors import CandidateFailed
 from planner.types import StepSignature
 
 ALIGN = 64  # every tensor and scratch block starts on a cache line (and any SIMD load's alignment)
-C_TARGET = {"kind": "c"}
-# TVM's C code generator: no runtime checks of argument shapes (the driver passes what the step was
-# compiled for), no vector types (not C)
-C_PASS_CONFIG = {"tirx.disable_assert": True, "tirx.disable_vectorize": True}
-_WORKSPACE = re.compile(r"TVMBackendAllocWorkspace\(\d+, \w+, \(uint64_t\)(\d+)ULL")
-_FUNCTION = re.compile(r"^TVM_DLL int32_t (__tvm_ffi_\w+)\(", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -90,66 +83,6 @@ def _shape(expr: relax.Expr) -> tuple[int, ...]:
 
 def _op(value: relax.Expr) -> str:
     return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else ""
-
-
-_FLOAT_LITERAL = re.compile(r"(?<![\w.])\d\.\d{6}e[+-]\d{2,3}f?")
-
-
-def _printed(value: float, dtype: str) -> str:
-    """How TVM's C code generator writes a float constant: seven significant digits."""
-    return f"{value:e}" + ("f" if dtype == "float32" else "")
-
-
-def _exact_literals(source: str, funcs: list[tirx.PrimFunc]) -> str:
-    """`source` with every float literal TVM's C code generator printed as the exact constant of
-    the TIR it printed, in C99's hexadecimal form (`0x1.715476p+0f`).
-
-    Why: the code generator writes a float with seven significant digits (`1.442695e+00f`) and
-    float32 needs nine, so a constant such as `fast_exp`'s log2(e) drifted by an ulp and the C step
-    by 5e-7 from the VM's, which LLVM compiles with the exact constant. Two constants that print
-    alike could not be told apart: the step is refused rather than built with either."""
-    exact: dict[str, set[str]] = {}
-
-    def note(imm: tirx.FloatImm) -> None:
-        dtype, value = str(imm.ty), abs(float(imm.value))
-        if math.isfinite(value):
-            exact.setdefault(_printed(value, dtype), set()).add(value.hex() + ("f" if dtype == "float32" else ""))
-
-    for f in funcs:
-        tvm_ffi.structural_walk(f.body, [(tirx.FloatImm, note)])
-
-    def replace(m: re.Match) -> str:
-        values = exact.get(m.group(0))
-        if values is None:
-            return m.group(0)
-        if len(values) > 1:
-            raise CandidateFailed(f"the C back end cannot tell apart the constants {', '.join(sorted(values))}")
-        return next(iter(values))
-
-    return _FLOAT_LITERAL.sub(replace, source)
-
-
-def kernels_source(lowered: tvm.IRModule) -> str:
-    """Every kernel (PrimFunc) of `lowered` as one C file, by TVM's C code generator, its float
-    constants exact (`_exact_literals`)."""
-    funcs = {
-        gv.name_hint: f.with_attr("global_symbol", gv.name_hint)
-        for gv, f in lowered.functions_items()
-        if isinstance(f, tirx.PrimFunc)
-    }
-    with tvm.transform.PassContext(config=C_PASS_CONFIG):
-        lib = tvm.tirx.build(tvm.IRModule(funcs), target=tvm.target.Target(C_TARGET))
-    return _exact_literals(lib.inspect_source(), list(funcs.values()))
-
-
-def workspace_bytes(kernels: str) -> int:
-    """The scratch pool the kernels need: the most any one kernel holds at once (its blocks are
-    taken and given back in stack order, each rounded up to `ALIGN`), read from their C."""
-    most = 0
-    bodies = _FUNCTION.split(kernels)[1:]
-    for _, body in zip(bodies[::2], bodies[1::2]):
-        most = max(most, sum(_aligned(int(n)) for n in _WORKSPACE.findall(body)))
-    return most
 
 
 class _Driver:
@@ -452,7 +385,7 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
     predict = _Driver(lowered[PREDICT_FUNC], [*inputs, *params[:n_weights]], "p")
     step.walk()
     predict.walk()
-    arena, workspace = max(ALIGN, step.arena, predict.arena), max(ALIGN, workspace_bytes(kernels))
+    arena, workspace = max(ALIGN, step.arena, predict.arena), max(ALIGN, workspace_bytes(kernels, ALIGN))
     header = _HEADER.substitute(
         batch=sig.batch_size,
         predict_batch=sig.micro_batch,
@@ -471,12 +404,6 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
     tensors = len(step.distinct()) + len(predict.distinct())
     driver = _driver(step, predict, sig, arena, workspace)
     return CStep(kernels, driver, header, arena, workspace, tensors, tuple(step.called))
-
-
-def include_dirs() -> list[Path]:
-    """Where the headers the kernels include are: TVM FFI's (`tvm/ffi/c_api.h`, `dlpack/dlpack.h`)
-    and TVM's runtime (`tvm/runtime/c_backend_api.h`), both in their wheels."""
-    return [Path(tvm_ffi.__file__).parent / "include", Path(tvm.__file__).parent / "include"]
 
 
 def write_sources(step: CStep, directory: Path) -> list[Path]:

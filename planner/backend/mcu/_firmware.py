@@ -21,7 +21,8 @@ from string import Template
 import numpy as np
 
 from planner.backend._base import ARTIFACT_STEM
-from planner.backend.cstep import CStep, _ctype, _literal, include_dirs, write_sources
+from planner.backend.ckernels import include_dirs
+from planner.backend.cstep import CStep, _ctype, _literal, write_sources
 from planner.backend.gemm_kernels import GEMM
 from planner.backend.weights import to_step
 from planner.errors import CandidateFailed, EnvironmentFailure
