@@ -150,7 +150,7 @@ def test_a_plan_for_an_emulated_board_reproduces_its_accuracy_when_run_there(tmp
     cli = [sys.executable, "-m", "planner"]
     common = {"capture_output": True, "text": True, "env": {**os.environ, **env}}
     done = subprocess.run(
-        [*cli, "plan", "--target", "cortex-m4-qemu", "--out", str(out), "--trials", "3", "--accuracy-steps", steps], **common
+        [*cli, "plan", "--target", "cortex-m4-qemu", "--out", str(out), "--trials", "2", "--accuracy-steps", steps], **common
     )
     assert done.returncode == 0, done.stderr
     plan = json.loads((out / "plan.json").read_text())

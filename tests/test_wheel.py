@@ -72,6 +72,16 @@ def test_the_wheel_carries_targets_spaces_and_the_example_and_plans_from_anywher
     assert not Path(module).is_relative_to(ROOT), f"the checkout's planner ran, not the wheel's: {module}"
     assert tvm_loaded == "False", "importing planner must not import TVM"
 
+    # the emulated board's start-up, semihosting server and sgemm: package data a firmware links
+    runtime = _run(
+        python,
+        "-c",
+        "from planner.backend.mcu._firmware import RUNTIME; print(sorted(p.name for p in RUNTIME.iterdir()))",
+        cwd=elsewhere,
+    )
+    assert runtime.returncode == 0, runtime.stderr
+    assert runtime.stdout.strip() == "['board.ld', 'main.c', 'sgemm.c', 'startup.c']"
+
     targets = _run(planner, "targets", "list", "--json", cwd=elsewhere)
     assert targets.returncode == 0, targets.stderr
     shipped = {p.stem for p in (ROOT / "hw_targets").glob("*.yaml")}
