@@ -7,7 +7,7 @@ loss and the updated trainable weights and optimizer states, which become the ne
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,20 @@ def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np
         for i in sig.inputs
     ]
     return xs, np.arange(sig.batch_size) % sig.n_classes
+
+
+def score(logits_of: Callable[[Inputs], np.ndarray], chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) over labelled chunks, from a session's `logits_of`: one
+    scoring for every session, wherever its step runs."""
+    loss_sum, correct, n = 0.0, 0, 0
+    for x, y in chunks:
+        logits = logits_of(x).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        loss_sum += float(-logp[np.arange(len(y)), y].sum())
+        correct += int((logits.argmax(axis=1) == y).sum())
+        n += len(y)
+    return loss_sum / n, correct / n
 
 
 class TrainingSession:
@@ -119,15 +133,7 @@ class TrainingSession:
 
     def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
         """(mean cross-entropy, accuracy) over labelled chunks: a set too large to hold at once."""
-        loss_sum, correct, n = 0.0, 0, 0
-        for x, y in chunks:
-            logits = self.logits(x).astype(np.float64)
-            logits -= logits.max(axis=1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            loss_sum += float(-logp[np.arange(len(y)), y].sum())
-            correct += int((logits.argmax(axis=1) == y).sum())
-            n += len(y)
-        return loss_sum / n, correct / n
+        return score(self.logits, chunks)
 
     def weights(self) -> dict[str, np.ndarray]:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""

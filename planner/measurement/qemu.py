@@ -27,7 +27,7 @@ import numpy as np
 
 from planner.backend._base import Artifact
 from planner.backend.mcu import C_FIRMWARE
-from planner.backend.session import Inputs, example_batch
+from planner.backend.session import Inputs, example_batch, score
 from planner.backend.weights import from_step, to_step
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import HardwareTarget, Mcu
@@ -217,15 +217,7 @@ class QemuSession:
         return np.concatenate(chunks) if chunks else np.zeros((0, C), np.float32)
 
     def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
-        loss_sum, correct, n = 0.0, 0, 0
-        for x, y in chunks:
-            logits = self.logits(x).astype(np.float64)
-            logits -= logits.max(axis=1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            loss_sum += float(-logp[np.arange(len(y)), y].sum())
-            correct += int((logits.argmax(axis=1) == y).sum())
-            n += len(y)
-        return loss_sum / n, correct / n
+        return score(self.logits, chunks)
 
     def weights(self) -> dict[str, np.ndarray]:
         self.board.write(b"W")
