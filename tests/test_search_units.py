@@ -85,20 +85,23 @@ def test_listeners_hear_trials_in_trial_number_order_whatever_the_threads():
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_heartbeats_and_stale_trials_work_through_the_wrapper(tmp_path):
     """On an RDB storage Optuna sees the wrapper's heartbeats (`isinstance(BaseHeartbeat)`, the
-    interval), fails a silent trial and hands it to the wrapper's `on_stale`; a beating one stays."""
+    interval), fails a silent trial and hands it to the wrapper's `on_stale`; a beating one stays.
+    A trial beats once as it starts, created or popped: its process killed before Optuna's first
+    heartbeat (while its sampler runs) leaves no trial RUNNING for good."""
     rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1)
     stale: list[int] = []
     study = _study(optuna.storages.get_storage(rdb), on_stale=lambda s, t: stale.append(t.number))
     storage = storage_of(study)
     assert is_heartbeat_enabled(storage) and storage.get_heartbeat_interval() == 1
     silent, beating = study.ask(), study.ask()
-    storage.record_heartbeat(silent._trial_id)
+    study.enqueue_trial({})
+    popped = study.ask()
     time.sleep(2.1)  # SQLite's clock counts whole seconds
     storage.record_heartbeat(beating._trial_id)
     optuna.storages.fail_stale_trials(study)
     states = {t.number: t.state for t in study.get_trials()}
-    assert states == {silent.number: State.FAIL, beating.number: State.RUNNING}
-    assert stale == [silent.number]
+    assert states == {silent.number: State.FAIL, beating.number: State.RUNNING, popped.number: State.FAIL}
+    assert stale == [silent.number, popped.number]
 
 
 def test_without_heartbeats_in_the_backend_the_wrapper_has_none():

@@ -25,6 +25,7 @@ from tvm.relax.training import SetupTrainer
 
 from planner.backend import gradients as grads
 from planner.backend import recompute
+from planner.backend.bands import banded
 from planner.backend.importer import imported
 from planner.backend.tir import accumulate_kernel, scale_kernel
 from planner.backend.trainer import ScaledCrossEntropy, fill, low_precision, make_optimizer, runtime_lr, update_lr
@@ -39,8 +40,10 @@ LABEL_DTYPE = "int64"
 
 
 @grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix
-def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
-    """The candidate's training module (unlegalized) and the signature of its step."""
+def build_training_module(model: Model, candidate: Candidate, *, bands: bool = False) -> tuple[tvm.IRModule, StepSignature]:
+    """The candidate's training module (unlegalized) and the signature of its step; with `bands`,
+    its frozen first layers computed in row bands where that lowers its peak (`backend.bands`:
+    for a microcontroller's SRAM)."""
     how = stored_weights(model, candidate)
     frozen, trainable = how.frozen, how.trainable
     if not trainable:
@@ -72,6 +75,8 @@ def build_training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRMod
     optimizer = make_optimizer(candidate)
     labels = relax.TensorType((B,), LABEL_DTYPE)
     full = backbone[PREDICT_FUNC]
+    if bands:  # before the split: the bands are frozen layers, so they go into the frozen prefix
+        full = banded(full, n_inputs, len(trainable)).with_attr("global_symbol", PREDICT_FUNC)
     prefix, differentiated = _frozen_prefix(full, n_inputs, len(trainable))
 
     def differentiate(func: relax.Function) -> tvm.IRModule:

@@ -136,8 +136,16 @@ class ProcessStorage(BaseStorage, BaseHeartbeat):
         )
         with self._lock:
             trial_id = self.backend.create_new_trial(study_id, template)
+            self._heard(trial_id)
             self._started(trial_id)
         return trial_id
+
+    def _heard(self, trial_id: int) -> None:
+        """A first heartbeat as the trial starts: Optuna's own comes only once its sampler has run,
+        and a trial with none is never stale, so a process killed in between (on another host,
+        where no pid can tell) would leave it RUNNING for good."""
+        if self.get_heartbeat_interval() is not None:
+            self.record_heartbeat(trial_id)
 
     def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
         if state != TrialState.RUNNING:
@@ -147,6 +155,7 @@ class ProcessStorage(BaseStorage, BaseHeartbeat):
             if popped:  # a queued trial, this process's now
                 for key, value in self._stamp.items():
                     self.backend.set_trial_user_attr(trial_id, key, value)
+                self._heard(trial_id)
                 self._started(trial_id)
         return popped
 

@@ -90,7 +90,7 @@ class CBackend(Backend):
         t0 = time.perf_counter()
         board = self._board
         build = BuildOptions(tvm.target.Target(self.target.tvm_target), self.cache_dir, kernels=self.target.kernels)
-        mod, sig = build_training_module(model, candidate)
+        mod, sig = build_training_module(model, candidate, bands=True)  # kilobytes of SRAM: the first maps in bands
         sig = sig.with_lr(update_lr(candidate, sig.loss_scale))
         try:
             lowered = lower_step(mod, sig, candidate, build, None)
