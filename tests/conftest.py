@@ -24,6 +24,13 @@ os.environ.setdefault("TVM_NUM_THREADS", "1")
 from builders import blobs, free_port, tiny_cnn  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tier first, each tier in its own order: pytest-xdist's workers then take the
+    minutes-long tests while there is plenty left to run beside them, and finish on short ones
+    (last, a minute's test could hold the run up after every other test had ended)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """With PLANNER_TEST_NO_SKIP set (.ci/run sets it, after preparing PostgreSQL, Chromium, the

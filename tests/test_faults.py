@@ -608,7 +608,7 @@ def secret_url(postgres_url):
 def test_no_output_holds_the_storage_password(secret_url, tiny_model, tiny_data, tmp_path):
     out = tmp_path / "p"
     outputs = []
-    res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2", "--storage", secret_url, "-v", "--json"))
+    res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "1", "--storage", secret_url, "-v", "--json"))
     assert res.returncode == 0, res.stderr
     outputs.append(res)
     outputs.append(planner("worker", "--storage", secret_url, "--study", "planner", "--trials", "1", "--json", "-v"))

@@ -190,7 +190,8 @@ def tune(
     cost nothing again, so the kernels a small budget leaves out are tuned by later compiles, and
     with a warm database a step compiles at the speed of an untuned one. Only the step's kernels
     are tuned: the predict function serves accuracy evaluation on the host. The cost model is
-    XGBoost when installed (`pip install -e '.[tune]'`), else random search. With `rpc`, each
+    XGBoost when installed (`pip install -e '.[tune]'`), guiding an evolutionary search; else
+    schedules are sampled at random (`replay-trace`). With `rpc`, each
     candidate schedule is timed on a board behind the tracker (built here with `toolchain`).
     """
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
@@ -212,7 +213,10 @@ def tune(
         if not new:
             return 0
         with _own_handlers_only(logging.getLogger(MS_LOGGER)):
-            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs)
+            # without a cost model to rank them, an evolutionary search's population (hundreds of
+            # schedules sampled and mutated per kernel) buys nothing over sampling the trials alone
+            strategy = "evolutionary" if cost_model == "xgb" else "replay-trace"
+            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(new, work_dir=logs, strategy=strategy)
         builder, runner = _measurers(rpc, toolchain)
         ms.tune.tune_tasks(
             tasks=contexts,
