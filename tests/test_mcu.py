@@ -218,17 +218,23 @@ def test_dense_convolutions_take_at_most_4_instructions_per_mac_on_the_cortex_m4
 
 
 @pytest.mark.slow
-def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(tmp_path):
+@pytest.mark.parametrize("frozen_start", [False, True], ids=["first-bias", "frozen-start-in-bands"])
+def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_start, tmp_path):
     """MobileNetV2's blocks (BatchNorm and ReLU6 after each im2col convolution, residual adds) on
     the board: its elementwise kernels write over activations nothing reads afterwards
-    (`planner.backend.activations`), and the weights after 10 steps are still the VM's."""
+    (`planner.backend.activations`), and the weights after 10 steps are still the VM's. With its
+    first layers frozen, the board computes them in row bands (`planner.backend.bands`) and the
+    classifier's product through sgemm beside the convolutions', the VM neither."""
     sys.path.insert(0, str(Path(__file__).parent))
     import zoo
 
     path = zoo.save(zoo.mobilenet_v2(0.35, 32), tmp_path / "mbv2.onnx")
     names = [layer.name for layer in load_model(path).layers if layer.trainable]
-    trained = ((names[0], "bias"), *((n, "full") for n in names[-4:]))
-    candidate = Candidate(trained, batch_size=2, optimizer="momentum", lr=0.01)
+    if frozen_start:
+        candidate = Candidate(((names[-2], "full"), (names[-1], "ratio:0.25")), batch_size=4, optimizer="sgd", lr=0.01)
+    else:
+        trained = ((names[0], "bias"), *((n, "full") for n in names[-4:]))
+        candidate = Candidate(trained, batch_size=2, optimizer="momentum", lr=0.01)
     firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path)
     _close(got, expected)
     assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total

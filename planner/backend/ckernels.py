@@ -18,6 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from planner.backend.gemm_kernels import GEMM
 from planner.errors import CandidateFailed
 
 C_TARGET = {"kind": "c"}
@@ -79,7 +80,22 @@ def kernels_source(lowered: tvm.IRModule) -> str:
     }
     with tvm.transform.PassContext(config=C_PASS_CONFIG):
         lib = tvm.tirx.build(tvm.IRModule(funcs), target=tvm.target.Target(C_TARGET))
-    return _exact_literals(lib.inspect_source(), list(funcs.values()))
+    return _one_gemm_prototype(_exact_literals(lib.inspect_source(), list(funcs.values())))
+
+
+_GEMM_DECLARATION = re.compile(rf"^TVM_DLL int32_t {GEMM}\(.*\);$", re.MULTILINE)
+_GEMM_PROTOTYPE = (
+    f"TVM_DLL int32_t {GEMM}(int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, float, void*, int32_t, void*, "
+    "int32_t, float, void*, int32_t);"
+)
+
+
+def _one_gemm_prototype(source: str) -> str:
+    """TVM declares an external function as each kernel calls it: a convolution passes sgemm typed
+    pointers (`float*`), a matmul (`planner.backend.matmul`) `access_ptr` handles (`void*`), and in
+    one C file the two declarations conflict (gcc refused a MobileNetV2 step at batch 4). One
+    prototype, cblas_sgemm's own types with untyped operands, serves every call."""
+    return _GEMM_DECLARATION.sub(_GEMM_PROTOTYPE, source)
 
 
 def workspace_bytes(kernels: str, align: int) -> int:

@@ -165,7 +165,9 @@ def _run(argv: list[str], cwd: Path, what: str) -> str:
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
     if done.returncode != 0:
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        tail = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else f"exit {done.returncode}")
+        # a step too large for the board: ld says by how much before collect2's "ld returned 1"
+        said = [line for line in lines if "overflowed by" in line] or [line for line in lines if "error" in line.lower()]
+        tail = (said or lines or [f"exit {done.returncode}"])[0]
         raise CandidateFailed(f"{what} failed: {tail.strip()}")
     return done.stdout
 
