@@ -42,10 +42,11 @@ class CSession:
         self.params += [np.full(shape, fill, dtype) for shape, dtype, fill in sig.optim_states]
         self.pointers = (ctypes.c_void_p * len(self.params))(*(p.ctypes.data for p in self.params))
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y, dtype=np.int64)
+    def step(self, x: np.ndarray | tuple[np.ndarray, ...], y: np.ndarray) -> float:
+        xs = [np.ascontiguousarray(a) for a in (x if isinstance(x, tuple) else (x,))]
+        y = np.ascontiguousarray(y, dtype=np.int64)
         loss = ctypes.c_float()
-        inputs = (ctypes.c_void_p * 1)(x.ctypes.data)
+        inputs = (ctypes.c_void_p * len(xs))(*(a.ctypes.data for a in xs))
         assert self.lib.planner_step(inputs, self.pointers, ctypes.c_void_p(y.ctypes.data), ctypes.byref(loss)) == 0
         return loss.value
 
@@ -109,3 +110,31 @@ def test_the_c_step_is_the_vm_step_to_the_bit_for_every_kind_of_update(update, t
     model = load_model(tiny_model)
     vm, c, _ = _both(tiny_model, candidate, tmp_path)
     _equal_over_steps(vm, c, model.only_input.shape, model.n_classes)
+
+
+# PyTorch's exports (tests/torch_families.py) in C: a Conv1d, ceil-mode pools, a transformer
+# encoder, token ids, hard-swish and squeeze-excitation. The VM's step of each matches PyTorch's
+# autograd (tests/test_pytorch_families.py); bit for bit the same, so does the C step.
+FAMILY_CASES = [("sensor_cnn", "dynamo"), ("squeezenet1_1", "legacy"), ("encoder_prenorm", "dynamo"), ("token_bag", "legacy")]
+FAMILY_CASES += [("mobilenet_v3_small", "dynamo")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, exporter", FAMILY_CASES, ids=[f"{f}-{e}" for f, e in FAMILY_CASES])
+def test_the_c_step_of_pytorch_exports_is_the_vm_step_to_the_bit(family, exporter, tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
+    import torch_families as tf
+
+    path = tf.export(family, exporter)
+    model = load_model(path)
+    layers = [layer for layer in model.layers if layer.trainable]
+    first = next((layer.name for layer in layers if layer.bias), layers[0].name)
+    trained = ((first, "bias" if model.layer(first).bias else "full"), *((layer.name, "full") for layer in layers[-2:]))
+    candidate = Candidate(tuple(dict(trained).items()), batch_size=2, optimizer="momentum", lr=0.05)
+    vm, c, _ = _both(path, candidate, tmp_path)
+    for seed in range(3):
+        x, y = tf.sample_batch(family, 2, seed)
+        assert c.step(x, y) == vm.step(x, y)
+    expected, got = vm.weights(), c.weights()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

@@ -27,6 +27,7 @@ C_TARGET = {"kind": "c"}
 C_PASS_CONFIG = {"tirx.disable_assert": True, "tirx.disable_vectorize": True}
 _WORKSPACE = re.compile(r"TVMBackendAllocWorkspace\(\d+, \w+, \(uint64_t\)(\d+)ULL")
 _FUNCTION = re.compile(r"^TVM_DLL int32_t (__tvm_ffi_\w+)\(", re.MULTILINE)
+_DEFINITION = re.compile(r"^TVM_DLL int32_t __tvm_ffi_(\w+)\(.*\) \{$", re.MULTILINE)  # a kernel's body begins
 
 
 def _aligned(n: int, align: int) -> int:
@@ -41,33 +42,40 @@ def _printed(value: float, dtype: str) -> str:
     return f"{value:e}" + ("f" if dtype == "float32" else "")
 
 
-def _exact_literals(source: str, funcs: list[tirx.PrimFunc]) -> str:
+def _exact_literals(source: str, funcs: dict[str, tirx.PrimFunc]) -> str:
     """`source` with every float literal TVM's C code generator printed as the exact constant of
-    the TIR it printed, in C99's hexadecimal form (`0x1.715476p+0f`).
+    the TIR it printed, in C99's hexadecimal form (`0x1.715476p+0f`), kernel by kernel.
 
     Why: the code generator writes a float with seven significant digits (`1.442695e+00f`) and
     float32 needs nine, so a constant such as `fast_exp`'s log2(e) drifted by an ulp and the C step
-    by 5e-7 from the VM's, which LLVM compiles with the exact constant. Two constants that print
-    alike could not be told apart: the step is refused rather than built with either."""
-    exact: dict[str, set[str]] = {}
+    by 5e-7 from the VM's, which LLVM compiles with the exact constant. Each kernel's literals are
+    matched with its own TIR's constants (MobileNetV3's hard-swish has 1/6 rounded two ways, in
+    different kernels); two of one kernel that print alike could not be told apart: the step is
+    refused rather than built with either."""
+    defined = list(_DEFINITION.finditer(source))
+    out = [source[: defined[0].start()] if defined else source]
+    for here, after in zip(defined, [*defined[1:], None]):
+        func = funcs.get(here.group(1))
+        exact: dict[str, set[str]] = {}
 
-    def note(imm: tirx.FloatImm) -> None:
-        dtype, value = str(imm.ty), abs(float(imm.value))
-        if math.isfinite(value):
-            exact.setdefault(_printed(value, dtype), set()).add(value.hex() + ("f" if dtype == "float32" else ""))
+        def note(imm: tirx.FloatImm, exact: dict[str, set[str]] = exact) -> None:
+            dtype, value = str(imm.ty), abs(float(imm.value))
+            if math.isfinite(value):
+                exact.setdefault(_printed(value, dtype), set()).add(value.hex() + ("f" if dtype == "float32" else ""))
 
-    for f in funcs:
-        tvm_ffi.structural_walk(f.body, [(tirx.FloatImm, note)])
+        if func is not None:
+            tvm_ffi.structural_walk(func.body, [(tirx.FloatImm, note)])
 
-    def replace(m: re.Match) -> str:
-        values = exact.get(m.group(0))
-        if values is None:
-            return m.group(0)
-        if len(values) > 1:
-            raise CandidateFailed(f"the C back end cannot tell apart the constants {', '.join(sorted(values))}")
-        return next(iter(values))
+        def replace(m: re.Match, exact: dict[str, set[str]] = exact, kernel: str = here.group(1)) -> str:
+            values = exact.get(m.group(0))
+            if values is None:
+                return m.group(0)
+            if len(values) > 1:
+                raise CandidateFailed(f"the C back end cannot tell apart {kernel}'s constants {', '.join(sorted(values))}")
+            return next(iter(values))
 
-    return _FLOAT_LITERAL.sub(replace, source)
+        out.append(_FLOAT_LITERAL.sub(replace, source[here.start() : after.start() if after else len(source)]))
+    return "".join(out)
 
 
 def kernels_source(lowered: tvm.IRModule) -> str:
@@ -80,7 +88,7 @@ def kernels_source(lowered: tvm.IRModule) -> str:
     }
     with tvm.transform.PassContext(config=C_PASS_CONFIG):
         lib = tvm.tirx.build(tvm.IRModule(funcs), target=tvm.target.Target(C_TARGET))
-    return _one_gemm_prototype(_exact_literals(lib.inspect_source(), list(funcs.values())))
+    return _one_gemm_prototype(_exact_literals(lib.inspect_source(), funcs))
 
 
 _GEMM_DECLARATION = re.compile(rf"^TVM_DLL int32_t {GEMM}\(.*\);$", re.MULTILINE)
