@@ -463,8 +463,13 @@ def _default_cache_dir() -> Path:
 
 
 def default_export_dir() -> Path:
-    """Where `export` caches files: one folder per torch and torchvision version."""
-    return _default_cache_dir() / "torch-exports" / f"torch-{torch.__version__}-tv-{_torchvision_version()}"
+    """Where `export` caches files: one folder per torch and torchvision version, under
+    `$PLANNER_TORCH_EXPORTS` (`.ci/run` keeps it between runs: the dynamo exporter takes 10-40 s
+    a model, and an export changes only with torch, this file or the ONNX packages), else in the
+    compile cache's folder."""
+    env = os.environ.get("PLANNER_TORCH_EXPORTS")
+    root = Path(env) if env else _default_cache_dir() / "torch-exports"
+    return root / f"torch-{torch.__version__}-tv-{_torchvision_version()}"
 
 
 @functools.cache
