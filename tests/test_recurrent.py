@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import io
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -171,11 +175,25 @@ def _classifier(name: str):
 
 
 def _export(name: str, exporter: str, directory: Path):
-    """The classifier and its export (dynamo: weights in NAME.onnx.data beside it)."""
+    """The classifier and its export (dynamo: weights in NAME.onnx.data beside it), made in a
+    folder of its own renamed into `directory` whole (another test worker may export it too)."""
+    module = _classifier(name)
+    entry = directory / f"{name}-{exporter}"
+    if not (entry / f"{name}.onnx").exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=directory))
+        try:
+            _export_to(module, exporter, staging / f"{name}.onnx")
+            with contextlib.suppress(OSError):  # another worker's rename came first
+                staging.rename(entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return entry / f"{name}.onnx", module
+
+
+def _export_to(module, exporter: str, path: Path) -> None:
     import torch
 
-    module = _classifier(name)
-    path = directory / f"{name}-{exporter}.onnx"
     x = torch.zeros(BATCH, SEQ, FEATURES)
     dynamic = {"dynamic_shapes": ({0: torch.export.Dim("batch")},), "external_data": True}
     legacy = {"dynamic_axes": {"x": {0: "batch"}, "logits": {0: "batch"}}}
@@ -190,12 +208,16 @@ def _export(name: str, exporter: str, directory: Path):
             dynamo=exporter == "dynamo",
             **(dynamic if exporter == "dynamo" else legacy),
         )
-    return path, module
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("recurrent")
+    """`export(name, exporter)`; under `$PLANNER_TORCH_EXPORTS` (kept between CI runs, keyed by
+    torch's version and this file), else in the session's temporary folder."""
+    torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
+    kept = os.environ.get("PLANNER_TORCH_EXPORTS")
+    recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
+    directory = Path(kept) / f"recurrent-torch-{torch.__version__}-{recipe}" if kept else tmp_path_factory.mktemp("recurrent")
     done: dict[tuple[str, str], tuple[Path, object]] = {}
 
     def export(name: str, exporter: str) -> tuple[Path, object]:
