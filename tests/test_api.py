@@ -86,7 +86,8 @@ def test_without_storage_the_study_lives_in_memory_and_a_stop_is_a_field_of_the_
         on_trial=on_trial,
         stop=stop,
     )
-    assert result.interrupted and result.finished == len(seen) < 4
+    # a trial in flight at the stop may end cut short (PRUNED): reported, not counted as finished
+    assert result.interrupted and result.finished == sum(r.state.finished for r in seen) < 4
     assert not (tmp_path / "p" / "study.db").exists(), "no storage given: nothing but the plan is written"
     if result.plan is not None:  # the first trial was feasible: the plan comes from it
         assert result.plan.study.storage is None
