@@ -271,6 +271,8 @@ class _Banded(relax.PyExprMutator):
         self.skipped = {self.bindings[i].var for i in plan.members}
         data = {func.params[0], *self.skipped}
         self.ops = _summary(func, self.bindings, data)
+        # a member's output (or the input batch) -> its binding index: what each band computes again
+        self.index = {self.bindings[i].var: i for i in plan.members} | {func.params[0]: INPUT}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var not in self.skipped:
@@ -285,7 +287,7 @@ class _Banded(relax.PyExprMutator):
         """Emit band `k` of the cut tensor: every member on the rows it needs for `rows`."""
         x = self.func.params[0]
         need = _needs(self.ops, self.plan.members, rows, _height(x))
-        index = {self.bindings[i].var: i for i in self.plan.members} | {x: INPUT}
+        index = self.index
         band: dict[int, tuple[relax.Expr, int]] = {INPUT: (self.visit_expr(x), 0)}  # index -> (its band, its first row)
 
         def rows_of(v: relax.Expr, want: tuple[int, int]) -> relax.Expr:
