@@ -5,6 +5,7 @@ processes around real trials."""
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import subprocess
 import threading
@@ -20,11 +21,11 @@ from optuna.trial import TrialState as State
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
-from planner.search._recovery import ENV_RETRIES, PROCESS, WORKER, _alive, recover_dead_trials
+from planner.search._recovery import ENV_RETRIES, _alive, process, recover_dead_trials, worker
 from planner.search._samplers import AnchoredSampler, make_sampler, takes_anchors
 from planner.search._storage import ProcessStorage, storage_of
 
-STAMP = {"process": PROCESS, "worker": WORKER}
+STAMP = {"process": process(), "worker": worker()}
 
 
 def _study(backend=None, stamp=STAMP, **kw) -> optuna.Study:
@@ -36,7 +37,7 @@ def _dead_process() -> dict:
     """The record of a process of this host that has ended."""
     proc = subprocess.Popen(["true"])
     proc.wait()
-    return {**PROCESS, "pid": proc.pid, "start": None}
+    return {**process(), "pid": proc.pid, "start": None}
 
 
 # The storage wrapper
@@ -57,7 +58,7 @@ def test_the_storage_stamps_and_announces_every_trial_this_process_starts():
     study.ask()  # no listener any more
     assert heard == [created._trial_id, popped._trial_id]
     for t in study.get_trials():
-        assert t.user_attrs["process"] == PROCESS and t.user_attrs["worker"] == WORKER
+        assert t.user_attrs["process"] == process() and t.user_attrs["worker"] == worker()
 
 
 class _SlowToReturn(InMemoryStorage):
@@ -83,11 +84,12 @@ def test_listeners_hear_trials_in_trial_number_order_whatever_the_threads():
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
-def test_heartbeats_and_stale_trials_work_through_the_wrapper(tmp_path):
+def test_heartbeats_and_stale_trials_work_through_the_wrapper(tmp_path, monkeypatch):
     """On an RDB storage Optuna sees the wrapper's heartbeats (`isinstance(BaseHeartbeat)`, the
     interval), fails a silent trial and hands it to the wrapper's `on_stale`; a beating one stays.
     A trial beats once as it starts, created or popped: its process killed before Optuna's first
-    heartbeat (while its sampler runs) leaves no trial RUNNING for good."""
+    heartbeat (while its sampler runs) leaves no trial RUNNING for good, nor one killed between
+    creating the trial and that beat."""
     rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1)
     stale: list[int] = []
     study = _study(optuna.storages.get_storage(rdb), on_stale=lambda s, t: stale.append(t.number))
@@ -96,12 +98,20 @@ def test_heartbeats_and_stale_trials_work_through_the_wrapper(tmp_path):
     silent, beating = study.ask(), study.ask()
     study.enqueue_trial({})
     popped = study.ask()
+    with monkeypatch.context() as m:  # its process killed between creating it and its first beat
+        m.setattr(storage, "_heard", lambda trial_id: None)
+        unheard = study.ask()
     time.sleep(2.1)  # SQLite's clock counts whole seconds
     storage.record_heartbeat(beating._trial_id)
     optuna.storages.fail_stale_trials(study)
-    states = {t.number: t.state for t in study.get_trials()}
-    assert states == {silent.number: State.FAIL, beating.number: State.RUNNING, popped.number: State.FAIL}
-    assert stale == [silent.number, popped.number]
+    states = {t.number: t.state for t in study.get_trials() if t.number <= unheard.number}
+    assert states == {
+        silent.number: State.FAIL,
+        beating.number: State.RUNNING,
+        popped.number: State.FAIL,
+        unheard.number: State.FAIL,
+    }
+    assert stale == [silent.number, popped.number, unheard.number]
 
 
 def test_without_heartbeats_in_the_backend_the_wrapper_has_none():
@@ -122,11 +132,30 @@ def test_a_study_optuna_opened_has_no_process_storage():
 
 def test_alive_tells_this_process_from_a_dead_one_and_cannot_tell_elsewhere():
     dead = _dead_process()
-    assert _alive(PROCESS)
+    assert _alive(process())
     assert not _alive(dead)
-    assert not _alive({**PROCESS, "start": (PROCESS["start"] or 0) + 1})  # a later process with this pid
+    assert not _alive({**process(), "start": (process()["start"] or 0) + 1})  # a later process with this pid
     assert _alive({**dead, "host": "elsewhere"})  # another host: only its heartbeat can tell
     assert _alive({**dead, "boot": "another boot"})  # the same name, another machine (or boot)
+
+
+def _identity_pipe(out) -> None:
+    out.send((process(), worker()))
+
+
+def test_a_forked_child_is_its_own_process_in_the_trials_it_stamps():
+    """A script's `multiprocessing` (fork on Linux) runs planner in children of a process that has
+    imported it: each child's trials must name the child, or its death would pass unnoticed
+    while the parent lives."""
+    parent = process()
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_identity_pipe, args=(there,))
+    child.start()
+    theirs, their_worker = here.recv()
+    child.join()
+    assert theirs["pid"] == child.pid != parent["pid"] and their_worker.endswith(f":{child.pid}")
+    assert not _alive(theirs)  # it has exited
 
 
 def _drawn(study: optuna.Study) -> optuna.Trial:

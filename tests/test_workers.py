@@ -17,7 +17,8 @@ import pytest
 
 from planner import api
 from planner.errors import BadInput
-from planner.search.study import GRACE_ENV, HEARTBEAT_ENV, WORKER, open_storage
+from planner.search import study as search_study
+from planner.search.study import GRACE_ENV, HEARTBEAT_ENV, open_storage
 
 pytestmark = pytest.mark.slow  # plans and workers on journal files, SQLite and PostgreSQL: minutes
 
@@ -188,7 +189,7 @@ def test_a_killed_workers_trial_runs_again_with_the_same_parameters(where, rdb_u
     (retry,) = retries
     assert retry.state == State.COMPLETE
     assert retry.params == dead.params
-    assert retry.user_attrs["worker"] == WORKER  # this process ran it, before sampling anything new
+    assert retry.user_attrs["worker"] == search_study.worker()  # this process ran it, before sampling anything new
     assert not [t for t in trials if t.state == State.RUNNING]
     result = plan()  # rerun, the plan reads the study, the dead trial in it, and writes itself again
     # the dead trial is not counted (nor, with two trials at a time, the one that waited beside
@@ -247,5 +248,5 @@ def test_a_worker_on_another_host_killed_with_two_trials_in_flight_blames_neithe
         (copy,) = [u for u in trials if u.user_attrs.get("requeued_from") == t.number]
         assert copy.state == State.COMPLETE and copy.params == t.params
         assert copy.user_attrs["alone"] and copy.user_attrs["retries"] == 0
-        assert copy.user_attrs["worker"] == WORKER
+        assert copy.user_attrs["worker"] == search_study.worker()
     assert not [t for t in trials if t.state == State.RUNNING]

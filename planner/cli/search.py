@@ -199,11 +199,13 @@ def worker(
         )
         raise typer.Exit(INTERRUPTED)
     if json_out:
-        from planner.search.study import WORKER
+        from planner.search.study import worker
 
-        mine = sum(r.worker == WORKER and r.state.finished for r in records)
+        mine = sum(r.worker == worker() and r.state.finished for r in records)
         from planner.search.urls import redact
 
-        print(json.dumps({"study": study, "storage": redact(storage), "finished": finished, "ran_here": mine, "worker": WORKER}))
+        print(
+            json.dumps({"study": study, "storage": redact(storage), "finished": finished, "ran_here": mine, "worker": worker()})
+        )
         return
     stdout.print(f"study '{study}' holds {finished} finished trials", markup=False, highlight=False)

@@ -1,7 +1,7 @@
 """Trials whose process died, found and run again: which process runs a trial, whether it still
 does, and the re-queueing that makes a killed run cost the study no candidate.
 
-A trial carries its process (`PROCESS`, stamped by `ProcessStorage`): on this host a dead pid
+A trial carries its process (`process()`, stamped by `ProcessStorage`): on this host a dead pid
 tells at once (`recover_dead_trials`), elsewhere a silent heartbeat does (`_retry_stale`, the
 study storage's stale-trial callback). Both queue the candidate again, once: a candidate whose
 process died twice likely crashes planner, and is a FAIL.
@@ -10,6 +10,7 @@ process died twice likely crashes planner, and is a FAIL.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import socket
@@ -22,9 +23,6 @@ from planner.search._storage import grace_seconds, storage_of
 
 RETRIES = 1  # a trial whose process died is run once more; dying again, it stays FAIL
 ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it may be what breaks it
-
-HOST = socket.gethostname()
-WORKER = f"{HOST}:{os.getpid()}"
 
 
 def _start_time(pid: int) -> int | None:
@@ -48,7 +46,22 @@ def _machine() -> dict:
     return {"boot": boot, "pidns": pidns}
 
 
-PROCESS = {"host": HOST, "pid": os.getpid(), "start": _start_time(os.getpid()), **_machine()}
+def process() -> dict:
+    """This process as its trials record it (`ProcessStorage`'s stamp): host, pid, start time,
+    machine. Asked each time, not fixed at import: a child forked by a script (multiprocessing's
+    default on Linux) is another process, whose trials must not pass for its parent's."""
+    return dict(_process(os.getpid()))
+
+
+@functools.cache
+def _process(pid: int) -> dict:
+    return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid), **_machine()}
+
+
+def worker() -> str:
+    """`HOST:PID` of this process: which process ran a trial, as reports show it."""
+    me = _process(os.getpid())
+    return f"{me['host']}:{me['pid']}"
 
 
 def _alive(process: dict) -> bool:
@@ -56,7 +69,7 @@ def _alive(process: dict) -> bool:
     boot of the same machine and PID namespace; anything else counts as alive (its heartbeat,
     on an RDB storage, tells when it is not)."""
     here = _machine()
-    if process.get("host") != HOST or not here or any(process.get(k) != v for k, v in here.items()):
+    if process.get("host") != _process(os.getpid())["host"] or not here or any(process.get(k) != v for k, v in here.items()):
         return True
     pid = int(process["pid"])
     try:
@@ -101,9 +114,13 @@ def _retry_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     because its process went silent on some host, is queued again as `recover_dead_trials`
     queues a dead process's trial on this one. A candidate whose process died RETRIES times
     already stays FAIL; one that died beside another candidate of the same process (two in
-    flight) is not blamed, and runs again alone. Its copy points back at it (`requeued_from`),
-    so `_finished` does not count it."""
-    shared = _drawn(trial) and any(
+    flight) is not blamed, and runs again alone; one killed before it drew a candidate is
+    replaced by a fresh trial. Its copy points back at it (`requeued_from`), so `_finished`
+    does not count it."""
+    if not _drawn(trial):  # killed before its candidate was drawn: not the candidate's doing, and a fresh one takes its place
+        _requeue(trial, study, f"{STALE} before drawing a candidate")
+        return
+    shared = any(
         t.number != trial.number and _drawn(t) and t.user_attrs.get("process") == trial.user_attrs.get("process") and _silenced(t)
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL))
     )

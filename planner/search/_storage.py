@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Container, Iterator, Sequence
 from datetime import datetime
@@ -20,7 +21,10 @@ from typing import Any
 import optuna
 import optuna.storages.journal
 from optuna.storages import BaseStorage
+from optuna.storages._cached_storage import _CachedStorage
 from optuna.storages._heartbeat import BaseHeartbeat
+from optuna.storages._rdb import models
+from optuna.storages._rdb.storage import _create_scoped_session
 from optuna.study import StudyDirection
 from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
@@ -29,6 +33,7 @@ from planner.errors import BadInput
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
 HEARTBEAT_S, GRACE_S = 10, 30  # their defaults
+STARTED = "planner:started"  # a trial's system attribute: when this process created it, seconds since the epoch
 
 
 def experimental() -> warnings.catch_warnings:
@@ -130,7 +135,7 @@ class ProcessStorage(BaseStorage, BaseHeartbeat):
             params={},
             distributions={},
             user_attrs=dict(self._stamp),
-            system_attrs={},
+            system_attrs={STARTED: time.time()},
             intermediate_values={},
             trial_id=-1,
         )
@@ -142,8 +147,9 @@ class ProcessStorage(BaseStorage, BaseHeartbeat):
 
     def _heard(self, trial_id: int) -> None:
         """A first heartbeat as the trial starts: Optuna's own comes only once its sampler has run,
-        and a trial with none is never stale, so a process killed in between (on another host,
-        where no pid can tell) would leave it RUNNING for good."""
+        and Optuna never calls a trial without one stale, so a process killed in between (on
+        another host, where no pid can tell) would leave it RUNNING for good. A kill between the
+        trial's creation and this beat is `_unheard`'s to find."""
         if self.get_heartbeat_interval() is not None:
             self.record_heartbeat(trial_id)
 
@@ -151,11 +157,13 @@ class ProcessStorage(BaseStorage, BaseHeartbeat):
         if state != TrialState.RUNNING:
             return self.backend.set_trial_state_values(trial_id, state, values)
         with self._lock:
+            # beats before it is popped, so no kill leaves it RUNNING without a heartbeat (a pop
+            # another process wins leaves a beat on a trial that process beats over at once)
+            self._heard(trial_id)
             popped = self.backend.set_trial_state_values(trial_id, state, values)
             if popped:  # a queued trial, this process's now
                 for key, value in self._stamp.items():
                     self.backend.set_trial_user_attr(trial_id, key, value)
-                self._heard(trial_id)
                 self._started(trial_id)
         return popped
 
@@ -169,7 +177,31 @@ class ProcessStorage(BaseStorage, BaseHeartbeat):
             self.backend.record_heartbeat(trial_id)
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        return self.backend._get_stale_trial_ids(study_id) if isinstance(self.backend, BaseHeartbeat) else []
+        if not isinstance(self.backend, BaseHeartbeat):
+            return []
+        stale = self.backend._get_stale_trial_ids(study_id)
+        return stale + [t for t in self._unheard(study_id) if t not in stale]
+
+    def _unheard(self, study_id: int) -> list[int]:
+        """RUNNING trials with no heartbeat at all, created by planner more than a grace period
+        ago: their process died between creating them and their first beat (one statement
+        apart). A live trial goes unheard for a millisecond, so only a clock more than a grace
+        period off between two hosts could take one for dead. Trials without `STARTED` (made by
+        other tools) are left alone, as Optuna leaves them."""
+        rdb = self.backend._backend if isinstance(self.backend, _CachedStorage) else self.backend
+        if not isinstance(rdb, optuna.storages.RDBStorage) or rdb.heartbeat_interval is None:
+            return []
+        grace = rdb.grace_period or 2 * rdb.heartbeat_interval
+        with _create_scoped_session(rdb.scoped_session) as session:
+            silent = (
+                session.query(models.TrialModel.trial_id)
+                .outerjoin(models.TrialHeartbeatModel)
+                .filter(models.TrialModel.study_id == study_id, models.TrialModel.state == TrialState.RUNNING)
+                .filter(models.TrialHeartbeatModel.trial_heartbeat_id.is_(None))
+                .all()
+            )
+        now = time.time()
+        return [tid for (tid,) in silent if now - float(rdb.get_trial_system_attrs(tid).get(STARTED, now)) > grace]
 
     def get_heartbeat_stale_trial_callback(self) -> StaleCallback | None:
         if self._on_stale is not None:

@@ -36,7 +36,7 @@ from planner.inputs.targets import HardwareTarget
 from planner.measurement import runner_for
 from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
-from planner.search._recovery import PROCESS, WORKER, _retry_stale, recover_dead_trials
+from planner.search._recovery import _retry_stale, process, recover_dead_trials, worker
 from planner.search._samplers import SAMPLERS, AnchoredSampler, make_sampler, takes_anchors
 from planner.search._storage import GRACE_ENV, HEARTBEAT_ENV, ProcessStorage, experimental, open_storage, storage_of
 from planner.search.evaluate import EvalSettings, Evaluator
@@ -50,18 +50,18 @@ __all__ = [
     "HEARTBEAT_ENV",
     "NOT_BEGUN",
     "OBJECTIVES",
-    "PROCESS",
     "SAMPLERS",
-    "WORKER",
     "AnchoredSampler",
     "ProcessStorage",
     "SearchSettings",
     "make_sampler",
     "open_storage",
     "open_study",
+    "process",
     "recover_dead_trials",
     "run_study",
     "takes_anchors",
+    "worker",
 ]
 
 log = logging.getLogger(__name__)
@@ -127,11 +127,11 @@ def open_study(
 
 def _process_storage(url: str | None) -> ProcessStorage:
     """The storage `url` names, as this process writes to it: each trial it starts stamped with
-    `PROCESS` (and `WORKER`: which process ran it), a silent heartbeat's trial queued again
+    `process()` (and `worker()`: which process ran it), a silent heartbeat's trial queued again
     (`_retry_stale`). Over what Optuna itself would make of it (`get_storage`: an RDB behind
     Optuna's cache, so reading the trials stays incremental)."""
     backend = optuna.storages.get_storage(open_storage(url))
-    return ProcessStorage(backend, {"process": PROCESS, "worker": WORKER}, on_stale=_retry_stale)
+    return ProcessStorage(backend, {"process": process(), "worker": worker()}, on_stale=_retry_stale)
 
 
 def run_study(
