@@ -6,10 +6,16 @@ board side (`start`, `kill`, `Boards`) for the tests that measure over TVM RPC.
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,16 +31,80 @@ def planner(
     preexec_fn: Callable[[], None] | None = None,
     timeout: float = 900,
 ) -> subprocess.CompletedProcess:
-    """`planner ARGS` run to completion, output captured; `env` adds to this process's environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "planner", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env={**os.environ, **env} if env else None,
-        preexec_fn=preexec_fn,
-    )
+    """`planner ARGS` run to completion, output captured; `env` adds to this process's environment.
+
+    A child of this test process's fork server (`forkserver.py`: the imports done once), or, for a
+    `preexec_fn` (which must run in a child of this process) or while the server is busy, a fresh
+    `python -m planner`."""
+    command = [sys.executable, "-m", "planner", *map(str, args)]
+    full_env = {**os.environ, **env} if env else dict(os.environ)
+    if preexec_fn is None and _FORKS.lock.acquire(blocking=False):
+        try:
+            return _FORKS.run(command, [str(a) for a in args], Path(cwd or os.getcwd()), full_env, timeout)
+        finally:
+            _FORKS.lock.release()
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env, preexec_fn=preexec_fn)
+
+
+class _ForkServer:
+    """This process's `forkserver.py`, started on first use and stopped with the process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="planner-forks-"))
+        self._pending = b""
+        atexit.register(shutil.rmtree, self._dir, True)
+
+    def _server(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._pending = b""
+            with (self._dir / "server.err").open("wb") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    bufsize=0,
+                    cwd=self._dir,
+                )
+            atexit.register(self._proc.kill)
+            self._reply(120)  # {"ready": pid}, once its imports are done
+            self._preamble = (self._dir / "server.err").read_text()  # what they printed, as each command would
+        return self._proc
+
+    def _reply(self, timeout: float) -> dict:
+        """The server's next line; TimeoutError when it says nothing for `timeout` seconds."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd, deadline = self._proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                err = (self._dir / "server.err").read_text()[-3000:]
+                raise RuntimeError(f"the fork server stopped: {err}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, command: list[str], args: list[str], cwd: Path, env: dict[str, str], timeout: float):
+        proc = self._server()
+        out, err = self._dir / "stdout", self._dir / "stderr"
+        request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(request).encode() + b"\n")
+        pid = self._reply(60)["pid"]
+        try:
+            returncode = self._reply(timeout)["returncode"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._reply(60)
+            raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(command, returncode, out.read_text(), self._preamble + err.read_text())
+
+
+_FORKS = _ForkServer()
 
 
 def start(*args: str) -> subprocess.Popen:
