@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,6 +41,37 @@ def test_plan_and_run_json(tiny_model, tiny_data, tmp_path):
     assert report["steps"] == 30
     assert set(report["before"]) == set(report["after"]) == {"loss", "accuracy"}
     assert (tmp_path / "ft" / "weights.npz").is_file() and (tmp_path / "ft" / "model.onnx").is_file()
+    # the run's own step time and memory, beside the plan's
+    check, metrics = report["check"], plan["metrics"]
+    assert check["steps_timed"] == 30 and 0 < check["step_ms_p10"] <= check["step_ms"] <= check["step_ms_p90"]
+    assert check["planned_step_ms"] == metrics["step_latency_ms"]["median"]
+    assert check["planned_memory_bytes"] == metrics["peak_memory_bytes"]["total"]
+    assert check["memory_bytes"] > metrics["peak_memory_bytes"]["activations"], check  # (the C heap one step gains, and more)
+    assert [f"warning: {w}" for w in check["warnings"]] == res.stderr.splitlines()
+
+
+def _busy() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_a_step_slower_than_planned_is_a_one_line_warning_beside_the_figures(tiny_model, tiny_data, tmp_path):
+    """The plan's step time is measured on an idle machine; run under a load that takes the
+    cores its step was timed on, the run measures a slower step and says so."""
+    out = tmp_path / "p"
+    res = planner("plan", "--model", tiny_model, "--data", tiny_data, "--out", out, "--trials", "1", "--accuracy-steps", "20")
+    assert res.returncode == 0, res.stderr
+    hogs = [_busy() for _ in range(3 * (os.cpu_count() or 1))]  # three busy processes a core
+    try:
+        res = planner("run", out, "--steps", "200", "--out", tmp_path / "ft")
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert res.returncode == 0, res.stderr
+    (warning,) = [line for line in res.stderr.splitlines() if line.startswith("warning: the step took")]
+    assert "above the plan's" in warning
+    (line,) = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    assert "ms measured (median of 200" in line and "ms planned; memory" in line
 
 
 def test_help_teaches_defaults():

@@ -7,6 +7,7 @@ loss and the updated trainable weights and optimizer states, which become the ne
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -75,6 +76,11 @@ class TrainingSession:
         lib = load_step(library) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         self._set_input = self.vm.module["set_input"]
+        self.set_weights(weights)
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Start over from `weights` (by ONNX initializer name) and fresh optimizer state."""
+        sig = self.sig
         weights = to_step(weights, sig.layouts, sig.quantized)
         missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]
         if missing:
@@ -83,6 +89,7 @@ class TrainingSession:
         self.frozen = [put(weights[n]) for n in sig.frozen]
         self.trainable = [put(weights[n]) for n in sig.trainable]
         self.states = [put(np.full(shape, fill, dtype)) for shape, dtype, fill in sig.optim_states]
+        self.step_seconds: list[float] = []  # each step's call of the compiled step (`planner run` checks them)
 
     def _put(self, array: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(array, order="C"), self.device)
@@ -106,7 +113,9 @@ class TrainingSession:
         # wrapper's type dispatch over every argument (~270 for MobileNetV2, each already a
         # Tensor) cost a tenth of a batch-1 step.
         self._set_input(STEP_FUNC, *self.step_args(x, y))
+        start = time.perf_counter()
         self.vm.invoke_stateful(STEP_FUNC)
+        self.step_seconds.append(time.perf_counter() - start)
         out = self.vm.get_outputs(STEP_FUNC)
         n = len(self.trainable)
         self.trainable = list(out[1 : 1 + n])
@@ -134,6 +143,13 @@ class TrainingSession:
     def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
         """(mean cross-entropy, accuracy) over labelled chunks: a set too large to hold at once."""
         return score(self.logits, chunks)
+
+    def resident_bytes(self) -> int:
+        """Bytes of what the step holds between steps (weights, optimizer state) and of one
+        batch of its inputs and labels, from their shapes."""
+        held = sum(int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize for t in (*self.frozen, *self.trainable, *self.states))
+        inputs = sum(int(np.prod(i.static)) * np.dtype(i.dtype).itemsize for i in self.sig.inputs)
+        return held + self.sig.batch_size * (inputs + np.dtype(LABEL_DTYPE).itemsize)
 
     def weights(self) -> dict[str, np.ndarray]:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""

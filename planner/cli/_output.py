@@ -23,6 +23,18 @@ def kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
+def measured_line(check) -> str:
+    """`planner run`'s figures beside the plan's (a `RunCheck`)."""
+    step = (
+        f"step {check.step_ms:.3f} ms measured (median of {check.steps_timed}, p10-p90 "
+        f"{check.step_ms_p10:.3f}-{check.step_ms_p90:.3f})"
+        if check.step_ms is not None
+        else "step not timed"
+    )
+    memory = f"memory {kib(check.memory_bytes)} measured" if check.memory_bytes is not None else "memory not measured"
+    return f"{step} vs {check.planned_step_ms:.3f} ms planned; {memory} vs {kib(check.planned_memory_bytes)} planned"
+
+
 def plan_summary(result) -> None:
     """The line `plan` and `measure` end with: what the plan trains and what it measured."""
     p = result.plan

@@ -10,7 +10,7 @@ import typer
 
 from planner.cli._app import KeyOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import guard
-from planner.cli._output import stderr, stdout
+from planner.cli._output import measured_line, note, say, stderr, stdout
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 
 
@@ -59,16 +59,17 @@ def run(
             key=key,
         )
     )
+    for warning in r.check.warnings if r.check else ():
+        note(f"warning: {warning}")
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    stdout.print(
+    say(
         f"{r.steps} steps: val loss {r.before['loss']:.4f} → {r.after['loss']:.4f}, "
-        f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f} ({r.device}); wrote {r.out}/",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
+        f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f} ({r.device}); wrote {r.out}/"
     )
+    if r.check is not None:
+        say(measured_line(r.check))
 
 
 @app.command("compile")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.backend import Artifact, ArtifactKind, backend_class, backend_for
+from planner.backend.session import TrainingSession
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from planner.inputs.data import Dataset, Tokenization, data_format, format_named, load_dataset
@@ -22,7 +23,7 @@ from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
 from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import HardwareTarget, load_target
-from planner.measurement import Session, runner_for
+from planner.measurement import Session, runner_for, selfcheck
 from planner.measurement.accuracy import evaluate, finetune
 from planner.measurement.local import LocalRunner, local_session
 from planner.plans.directory import (
@@ -37,7 +38,7 @@ from planner.plans.directory import (
     replace_files,
 )
 from planner.plans.schema import Plan
-from planner.types import RunResult
+from planner.types import RunCheck, RunResult
 
 
 def _train(session: Session, data: Dataset, steps: int, seed: int | None, augment_seed: int):
@@ -47,6 +48,18 @@ def _train(session: Session, data: Dataset, steps: int, seed: int | None, augmen
         raise MeasureFailed(f"training diverged at step {len(losses)} (loss {losses[-1]}); no weights written")
     loss1, acc1 = evaluate(session, data.val)
     return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
+
+
+def _check(session: TrainingSession, step_heap: int | None, plan: Plan, device: str) -> RunCheck:
+    m = plan.metrics
+    return selfcheck.check(
+        step_seconds=session.step_seconds,
+        heap_gained=step_heap,
+        resident_bytes=session.resident_bytes(),
+        planned_step_ms=m.step_latency_ms.median,
+        planned_memory_bytes=m.peak_memory_bytes.total,
+        device=device,
+    )
 
 
 def run_plan(
@@ -81,9 +94,15 @@ def run_plan(
         if target is not None and not _built_for(plan, target):
             artifact = backend_for(target, cache_dir=default_cache_dir()).build(model, plan.candidate)
         runner = runner_for(target) if target is not None else None
+        check = None
         if runner is None or runner.runs_here:
-            before, after, final = _train(_load_here(artifact, weights, plan), dataset, steps, order_seed, seed)
+            session = _load_here(artifact, weights, plan)
             device = "local" if runner is None else runner.device
+            vm = isinstance(session, TrainingSession)  # (a step this process runs through TVM's VM)
+            step_heap = selfcheck.step_heap(session, weights) if vm else None
+            before, after, final = _train(session, dataset, steps, order_seed, seed)
+            if vm:
+                check = _check(session, step_heap, plan, device)
         else:
             before, after, final = runner.train(artifact, weights, lambda s: _train(s, dataset, steps, order_seed, seed))
             device = runner.device
@@ -100,7 +119,7 @@ def run_plan(
     except OutputUnwritable as exc:
         release_if_empty(out, created)
         raise OutputUnwritable(f"{exc}; the training is lost, rerun with an `out` that has room") from None
-    return RunResult(before, after, steps, out, device)
+    return RunResult(before, after, steps, out, device, check)
 
 
 def _dataset(plan_dir: Path, plan: Plan, path: Path, model) -> Dataset:

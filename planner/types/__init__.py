@@ -20,7 +20,7 @@ from planner.types._candidate import (
     Updates,
 )
 from planner.types._measured import AccuracyResult, Fidelity, Latency, Measured, MemoryBreakdown, TrialRecord, TrialState
-from planner.types._step import KernelTime, ModelInput, RunResult, StepProfile, StepSignature
+from planner.types._step import KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
 
 __all__ = [
     "LEGACY_UPDATES",
@@ -38,6 +38,7 @@ __all__ = [
     "Optimizer",
     "Precision",
     "Recompute",
+    "RunCheck",
     "RunResult",
     "StepProfile",
     "StepSignature",

@@ -99,17 +99,45 @@ def _layouts(d: dict) -> dict[str, Layout]:
 
 
 @dataclass(frozen=True)
+class RunCheck:
+    """A run's own measure of its step beside the plan's figures (`planner.measurement.selfcheck`).
+    A figure the run could not measure where it ran is None."""
+
+    step_ms: float | None  # median over the run's timed steps
+    step_ms_p10: float | None
+    step_ms_p90: float | None
+    steps_timed: int
+    planned_step_ms: float
+    memory_bytes: int | None
+    planned_memory_bytes: int
+    how: str  # how each figure was measured, in words
+    warnings: tuple[str, ...]  # one line each: a figure more than `TOLERANCE` off the plan's
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "warnings": list(self.warnings)}
+
+
+@dataclass(frozen=True)
 class RunResult:
-    """What `planner.run` did: val loss and accuracy before and after, where the weights went."""
+    """What `planner.run` did: val loss and accuracy before and after, where the weights went, and
+    its step time and memory measured against the plan's."""
 
     before: dict[str, float]  # {loss, accuracy} on the val split
     after: dict[str, float]
     steps: int
     out: Path
     device: str
+    check: RunCheck | None = None
 
     def to_json(self) -> dict:
-        return {"before": self.before, "after": self.after, "steps": self.steps, "out": str(self.out), "device": self.device}
+        return {
+            "before": self.before,
+            "after": self.after,
+            "steps": self.steps,
+            "out": str(self.out),
+            "device": self.device,
+            "check": self.check.to_json() if self.check else None,
+        }
 
 
 @dataclass(frozen=True)
