@@ -22,6 +22,7 @@ import ipaddress
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,21 @@ RESET_PEAK = "planner.board.reset_peak"
 PEAK_RSS = "planner.board.peak_rss"
 RSS = "planner.board.rss"
 BOARD_ID = "planner.board.id"
+HEAP = "planner.board.heap_in_use"  # the C heap in use, -1 where unreadable (`selfcheck.heap_in_use`)
+TIMED_INVOKE = "planner.board.timed_invoke"  # (vm module, function) -> seconds of one stateful call, on the board
+
+
+def _heap() -> int:
+    from planner.measurement.selfcheck import heap_in_use
+
+    held = heap_in_use()
+    return -1 if held is None else held
+
+
+def _timed_invoke(vm, name: str) -> float:
+    start = time.perf_counter()
+    vm["invoke_stateful"](name)
+    return time.perf_counter() - start
 
 
 def _status_bytes(field: str) -> int:
@@ -58,6 +74,8 @@ def register_memory_probes() -> None:
     tvm.register_global_func(RESET_PEAK, _reset_peak, override=True)
     tvm.register_global_func(PEAK_RSS, lambda: _status_bytes("VmHWM"), override=True)
     tvm.register_global_func(RSS, lambda: _status_bytes("VmRSS"), override=True)
+    tvm.register_global_func(HEAP, _heap, override=True)
+    tvm.register_global_func(TIMED_INVOKE, _timed_invoke, override=True)
     # sessions run in a child of the serving process: its pid tells boards on one host apart
     tvm.register_global_func(BOARD_ID, lambda: f"{socket.gethostname()}/{os.getppid()}", override=True)
 

@@ -19,11 +19,12 @@ import numpy as np
 
 from planner.backend._base import Artifact
 from planner.backend.compile import VM_LIBRARY
+from planner.backend.graph import STEP_FUNC
 from planner.backend.libraries import INSTALL_HINT, missing_library
 from planner.backend.session import TrainingSession
 from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, EnvironmentFailure, PlannerError, first_line, last_line
 from planner.measurement._base import Measurement, Runner, Session
-from planner.measurement.board import BOARD_ID, PEAK_RSS, RESET_PEAK, KeyStatus, key_status
+from planner.measurement.board import BOARD_ID, HEAP, PEAK_RSS, RESET_PEAK, TIMED_INVOKE, KeyStatus, key_status
 from planner.measurement.latency import method, time_step
 from planner.types import Latency
 
@@ -161,9 +162,17 @@ class TrackerRunner(Runner):
     def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
         self.check_kind(artifact)
         self.pool.check()
-        return self.pool.run(
-            artifact.entry, lambda remote, lib, dev: work(TrainingSession(lib, artifact.signature, weights, device=dev))
-        )
+
+        def on_board(remote, lib, dev) -> T:
+            session = TrainingSession(lib, artifact.signature, weights, device=dev)
+            timed, heap = _probe(remote, TIMED_INVOKE), _probe(remote, HEAP)
+            if timed is not None:  # the board times its own steps (a stock TVM server: the round trip)
+                session.timed_invoke = lambda: float(timed(session.vm.module, STEP_FUNC))
+            if heap is not None:
+                session.heap = lambda: None if (held := int(heap())) < 0 else held
+            return work(session)
+
+        return self.pool.run(artifact.entry, on_board)
 
     def latency_method(self, latency: Latency) -> str:
         return method(f"on a '{self.pool.key}' board over TVM RPC", latency)

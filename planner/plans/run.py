@@ -94,18 +94,19 @@ def run_plan(
         if target is not None and not _built_for(plan, target):
             artifact = backend_for(target, cache_dir=default_cache_dir()).build(model, plan.candidate)
         runner = runner_for(target) if target is not None else None
-        check = None
-        if runner is None or runner.runs_here:
-            session = _load_here(artifact, weights, plan)
-            device = "local" if runner is None else runner.device
-            vm = isinstance(session, TrainingSession)  # (a step this process runs through TVM's VM)
-            step_heap = selfcheck.step_heap(session, weights) if vm else None
+        device = "local" if runner is None else runner.device
+
+        def work(session: Session) -> tuple[dict, dict, dict, RunCheck | None]:
+            if not isinstance(session, TrainingSession):  # (a step TVM's VM does not run: no check yet)
+                return (*_train(session, dataset, steps, order_seed, seed), None)
+            step_heap = selfcheck.step_heap(session, weights)
             before, after, final = _train(session, dataset, steps, order_seed, seed)
-            if vm:
-                check = _check(session, step_heap, plan, device)
+            return before, after, final, _check(session, step_heap, plan, device)
+
+        if runner is None or runner.runs_here:
+            before, after, final, check = work(_load_here(artifact, weights, plan))
         else:
-            before, after, final = runner.train(artifact, weights, lambda s: _train(s, dataset, steps, order_seed, seed))
-            device = runner.device
+            before, after, final, check = runner.train(artifact, weights, work)
 
     def fill(staged: Path) -> None:
         np.savez(staged / WEIGHTS_FILE, **final)
