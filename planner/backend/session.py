@@ -15,6 +15,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from planner import faults
 from planner.backend.graph import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
 from planner.backend.libraries import INSTALL_HINT, load_openblas, missing_library
 from planner.backend.threads import claim_cores
@@ -122,6 +123,7 @@ class TrainingSession:
         else:
             start = time.perf_counter()
             self.vm.invoke_stateful(STEP_FUNC)
+            faults.point("step")
             self.step_seconds.append(time.perf_counter() - start)
         out = self.vm.get_outputs(STEP_FUNC)
         n = len(self.trainable)

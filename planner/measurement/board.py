@@ -17,6 +17,7 @@ started them (`die_with_parent`).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import ipaddress
 import os
@@ -36,13 +37,42 @@ RESET_PEAK = "planner.board.reset_peak"
 PEAK_RSS = "planner.board.peak_rss"
 RSS = "planner.board.rss"
 BOARD_ID = "planner.board.id"
-HEAP = "planner.board.heap_in_use"  # the C heap in use, -1 where unreadable (`selfcheck.heap_in_use`)
+HEAP = "planner.board.heap_in_use"  # the C heap in use, -1 where unreadable (`heap_in_use`)
 TIMED_INVOKE = "planner.board.timed_invoke"  # (vm module, function) -> seconds of one stateful call, on the board
 
 
-def _heap() -> int:
-    from planner.measurement.selfcheck import heap_in_use
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
 
+
+@functools.cache
+def _mallinfo2():
+    """glibc's `mallinfo2`, or None where the C library has none (musl, macOS, glibc < 2.33)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallinfo2 if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
+def heap_in_use() -> int | None:
+    """Bytes of the C heap in use now: chunks in use in the main arena plus mmapped chunks (TVM's
+    large tensors); None where it cannot be read. A board serves it over RPC (`HEAP`);
+    `planner run` checks a plan's memory with it (`selfcheck`)."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _heap() -> int:
     held = heap_in_use()
     return -1 if held is None else held
 

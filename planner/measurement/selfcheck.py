@@ -21,14 +21,12 @@ figure more than `TOLERANCE` off is a one-line warning.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-
 import numpy as np
+import tvm
 
 from planner.backend.graph import STEP_FUNC
 from planner.backend.session import TrainingSession, example_batch
+from planner.measurement.board import heap_in_use
 from planner.types import RunCheck
 
 TOLERANCE = 0.20  # a measured figure this far off the plan's (either way) is a warning, and
@@ -36,36 +34,6 @@ TOLERANCE = 0.20  # a measured figure this far off the plan's (either way) is a 
 # Python, and one step's heap moves by up to ~0.15 MB with the allocator's state (measured on
 # tests' steps of 60 KB)
 RESOLUTION_MS, RESOLUTION_BYTES = 0.05, 256 * 1024
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
-
-
-@functools.cache
-def _mallinfo2():
-    """glibc's `mallinfo2`, or None where the C library has none (musl, macOS, glibc < 2.33)."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.restype = _MallInfo2
-    return fn
-
-
-def heap_in_use() -> int | None:
-    """Bytes of the C heap in use now: chunks in use in the main arena plus mmapped chunks (TVM's
-    large tensors); None where it cannot be read. A board serves it over RPC (`board.HEAP`)."""
-    fn = _mallinfo2()
-    if fn is None:
-        return None
-    info = fn()
-    return int(info.uordblks + info.hblkhd)
 
 
 MEMORY_HOW = (
@@ -80,6 +48,8 @@ def step_heap(session: TrainingSession, weights: dict[str, np.ndarray]) -> int |
     runs on a probe batch before anything else (an evaluation would leave pooled blocks and
     workspace the step then reuses), and the session starts over from `weights` after it."""
     heap = session.heap or heap_in_use  # (a board's, over RPC)
+    if session.heap is None:  # blocks an earlier step of this process left in TVM's pool would be reused
+        tvm.get_global_func("vm.builtin.memory_manager.clear")()
     session.vm.set_input(STEP_FUNC, *session.step_args(*example_batch(session.sig, np.random.default_rng(0))))
     held = heap()
     session.vm.invoke_stateful(STEP_FUNC)  # (as tests/test_memory.py measures it)
