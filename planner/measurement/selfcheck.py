@@ -12,11 +12,12 @@ figure more than `TOLERANCE` off is a one-line warning.
   board over RPC by the board itself (`board.TIMED_INVOKE`), without the round trip; the median
   and the 10th-90th percentiles over the run's steps.
 - Memory: what the C heap (glibc's `mallinfo2`) gained over one call of the step on a probe
-  batch, its inputs already set, run before anything else in the session — the VM's pooled allocator and the kernels' workspace
-  pool never return memory, so their high-water mark is what they hold after it — plus the
-  step's resident tensors (weights, optimizer state, the batch) counted from their shapes. The
-  library's own heap (its code and constants) is not part of a plan's peak: the probe starts
-  after the step is loaded. (`tests/test_memory.py` holds the plan's figure to this method.)
+  batch, its inputs already set, run before anything else in the session — the VM's pooled
+  allocator and the kernels' workspace pool never return memory, so their high-water mark is
+  what they hold after it — plus the step's resident tensors (weights, optimizer state, the
+  batch) counted from their shapes. The library's own heap (its code and constants) is not part
+  of a plan's peak: the probe starts after the step is loaded. (`tests/test_memory.py` holds
+  the plan's figure to this method.)
 """
 
 from __future__ import annotations
