@@ -67,7 +67,7 @@ def _scheme(path: Path, layers: list[str], batch: int, optimizer: dict) -> Path:
     return path
 
 
-def _pretrained(out: Path, model, size: int, steps: int) -> tuple[Path, Path]:
+def pretrained(out: Path, model, size: int, steps: int) -> tuple[Path, Path]:
     """`model` trained in full on the source digits; returns it and the downstream data."""
     out.mkdir(parents=True, exist_ok=True)
     init = zoo.save(model, out / "init.onnx")
@@ -84,8 +84,8 @@ def _task(name: str, out: Path, pretrain_steps: int) -> tuple[Path, Path]:
     if name == "digits":
         return EXAMPLE / "model.onnx", EXAMPLE / "digits.npz"
     if name == "mobilenet":
-        return _pretrained(out, zoo.mobilenet_v2(width=0.35, resolution=64), 64, pretrain_steps)
-    return _pretrained(out, zoo.vit_block(resolution=16, patch=4, dim=32, mlp=64, classes=10), 16, pretrain_steps)
+        return pretrained(out, zoo.mobilenet_v2(width=0.35, resolution=64), 64, pretrain_steps)
+    return pretrained(out, zoo.vit_block(resolution=16, patch=4, dim=32, mlp=64, classes=10), 16, pretrain_steps)
 
 
 def _full_update(model: Path, data: Path, out: Path, accuracy_steps: int):

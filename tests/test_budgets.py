@@ -105,3 +105,49 @@ def test_plan_says_where_each_budgets_plan_went(tiny_model, tiny_data, tmp_path)
         "  within 1.0 KiB: no trial fits",
         f"  within 1,048,576.0 KiB: {out}/1GiB/: trial {read_plan(out).selection.trial}",
     ]
+
+
+def test_a_candidate_estimated_over_the_ram_budget_is_infeasible_and_never_compiled(tiny_model, tiny_data, tmp_path):
+    """The training graph's memory estimate screens a candidate before its compile: one clearly
+    over the RAM budget ends as an infeasible trial, its memory recorded as estimated, and its step
+    is never built; the others are compiled and measured as ever."""
+    from planner.backend.compile import BuildOptions, in_cache, training_module
+    from planner.backend.estimate import estimate
+    from planner.inputs.model import load_model
+
+    first = _plan(tiny_model, tiny_data, tmp_path / "a", ["1GiB"])
+    model = load_model(tiny_model)
+    floors = {}
+    for t in first.trials:
+        mod, sig = training_module(model, t.candidate)
+        floors[t.number] = estimate(mod["train_step"], sig, t.candidate).at_least
+    # what the smaller half of the candidates compiled to: they fit, and the larger ones are clearly over
+    median = sorted(floors.values())[len(floors) // 2]
+    budget = max(t.memory.total for t in first.trials if floors[t.number] < median)
+    cache = tmp_path / "cache"
+    result = planner.plan(
+        model=tiny_model,
+        data=tiny_data,
+        out=tmp_path / "b",
+        trials=8,
+        accuracy_steps=12,
+        screen_steps=0,
+        latency_repeats=2,
+        sampler="random",
+        seed=5,
+        budgets=[str(budget)],
+        cache_dir=cache,
+    )
+    assert [t.candidate for t in result.trials] == [t.candidate for t in first.trials]
+    build = BuildOptions.for_target(load_target("host"), cache_dir=cache)
+    skipped = [t for t in result.trials if floors[t.number] > budget]
+    assert skipped and len(skipped) < len(result.trials)
+    for t in result.trials:
+        if t in skipped:
+            assert t.over_budget_estimated and not t.feasible and "ram_budget" in t.over_budget
+            assert t.latency is None and t.accuracy is None and t.memory.total * 0.9 <= floors[t.number] + 1
+            assert not in_cache(load_model(tiny_model), t.candidate, build), "an estimated-over candidate was compiled"
+        else:
+            assert t.complete and not t.memory_estimated and in_cache(model, t.candidate, build)
+    report = (tmp_path / "b" / "trials.json").read_text()
+    assert '"memory_estimated": true' in report

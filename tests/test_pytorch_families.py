@@ -21,9 +21,11 @@ import tvm
 torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
 import torch_families as tf  # noqa: E402
 from planner import api  # noqa: E402
-from planner.backend.compile import BuildOptions, compile_candidate  # noqa: E402
+from planner.backend.compile import BuildOptions, compile_candidate, training_module  # noqa: E402
+from planner.backend.estimate import HIGH, LOW, SLACK, estimate  # noqa: E402
 from planner.backend.session import TrainingSession  # noqa: E402
 from planner.errors import BadInput  # noqa: E402
+from planner.inputs.model import load_model  # noqa: E402
 from planner.types import Candidate  # noqa: E402
 from processes import planner  # noqa: E402
 
@@ -221,7 +223,8 @@ def _dataset(path: Path, family: str, n: int = 24) -> Path:
 @pytest.mark.parametrize("family, exporter", CASES)
 def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
     """`planner measure` of the three classic schemes writes a plan each; the full update holds
-    more memory than the last layer alone."""
+    more memory than the last layer alone; and the memory estimate a search screens candidates
+    with, from the training graph before compiling, is within its stated error of the plan's."""
     path = tf.export(family, exporter)
     model = api.inspect(path)
     data = _dataset(tmp_path / "data.npz", family)
@@ -241,6 +244,10 @@ def test_measure_full_bias_only_and_last_layer(family, exporter, tmp_path):
         metrics = result.plan.metrics
         assert metrics.step_latency_ms.median > 0 and np.isfinite(metrics.accuracy.after)
         peak[name] = metrics.peak_memory_bytes.total
+        candidate = Candidate(trainable=tuple(layers), batch_size=BATCH, optimizer="sgd", lr=0.01)
+        mod, sig = training_module(load_model(path), candidate)
+        estimated = estimate(mod["train_step"], sig, candidate).memory.total
+        assert LOW * estimated <= peak[name] <= HIGH * estimated + SLACK, (name, peak[name], estimated)
         for data_file in model.data_files:  # the plan directory stands alone
             assert (out / data_file).read_bytes() == (path.parent / data_file).read_bytes()
     assert peak["full"] > peak["last"], peak

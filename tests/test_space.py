@@ -100,7 +100,12 @@ def test_a_space_without_a_training_mode_is_refused(tmp_path):
         load_space(str(path))
 
 
-def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
+def _sparse():
+    """A space with the `sparse` strategy (a depth, then a mode per layer): memory_frontier's."""
+    return load_space("sparse-update").model_copy(update={"strategy": "sparse"})
+
+
+def test_sparse_strategy_only_trains_within_the_drawn_depth(tiny_model):
     model = load_model(tiny_model)
     params = {
         "depth": 2,
@@ -116,14 +121,14 @@ def test_sparse_update_only_trains_within_the_drawn_depth(tiny_model):
         "updates": "in-place",
         "recompute": "none",
     }
-    cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
+    cand = _sparse().sample(optuna.trial.FixedTrial(params), model)
     assert cand.trainable == (("c2", "ratio:0.5"), ("fc", "bias"))
 
 
-def test_sparse_update_reaches_exactly_its_depth(tiny_model):
+def test_sparse_strategy_reaches_exactly_its_depth(tiny_model):
     """The depth is how far back the update goes: the deepest layer of the window always trains."""
     model = load_model(tiny_model)
-    space = load_space("sparse-update")
+    space = _sparse()
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     names = space.layer_names(model)
     for _ in range(40):
@@ -140,7 +145,44 @@ def test_a_precision_the_target_does_not_list_is_never_proposed(tiny_model):
     assert proposed == {"fp32", "bf16"}
 
 
-@pytest.mark.parametrize("name", ["per-layer", "sparse-update", "last-k"])
+COMMON = {"optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}
+COMMON |= {"updates": "in-place", "recompute": "none", "batch_size": 8}
+
+
+@pytest.mark.parametrize(
+    "bias, weights, mode, trained",
+    [
+        (1, 1, "full", [("fc", "full")]),
+        (3, 1, "full", [("bn", "bias"), ("c2", "bias"), ("fc", "full")]),
+        (2, 3, "ratio:0.5", [("bn", "bias"), ("c2", "ratio:0.5"), ("fc", "ratio:0.5")]),
+        (4, 2, "ratio:0.25", [("c1", "bias"), ("bn", "bias"), ("c2", "ratio:0.25"), ("fc", "ratio:0.25")]),
+    ],
+)
+def test_depths_train_biases_and_weights_as_far_back_as_drawn(tiny_model, bias, weights, mode, trained):
+    """`depths`: the last `bias_depth` layers update their biases, the last `weight_depth` their
+    weights in `weight_mode`; a layer that cannot take that mode (BatchNorm has no output
+    channels to split) updates its bias, and nothing before both depths trains."""
+    model = load_model(tiny_model)
+    assert [layer.name for layer in model.layers] == ["c1", "bn", "c2", "fc"]
+    params = {"bias_depth": bias, "weight_depth": weights, "weight_mode": mode} | COMMON
+    cand = load_space("sparse-update").sample(optuna.trial.FixedTrial(params), model)
+    assert [(n, str(m)) for n, m in cand.trainable] == trained
+
+
+def test_depths_draw_the_same_parameters_every_trial(tiny_model):
+    """A fixed set of parameters, whatever a trial draws: what lets multivariate TPE, GP and
+    NSGA-II model the space jointly instead of falling back to independent draws."""
+    model = load_model(tiny_model)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    names = set()
+    for _ in range(20):
+        trial = study.ask()
+        load_space("sparse-update").sample(trial, model)
+        names.add(frozenset(trial.params))
+    assert len(names) == 1 and {"bias_depth", "weight_depth", "weight_mode"} <= next(iter(names))
+
+
+@pytest.mark.parametrize("name", ["depths", "per-layer", "sparse-update", "last-k"])
 def test_a_study_starts_from_the_hand_made_schemes(name, tiny_model):
     """The recipes users would otherwise copy are the first candidates, at the smallest batch."""
     model = load_model(tiny_model)
@@ -152,6 +194,9 @@ def test_a_study_starts_from_the_hand_made_schemes(name, tiny_model):
     got = [c.trainable for c in cands]
     assert got[0] == ((layers[-1], "full"),)  # the head alone
     assert tuple((n, "full") for n in layers) in got  # everything
-    if "bias" in space.modes:
-        assert tuple((n, "bias") for n in layers if model.layer(n).bias) in got  # TinyTL
+    biases = tuple((n, "bias") for n in layers[:-1] if model.layer(n).bias)
+    if space.strategy == "depths":  # TinyTL: every bias and the classifier
+        assert (*biases, (layers[-1], "full")) in got
+    elif "bias" in space.modes:
+        assert (*biases, (layers[-1], "bias")) in got  # every bias
     assert len(set(got)) == len(got) and {c.batch_size for c in cands} == {min(space.batch_size)}

@@ -69,6 +69,16 @@ class BuiltArtifact(Artifact):
 
 
 @dataclass(frozen=True)
+class MemoryEstimate:
+    """A step's peak memory told from its training graph before it is built
+    (`planner.backend.estimate`), and the smallest total the built step could plan by the
+    estimate's measured error: a candidate whose `at_least` is over the RAM budget is over it."""
+
+    memory: MemoryBreakdown
+    at_least: int
+
+
+@dataclass(frozen=True)
 class Provenance:
     """How a back end's figures in a plan were obtained, in words a reader of plan.json needs."""
 
@@ -96,6 +106,12 @@ class Backend(abc.ABC):
         """The candidate's step for the target, from the cache when it is there. Raises
         `CandidateFailed` when the candidate cannot be built, `EnvironmentFailure` when the
         machine failed (disk, compiler)."""
+
+    def estimate(self, model: Model, candidate: Candidate) -> MemoryEstimate | None:
+        """The step's peak memory before building it, or None when this back end cannot tell one
+        (or building costs no more: the step is in the cache). A search builds only the candidates
+        whose estimate is not over the RAM budget."""
+        return None
 
     @abc.abstractmethod
     def host_build(self, model: Model, candidate: Candidate) -> BuiltArtifact:

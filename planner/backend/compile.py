@@ -12,6 +12,7 @@ the C++ compiler gone — are `EnvironmentFailure`, never a failed trial.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import functools
@@ -21,6 +22,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -309,11 +311,39 @@ def lower_step(
     return LoweredStep(_lower(scheduled, target), sig, kernels, tuned, tune_seconds, in_place)
 
 
+_GRAPHS: collections.OrderedDict[str, tuple[tvm.IRModule, StepSignature]] = collections.OrderedDict()
+_GRAPHS_LOCK = threading.Lock()
+
+
+def training_module(model: Model, candidate: Candidate) -> tuple[tvm.IRModule, StepSignature]:
+    """`build_training_module(model, candidate)`, kept for the last few candidates: a search
+    estimates a candidate's memory from this graph (`planner.backend.estimate`), then compiles
+    the same one. Each caller gets a module of its own (passes may add functions to it)."""
+    key = f"{model.key}:{candidate.key()}"
+    with _GRAPHS_LOCK:
+        found = _GRAPHS.get(key)
+    if found is None:
+        found = build_training_module(model, candidate)
+        with _GRAPHS_LOCK:
+            _GRAPHS[key] = found
+            while len(_GRAPHS) > 4:
+                _GRAPHS.popitem(last=False)
+    mod, sig = found
+    return tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs), sig
+
+
+def in_cache(model: Model, candidate: Candidate, build: BuildOptions) -> bool:
+    """Whether the candidate's step looks built already (its entry's record is there; `_cached`
+    verifies it when it is loaded)."""
+    cache_dir = build.cache_dir or cachefile.default_cache_dir()
+    return (cache_dir / "steps" / cache_key(model, candidate, build) / META_NAME).exists()
+
+
 def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir: Path, tmp: Path) -> dict:
     """The candidate compiled and linked into `tmp`; the cache entry's record."""
     t0 = time.perf_counter()
     target, toolchain = build.target, build.toolchain
-    mod, sig = build_training_module(model, candidate)
+    mod, sig = training_module(model, candidate)
     try:
         step = lower_step(mod, sig, candidate, build, cache_dir)
         lowered, kernels, tuned, tune_seconds, in_place = step.lowered, step.kernels, step.tuned, step.tune_seconds, step.in_place

@@ -138,10 +138,11 @@ def _recomputing(
     inputs = recompute.layer_inputs(func, n_inputs, owners)
     if candidate.recompute == Recompute.AUTO:
         cuts = recompute.cut_points(func, n_inputs) & set(inputs.values())
-        picked = recompute.choose(func, n_inputs, cuts, _saved(func, differentiate))
-        if picked is None:  # nothing to gain: the step keeps every activation
-            return func, ()
-        chosen = set(picked)
+        keeping = differentiate(_copy(func, numbered=_FORWARD))["backbone_loss_adjoint"]
+        chosen = set(recompute.choose(func, n_inputs, cuts, _saved(func, keeping)))
+        marked = _copy(func, kept=frozenset([*func.params[:n_inputs], *chosen]))
+        if not recompute.worth(keeping, differentiate(marked)["backbone_loss_adjoint"]):
+            return func, ()  # nothing to gain: the step keeps every activation
     else:
         # a listed layer before the first trained one reads an activation the backward pass never needs
         chosen = {inputs[model.layer(name).name] for name in candidate.recompute if model.layer(name).name in inputs}
@@ -191,10 +192,10 @@ def _copy(func: relax.Function, **options) -> relax.Function:
 _FORWARD = "forward_"  # the names `_saved` gives the forward pass's bindings
 
 
-def _saved(func: relax.Function, differentiate: Callable[[relax.Function], tvm.IRModule]) -> set[relax.Var]:
-    """The bindings of `func` whose values its backward pass reads, found by differentiating a
-    copy whose bindings are numbered (the gradient pass keeps forward names, not variables)."""
-    adjoint = differentiate(_copy(func, numbered=_FORWARD))["backbone_loss_adjoint"]
+def _saved(func: relax.Function, adjoint: relax.Function) -> set[relax.Var]:
+    """The bindings of `func` whose values its backward pass reads, from `adjoint`, the gradient
+    pass's output for a copy of `func` whose bindings are numbered (`_copy(func, numbered=_FORWARD)`:
+    the gradient pass keeps forward names, not variables)."""
     forward = {f"{_FORWARD}{i}": b.var for i, b in enumerate(func.body.blocks[0].bindings)}
     read = {
         v.name for b in adjoint.body.blocks[0].bindings if b.var.name not in forward for v in relax.analysis.free_vars(b.value)

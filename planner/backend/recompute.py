@@ -26,12 +26,14 @@ from dataclasses import dataclass
 
 from tvm import relax
 
+from planner.backend.estimate import live_peak, tensor_key
 from planner.backend.memory import tensor_bytes
 from planner.errors import CandidateFailed
 
 FLOW = 2  # gradients alive beside a segment's saved activations, in its widest activation's bytes
-WORTH = 0.7  # recompute only for an estimated peak at most this share of keeping everything (measured:
-# the CNNs estimated above it saved nothing or 6 %, a transformer block at 0.68 saved 13 %)
+WORTH = 0.7  # recompute only for an estimated peak at most this share of keeping everything (set with
+# Chen's estimate: the CNNs above it saved nothing or 6 %, a transformer block at 0.68 saved 13 %; the
+# liveness estimate `worth` uses makes the same calls on tests/test_recompute.py's models)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def cut_points(func: relax.Function, n_inputs: int) -> set[relax.Var]:
     return points
 
 
-def choose(func: relax.Function, n_inputs: int, candidates: Iterable[relax.Var], saved: set[relax.Var]) -> list[relax.Var] | None:
+def choose(func: relax.Function, n_inputs: int, candidates: Iterable[relax.Var], saved: set[relax.Var]) -> list[relax.Var]:
     """The kept activations, among `candidates`, that minimise the estimated peak of the step.
 
     The estimate (Chen et al.'s): with kept activations k1 < k2 < … splitting the activations
@@ -129,9 +131,8 @@ def choose(func: relax.Function, n_inputs: int, candidates: Iterable[relax.Var],
     A dynamic programme over the candidates in order keeps, for each last kept tensor, the
     Pareto set of (bytes kept so far, worst segment so far), and returns the choice with the
     smallest peak (on a tie, the fewest bytes kept). Not keeping anything is one choice: one
-    segment, the whole network recomputed once. None when the best choice would not lower the
-    estimate to `WORTH` of keeping every activation: recomputation then costs time for nothing
-    (a small CNN whose every activation the backward pass reads anyway).
+    segment, the whole network recomputed once. Whether the choice is worth its time is `worth`'s
+    call, on the step's own liveness.
     """
     acts = _activations(func, n_inputs)
     inputs = sum(_bytes(v) for v in func.params[:n_inputs])
@@ -161,9 +162,16 @@ def choose(func: relax.Function, n_inputs: int, candidates: Iterable[relax.Var],
     finals = [(max(worst, kept + segment(None, None)), kept, chosen) for kept, worst, chosen in start]
     for i, options in enumerate(frontier):
         finals += [(max(worst, kept + segment(order[i].var, None)), kept, chosen) for kept, worst, chosen in options]
-    best = min(finals, key=lambda f: (f[0], f[1]))
-    keeping_all = inputs + segment(None, None)  # every saved activation kept: one segment's worth
-    return list(best[2]) if best[0] <= WORTH * keeping_all else None
+    return list(min(finals, key=lambda f: (f[0], f[1]))[2])
+
+
+def worth(keeping: relax.Function, recomputing: relax.Function) -> bool:
+    """Whether recomputation lowers the backward pass's peak to `WORTH` of keeping every
+    activation, by the liveness estimate a search screens budgets with (`planner.backend.estimate`)
+    over the two gradient functions: else it costs time for nothing (a small CNN whose every
+    activation the backward pass reads anyway)."""
+    weights = {k for v in keeping.params if (k := tensor_key(v)) is not None}
+    return live_peak(recomputing, weights, in_place=True).bytes <= WORTH * live_peak(keeping, weights, in_place=True).bytes
 
 
 def _pareto(options: list[tuple[int, int, tuple]]) -> list[tuple[int, int, tuple]]:

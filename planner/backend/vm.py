@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import tvm
 
-from planner.backend._base import Backend, BuiltArtifact, Provenance
-from planner.backend.compile import VM_LIBRARY, BuildOptions, CompiledStep, compile_candidate
+from planner.backend._base import Backend, BuiltArtifact, MemoryEstimate, Provenance
+from planner.backend.compile import VM_LIBRARY, BuildOptions, CompiledStep, compile_candidate, in_cache, training_module
+from planner.backend.estimate import estimate
+from planner.backend.graph import STEP_FUNC
 from planner.errors import BadInput, last_line
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
@@ -41,6 +43,13 @@ class VmBackend(Backend):
 
     def build(self, model: Model, candidate: Candidate) -> CompiledStep:
         return compile_candidate(model, candidate, self._options())
+
+    def estimate(self, model: Model, candidate: Candidate) -> MemoryEstimate | None:
+        build = self._options()
+        if in_cache(model, candidate, build):  # loading it is cheaper than estimating
+            return None
+        mod, sig = training_module(model, candidate)
+        return estimate(mod[STEP_FUNC], sig, candidate)
 
     def host_build(self, model: Model, candidate: Candidate) -> CompiledStep:
         host = BuildOptions(tvm.target.Target(HOST_TARGET), self.cache_dir, kernels=self.target.kernels)

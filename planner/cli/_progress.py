@@ -55,6 +55,11 @@ def configure_logging(console: Console, verbose: bool) -> None:
 def trial_line(rec: TrialRecord, done: int, total: int) -> str:
     if rec.state is TrialState.PRUNED:
         return f"trial {rec.number:>3} ({done}/{total}) cut short: {rec.fail_reason or 'interrupted; queued again'}"
+    if rec.over_budget_estimated and rec.memory is not None:
+        return (
+            f"trial {rec.number:>3} ({done}/{total}) over estimated {rec.memory.total / 1024:>10,.1f} KiB, "
+            "beyond the RAM budget: not compiled"
+        )
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
     flag = "ok  " if rec.feasible else "over"

@@ -8,6 +8,7 @@ module never imports Optuna.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -26,7 +27,7 @@ FIXED_BATCH_HINT = (
     "export it with a dynamic batch (torch.onnx.export(..., dynamic_shapes={'x': {0: torch.export.Dim('batch')}}), "
     "or dynamic_axes={'x': {0: 'batch'}} with dynamo=False), or plan at that batch"
 )
-DEFAULT_SPACE = "per-layer"
+DEFAULT_SPACE = "depths"
 
 
 class Suggester(Protocol):
@@ -55,13 +56,18 @@ class SearchSpace(_Strict):
     - `sparse`: a depth k is drawn (log-uniform), the k-th layer from the end trains, and each
       layer after it gets its own mode — the sparse-update search (updates concentrate where
       backpropagation is cheap);
+    - `depths` (the default space's): TinyEngine's sparse update as a fixed set of numbers (Lin et al. 2022):
+      the last `bias_depth` layers update their biases and the last `weight_depth` their weights,
+      all in one `weight_mode` (`full`, `ratio:0.25`, …) — the network's structure in three
+      parameters a sampler models jointly, where per-layer choices give it one unrelated
+      categorical per layer (3^53 sets for MobileNetV2) that 20-100 trials cannot learn;
     - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
     - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
     """
 
     name: str
     description: str = ""
-    strategy: Literal["per-layer", "sparse", "last-k", "all"] = "per-layer"
+    strategy: Literal["depths", "per-layer", "sparse", "last-k", "all"] = "per-layer"
     layers: list[str] | None = None
     modes: list[str] = ["frozen", "bias", "full"]  # `planner.modes`
     # for each mode that carries a number, the values a layer's may take; YAML names each list
@@ -224,6 +230,8 @@ class SearchSpace(_Strict):
         cannot (a mode it lacks, a mix its strategy cannot express)."""
         if any(m not in self.modes for m in set(wanted) - {"frozen"}):
             return None
+        if self.strategy == "depths":
+            return self._depth_params(wanted)
         modes = [m if m in self._allowed(model, n) else "frozen" for n, m in zip(names, wanted)]
         if "frozen" in modes and "frozen" not in self.modes and self.strategy != "last-k":
             return None
@@ -242,10 +250,60 @@ class SearchSpace(_Strict):
             return None
         return {"mode": wanted[-1]} | ({"last_k": len(names) - first} if self.strategy == "last-k" else {})
 
+    def _weight_modes(self) -> list[str]:
+        """The modes a `depths` weight window may train in, each number its own choice (`full`,
+        `ratio:0.25`, `lora:4`): one categorical, so the parameters never change with a draw."""
+        return [
+            str(Mode(m, v))
+            for m in self.modes
+            if m not in (FROZEN, "bias")
+            for v in (self.arguments[m] if get_mode(m).argument is not None else [None])
+        ]
+
+    def _depth_params(self, wanted: list[str]) -> dict[str, object] | None:
+        """`wanted` as `depths` parameters (biases anywhere, then full layers at the end), or None."""
+        full = len(list(itertools.takewhile(lambda m: m == "full", reversed(wanted))))
+        rest = set(wanted[: len(wanted) - full])
+        weights = self._weight_modes()
+        if rest - {"frozen", "bias"} or (weights and not full) or (full and "full" not in weights):
+            return None
+        params: dict[str, object] = {"weight_depth": full, "weight_mode": "full"} if weights else {}
+        if "bias" in self.modes:
+            params["bias_depth"] = len(wanted) - wanted.index("bias") if "bias" in rest else 1
+        return params
+
+    def _depths(self, trial: Suggester, model: Model, names: list[str]) -> dict[str, str]:
+        """A `depths` draw: each layer's mode from how far back biases and weights update.
+
+        Both depths are drawn log-uniformly from 1 to every layer: most draws stay near the head,
+        where backpropagation is cheap, and a sampler resolves the last few layers finely. The
+        last layer always trains (a new task needs its classifier), so there is no depth 0."""
+        L, choices = len(names), self._weight_modes()
+        bias = int(trial.suggest_int("bias_depth", 1, L, log=True)) if "bias" in self.modes else 0
+        weights = int(trial.suggest_int("weight_depth", 1, L, log=True)) if choices else 0
+        mode = Mode.parse(str(trial.suggest_categorical("weight_mode", choices))) if choices else None
+        modes = {}
+        for i, n in enumerate(names):
+            allowed = self._allowed(model, n)
+            if (
+                mode is not None
+                and i >= L - weights
+                and mode.kind in allowed
+                and (mode.value is None or mode.value in self._values(model.layer(n), mode.kind))
+            ):
+                modes[n] = str(mode)
+            elif i >= L - max(bias, weights) and "bias" in allowed:
+                # a layer in the weight window that cannot take its mode still updates its bias:
+                # backpropagation reaches it anyway
+                modes[n] = "bias"
+        return modes
+
     def sample(self, trial: Suggester, model: Model) -> Candidate:
         """Draw one candidate: the trainable set by `strategy`, then batch, optimizer, lr, precision."""
         names = self.layer_names(model)
-        if self.strategy in ("per-layer", "sparse"):
+        if self.strategy == "depths":
+            modes = self._depths(trial, model, names)
+        elif self.strategy in ("per-layer", "sparse"):
             if self.strategy == "sparse":
                 # log-uniform: most trials update few layers, where backpropagation is cheap
                 names = names[len(names) - int(trial.suggest_int("depth", 1, len(names), log=True)) :]

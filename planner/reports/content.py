@@ -49,7 +49,13 @@ class ReportContent:
     @property
     def counts(self) -> dict[str, int]:
         c = Counter(
-            "feasible" if t.feasible else "screened" if t.screened_out else "infeasible" if t.complete else t.state.lower()
+            "feasible"
+            if t.feasible
+            else "screened"
+            if t.screened_out
+            else "infeasible"
+            if t.complete or t.over_budget_estimated
+            else t.state.lower()
             for t in self.trials
         )
         return {k: c.get(k, 0) for k in ("feasible", "screened", "infeasible", "fail", "running")}

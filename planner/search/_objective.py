@@ -4,6 +4,7 @@ candidate, stopped it (an environment failure, Ctrl-C)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import replace
 
@@ -113,6 +114,8 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
         for key, value in constraints.items():
             trial.set_constraint(key, value)
         attrs = trial.user_attrs
+        if "accuracy" not in attrs:  # estimated over the RAM budget: infeasible, never run (samplers rank
+            return 0.0, math.inf, float(attrs["memory"]["total"])  # an infeasible trial by its violation alone)
         return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
 
     return objective

@@ -85,6 +85,8 @@ class Evaluator:
     def evaluate(self, candidate: Candidate, record: Callable[[str, object], None], hooks: Hooks = Hooks()) -> dict[str, float]:
         """Measure `candidate`; returns its constraints (feasible when all are <= 0): the target's
         budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`).
+        A candidate estimated over the RAM budget returns that constraint alone, its memory
+        recorded as estimated (`memory_estimated`) and nothing else measured.
 
         Raises CandidateFailed (with the reason also recorded) when it cannot be built or run,
         KeyboardInterrupt when `hooks.interrupted()` turns true mid fine-tune.
@@ -92,6 +94,9 @@ class Evaluator:
         settings = self.settings
         record("candidate", candidate.to_json())
         try:
+            over = self._over_budget(candidate, record)
+            if over is not None:
+                return over
             compiled = self._compile(candidate, record)
             measured = self._measure(candidate, compiled, record, hooks)
             faults.point("trial-accuracy")
@@ -148,6 +153,20 @@ class Evaluator:
             beaten = not fidelity.promoted and all(v <= 0 for v in constraints.values())
             constraints["screened"] = 1.0 if beaten else -1.0
         return constraints
+
+    def _over_budget(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float] | None:
+        """The constraints of a candidate whose memory estimate puts it over the RAM budget even
+        at the estimate's measured worst error (`MemoryEstimate.at_least`): it is infeasible, and
+        neither built, measured nor fine-tuned. None for every other candidate."""
+        t0 = time.perf_counter()
+        estimate = self.backend.estimate(self.model, candidate)
+        if estimate is None or estimate.at_least <= self.target.ram_budget_bytes:
+            return None
+        record("memory", estimate.memory.to_json())
+        record("memory_estimated", True)
+        record("compile_s", time.perf_counter() - t0)
+        log.debug("%s: estimated at %d bytes or more, over the RAM budget: not compiled", _label(candidate), estimate.at_least)
+        return {"ram_budget": float(estimate.at_least - self.target.ram_budget_bytes)}
 
     def _compile(self, candidate: Candidate, record: Callable[[str, object], None]) -> BuiltArtifact:
         """Build `candidate` and record what the build cost, apart so `evaluate` stays readable."""

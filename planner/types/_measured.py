@@ -157,6 +157,9 @@ class TrialRecord:
     worker: str | None = None  # host:pid of the process that ran it
     seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
     fidelity: Fidelity | None = None  # its screening fine-tune, in a multi-fidelity search
+    # its memory is the estimate from the training graph, which put it over the RAM budget: it was
+    # neither compiled, measured nor fine-tuned (`planner.backend.estimate`)
+    memory_estimated: bool = False
 
     def __post_init__(self) -> None:
         self.state = TrialState(self.state)
@@ -164,6 +167,11 @@ class TrialRecord:
     @property
     def complete(self) -> bool:
         return self.state is TrialState.COMPLETE and self.accuracy is not None
+
+    @property
+    def over_budget_estimated(self) -> bool:
+        """Ended by its memory estimate: over the RAM budget before anything was built."""
+        return self.state is TrialState.COMPLETE and self.memory_estimated and self.accuracy is None
 
     @property
     def screened_out(self) -> bool:
@@ -202,6 +210,7 @@ class TrialRecord:
             worker=attrs.get("worker"),
             seed=attrs.get("seed"),
             fidelity=Fidelity.from_json(attrs["fidelity"]) if "fidelity" in attrs else None,
+            memory_estimated=bool(attrs.get("memory_estimated", False)),
         )
         rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
         return rec
@@ -228,6 +237,7 @@ class TrialRecord:
             "worker": self.worker,
             "seed": self.seed,
             "fidelity": self.fidelity.to_json() if self.fidelity else None,
+            "memory_estimated": self.memory_estimated,
         }
 
     @classmethod
