@@ -4,7 +4,7 @@ against random search over the same space, at equal trial counts.
     pip install -e '.[example]'   # scikit-learn, for the transfer tasks' digits
     python benchmarks/search_quality.py --task mobilenet --space sparse-update --seeds 0 1 2 3 4
     python benchmarks/search_quality.py --task vit --space depths --trials 50 --random-trials 100
-    python benchmarks/search_quality.py --task example --trials 20 --random-trials 20 --ablation
+    python benchmarks/search_quality.py --task example --space depths per-layer --trials 20 --random-trials 20
 
 Tasks (those of `benchmarks/memory_frontier.py`, pretrained on the source digits and adapted to
 the example's shifted ones; the pretrained models are kept under `--out` and reused):
@@ -18,10 +18,14 @@ Each seed runs planner's search for `--trials` trials and random search for `--r
 so one 50-trial study gives the 20-trial figure too.
 
 Score: the hypervolume of a run's feasible Pareto front over (1 - val accuracy, step latency,
-peak memory). Latency and memory are divided by the largest value any run of the table saw
-(every sampler, seed and trial), 1 - accuracy is already in [0, 1], and the reference point is
-(1, 1.1, 1.1): a front's volume is then the share of that box it dominates, and the ratios
-compare within one table only. "Trials to reach random-100" is the first prefix of planner's run
+peak memory). 1 - accuracy is already in [0, 1]; latency and memory are placed on a log scale
+between the smallest (0) and the largest (1) value any run of the table saw (every sampler, seed
+and trial), and the reference point is (1, 1.1, 1.1): a front's volume is the share of that box
+it dominates, and ratios compare within one table only. Why a log scale: on MobileNetV2 the
+trials span three orders of magnitude (1 ms to seconds a step), and divided by the largest, every
+step under a tenth of the slowest one would sit within 0.1 of zero, so that halving a step's time
+or memory there would barely count; on a log scale each halving counts the same. `--linear`
+divides by the largest instead (this benchmark's score before MobileNetV2 was added). "Trials to reach random-100" is the first prefix of planner's run
 whose hypervolume reaches random search's at `--random-trials`, per seed and on the means.
 Accuracy results are cached across the samplers of a seed (they fine-tune a shared candidate
 identically), which saves time, not trials.
@@ -68,87 +72,110 @@ def points(result: planner.PlanResult) -> list[tuple[int, tuple[float, float, fl
     )
 
 
-def hypervolume(trials: list, n: int, scale: np.ndarray) -> float:
-    """The hypervolume of the first `n` trials' feasible front, normalised by `scale`."""
+def normaliser(points: np.ndarray, linear: bool):
+    """Objectives -> the unit box: 1 - accuracy as it is; latency and memory on a log scale between
+    the smallest and largest of `points` (`linear`: divided by the largest)."""
+    lo, hi = points.min(axis=0), points.max(axis=0)
+
+    def normalise(p: np.ndarray) -> np.ndarray:
+        q = p.astype(float).copy()
+        for j in (1, 2):
+            q[:, j] = p[:, j] / hi[j] if linear else np.log(p[:, j] / lo[j]) / max(np.log(hi[j] / lo[j]), 1e-12)
+        return q
+
+    return normalise
+
+
+def hypervolume(trials: list, n: int, normalise) -> float:
+    """The hypervolume of the first `n` trials' feasible front, in `normalise`'s unit box."""
     front = np.array([p for _, p in trials[:n] if p is not None])
-    return float(compute_hypervolume(front / scale, REFERENCE)) if len(front) else 0.0
+    return float(compute_hypervolume(normalise(front), REFERENCE)) if len(front) else 0.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=["example", "mobilenet", "vit"], default="example")
-    parser.add_argument("--space", default=None, help="a shipped space or YAML path (default: planner's)")
+    parser.add_argument("--space", nargs="+", default=[None], help="shipped spaces or YAML paths (default: planner's)")
     parser.add_argument("--trials", type=int, default=50, help="planner's search, per seed")
     parser.add_argument("--random-trials", type=int, default=100, help="random search, per seed")
     parser.add_argument("--at", type=int, nargs="+", default=[20, 50], help="trial counts to compare at")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--ablation", action="store_true", help="also TPE without the hand-made recipes")
+    parser.add_argument("--accuracy-steps", type=int, default=None, help="planner's --accuracy-steps (default: its own)")
+    parser.add_argument("--linear", action="store_true", help="latency and memory divided by the largest, not log-scaled")
     parser.add_argument("--pretrain-steps", type=int, default=400)
     parser.add_argument("--out", type=Path, default=Path("bench-out/search-quality"))
     args = parser.parse_args()
     model, data = task(args.task, args.out, args.pretrain_steps)
-    runs = {"planner": ("tpe", True, args.trials), "random": ("random", False, args.random_trials)}
+    searches = {"planner": ("tpe", True, args.trials), "random": ("random", False, args.random_trials)}
     if args.ablation:
-        runs["tpe-no-anchors"] = ("tpe", False, args.trials)
-    label = f"{args.task}-{args.space or 'default'}"
-    trials: dict[tuple[str, int], list] = {}
+        searches["tpe-no-anchors"] = ("tpe", False, args.trials)
+    runs = {(name, space): how for space in args.space for name, how in searches.items()}
+    trials: dict[tuple, list] = {}
     t0 = time.perf_counter()
     for seed in args.seeds:
-        cache = args.out / label / f"cache-{seed}"
-        for run, (sampler, anchors, n) in runs.items():
-            out = args.out / label / f"{run}-{seed}"
+        for (name, space), (sampler, anchors, n) in runs.items():
+            where = args.out / f"{args.task}-{space or 'default'}"
+            out = where / f"{name}-{seed}"
+            # an existing study is resumed: a run interrupted, or extended by seeds, redoes nothing
             result = planner.plan(
                 model=model,
                 data=data,
-                space=args.space,
+                space=space,
                 out=out,
                 storage=planner.default_storage(out),
                 trials=n,
                 seed=seed,
                 sampler=sampler,
                 anchors=anchors,
-                cache_dir=cache,
+                cache_dir=where / f"cache-{seed}",
+                **({"accuracy_steps": args.accuracy_steps} if args.accuracy_steps else {}),
             )
-            trials[run, seed] = points(result)
-            feasible = sum(p is not None for _, p in trials[run, seed])
+            trials[name, space, seed] = points(result)[:n]
+            feasible = sum(p is not None for _, p in trials[name, space, seed])
             print(
-                f"seed {seed} {run}: {feasible} feasible of {len(result.trials)} ({time.perf_counter() - t0:.0f} s)", flush=True
+                f"seed {seed} {name} ({space or 'default space'}): {feasible} feasible of {len(result.trials)} "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
             )
-    every = np.array([p for ts in trials.values() for _, p in ts if p is not None])
-    scale = np.max(every, axis=0)
-    scale[0] = 1.0  # 1 - accuracy is already in [0, 1]
+    scale = normaliser(np.array([p for ts in trials.values() for _, p in ts if p is not None]), args.linear)
     counts = {run: [a for a in sorted({*args.at, n}) if a <= n] for run, (_, _, n) in runs.items()}
-    hv = {(run, s, a): hypervolume(trials[run, s], a, scale) for run in runs for s in args.seeds for a in counts[run]}
-    mean = {(run, a): float(np.mean([hv[run, s, a] for s in args.seeds])) for run in runs for a in counts[run]}
+    columns = sorted({a for c in counts.values() for a in c})
+    hv = {(*run, s, a): hypervolume(trials[(*run, s)], a, scale) for run in runs for s in args.seeds for a in counts[run]}
+    mean = {(*run, a): float(np.mean([hv[(*run, s, a)] for s in args.seeds])) for run in runs for a in counts[run]}
 
-    print(f"\n{label}: hypervolume, mean over seeds {' '.join(map(str, args.seeds))} (min-max)\n")
-    print("| search | " + " | ".join(f"{a} trials" for a in sorted({a for c in counts.values() for a in c})) + " |")
-    print("|---|" + "---|" * len({a for c in counts.values() for a in c}))
+    how = "latency and memory divided by the largest" if args.linear else "latency and memory log-scaled"
+    print(f"\n{args.task}: hypervolume ({how}), mean over seeds {' '.join(map(str, args.seeds))} (min-max)\n")
+    print("| search | space | " + " | ".join(f"{a} trials" for a in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
     for run in runs:
         cells = []
-        for a in sorted({a for c in counts.values() for a in c}):
-            if a not in counts[run]:
-                cells.append("—")
-                continue
-            values = [hv[run, s, a] for s in args.seeds]
-            cells.append(f"{mean[run, a]:.4f} ({min(values):.4f}-{max(values):.4f})")
-        print(f"| {run} | " + " | ".join(cells) + " |")
-    for a in counts["planner"]:
-        if ("random", a) in mean:
-            print(f"\nplanner / random at {a} trials: **{mean['planner', a] / mean['random', a]:.2f}x**")
-    goal = args.random_trials
-    per_seed = []
-    for s in args.seeds:
-        reach = next(
-            (n for n in range(1, args.trials + 1) if hypervolume(trials["planner", s], n, scale) >= hv["random", s, goal]), None
+        for a in columns:
+            values = [hv[(*run, s, a)] for s in args.seeds] if a in counts[run] else []
+            cells.append(f"{mean[(*run, a)]:.4f} ({min(values):.4f}-{max(values):.4f})" if values else "—")
+        print(f"| {run[0]} | {run[1] or 'default'} | " + " | ".join(cells) + " |")
+    for space in args.space:
+        label = space or "default"
+        for a in counts["planner", space]:
+            if ("random", space, a) in mean:
+                print(
+                    f"\n{label}: planner / random at {a} trials: **{mean['planner', space, a] / mean['random', space, a]:.2f}x**"
+                )
+        goal = args.random_trials
+        curve = [
+            np.mean([hypervolume(trials["planner", space, s], n, scale) for s in args.seeds]) for n in range(1, args.trials + 1)
+        ]
+        on_means = next((n + 1 for n, v in enumerate(curve) if v >= mean["random", space, goal]), None)
+        per_seed = []
+        for s in args.seeds:
+            ts, target = trials["planner", space, s], hv["random", space, s, goal]
+            reach = next((n for n in range(1, args.trials + 1) if hypervolume(ts, n, scale) >= target), None)
+            per_seed.append("—" if reach is None else str(reach))
+        print(
+            f"{label}: trials planner needs to reach random search's {goal}-trial hypervolume: "
+            f"{on_means or f'more than {args.trials}'} on the means; per seed {', '.join(per_seed)} "
+            f"('—': not within {args.trials})"
         )
-        per_seed.append("—" if reach is None else str(reach))
-    curve = [np.mean([hypervolume(trials["planner", s], n, scale) for s in args.seeds]) for n in range(1, args.trials + 1)]
-    on_means = next((n + 1 for n, v in enumerate(curve) if v >= mean["random", goal]), None)
-    print(
-        f"\ntrials planner needs to reach random search's {goal}-trial hypervolume: "
-        f"{on_means or f'more than {args.trials}'} on the means; per seed {', '.join(per_seed)} ('—': not within {args.trials})"
-    )
 
 
 if __name__ == "__main__":

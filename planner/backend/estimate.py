@@ -11,17 +11,21 @@ What the estimate counts:
 - the step's inputs — batch, frozen and trainable parameters, optimizer state — exactly, from
   their shapes, as the compiled plan does;
 - what the step computes, by liveness over the unscheduled training function: each binding's
-  result is alive from the binding that makes it to the last binding that reads it (or a view of
-  it: a reshape, a tuple item), the step's results to the end; the peak is the largest sum of
-  live bytes at any binding. An update written over its old weight (`updates: in-place`) costs
-  nothing.
+  result (in whole pages, as TVM's allocator hands them out) is alive from the binding that makes
+  it to the last binding that reads it (or a view of it: a reshape, a tuple item, a transposed
+  weight), the step's results to the end; the peak is the largest sum of live bytes at any
+  binding. What a compiled step is known to fuse is counted as fused: a weight's gradient and
+  its update live for one kernel (an update in place costs nothing), and a gradient summed over
+  positions is one product (`planner.backend.matmul`).
 
-What it cannot see: fusion (a chain of elementwise ops becomes one kernel whose intermediate
-results never exist, which the estimate overcounts by one intermediate at a time), TVM's pooled
-allocator (a freed block is reused only by an allocation of its own page-rounded size, so the
-process holds more than the ideal liveness peak) and the kernels' workspaces. How far these move
-it is measured against the compiled figure over the PyTorch families (`tests/test_estimate.py`,
-`ERROR`), and a search treats a candidate as over budget only beyond that error.
+What it cannot see: fusion beyond the patterns above (an elementwise chain's intermediate results,
+which a compiled kernel never stores, are counted one at a time), TVM's pooled allocator (a freed
+block is reused only by an allocation of its own page-rounded size, so the process holds more
+than the ideal liveness peak) and the kernels' workspaces. How far these move it is measured
+against the compiled figure over the PyTorch families (`benchmarks/memory_estimate.py`; worst
+0.925x to 1.36x, 2.27x on a 150 KB sensor CNN whose workspaces are half its step) and held by
+tests/test_pytorch_families.py as `LOW`, `HIGH` and `SLACK`; a search treats a candidate as over
+budget only when `LOW` times its estimate is.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ _VIEWS = frozenset({"relax.reshape", "relax.squeeze", "relax.expand_dims", "rela
 # tests/test_pytorch_families.py holds it): LOW * estimate <= compiled <= HIGH * estimate + SLACK. The
 # slack is the kernels' workspaces and the allocator's per-size pools, which the graph does not show
 # and which dominate only a model of a few hundred KiB.
-LOW, HIGH, SLACK = 0.9, 1.4, 128 * 1024
+LOW, HIGH, SLACK = 0.85, 1.4, 128 * 1024
 
 
 def _bytes(ty: relax.Type) -> int:

@@ -82,8 +82,8 @@ def _bad_input(exc: ValidationError, given: dict[str, Any]) -> BadInput:
     field = str(err["loc"][0]) if err["loc"] else "screen_steps"  # (the model's own check)
     if field not in _WHY:
         return BadInput(f"`{field}`: {err['msg']}")
-    last = given.get("accuracy_steps", DEFAULT_ACCURACY_STEPS) - 1
     try:
+        last = given.get("accuracy_steps", DEFAULT_ACCURACY_STEPS) - 1
         return BadInput(_WHY[field].format(v=given.get(field), last=last))
     except (TypeError, ValueError):  # a value of the wrong kind for the message's format
         return BadInput(_WHY[field].split(" (not")[0])

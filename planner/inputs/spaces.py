@@ -52,15 +52,15 @@ class SearchSpace(_Strict):
     """What the study may vary. Layers default to every layer with parameters, in model order.
 
     `strategy` says how the trainable set is drawn:
-    - `per-layer`: each layer gets its own mode from `modes`;
+    - `depths` (the default space's): TinyEngine's sparse update as a fixed set of numbers (Lin
+      et al. 2022): the last `bias_depth` layers update their biases and the last `weight_depth`
+      their weights, all in one `weight_mode` (`full`, `ratio:0.25`, …) — the network's
+      structure in three parameters a sampler models jointly, where per-layer choices give it one
+      unrelated categorical per layer (3^53 sets for MobileNetV2) that 20-100 trials cannot learn;
+    - `per-layer` (a YAML's without `strategy`): each layer gets its own mode from `modes`;
     - `sparse`: a depth k is drawn (log-uniform), the k-th layer from the end trains, and each
       layer after it gets its own mode — the sparse-update search (updates concentrate where
       backpropagation is cheap);
-    - `depths` (the default space's): TinyEngine's sparse update as a fixed set of numbers (Lin et al. 2022):
-      the last `bias_depth` layers update their biases and the last `weight_depth` their weights,
-      all in one `weight_mode` (`full`, `ratio:0.25`, …) — the network's structure in three
-      parameters a sampler models jointly, where per-layer choices give it one unrelated
-      categorical per layer (3^53 sets for MobileNetV2) that 20-100 trials cannot learn;
     - `last-k`: the last k layers train, k from 1 to all, in one mode drawn from `modes`;
     - `all`: every layer trains, in one mode drawn from `modes` (`bias`: TinyTL-style bias-only).
     """
