@@ -39,9 +39,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import optuna
 from optuna._hypervolume import compute_hypervolume
 
 import planner
+from planner.inputs.model import load_model
+from planner.inputs.spaces import load_space
+from planner.search.study import AnchoredSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memory_frontier import pretrained  # noqa: E402
@@ -51,6 +55,14 @@ import zoo  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "digits"
 REFERENCE = np.array([1.0, 1.1, 1.1])
+# other Optuna samplers (`--samplers`), each started from the space's recipes as planner's TPE is
+OTHERS = {
+    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed, population_size=10),
+    "qmc": lambda seed: optuna.samplers.QMCSampler(seed=seed, scramble=True),
+    "tpe-univariate": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=8),
+    "tpe-startup-4": lambda seed: optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=4),
+    "gp": lambda seed: optuna.samplers.GPSampler(seed=seed, n_startup_trials=8),
+}
 
 
 def task(name: str, out: Path, pretrain_steps: int) -> tuple[Path, Path]:
@@ -66,9 +78,12 @@ def task(name: str, out: Path, pretrain_steps: int) -> tuple[Path, Path]:
 
 
 def points(result: planner.PlanResult) -> list[tuple[int, tuple[float, float, float] | None]]:
-    """Each trial by number: its objectives if feasible, else None (it still used a trial)."""
+    """Each trial by number: its objectives if feasible, else None (it still used a trial). A
+    trial the machine cut short (PRUNED: an interrupted run's, queued again) is no trial."""
     return sorted(
-        (t.number, (1 - t.accuracy.after, t.latency.median, float(t.memory.total)) if t.feasible else None) for t in result.trials
+        (t.number, (1 - t.accuracy.after, t.latency.median, float(t.memory.total)) if t.feasible else None)
+        for t in result.trials
+        if t.state != "PRUNED"
     )
 
 
@@ -101,6 +116,7 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs="+", default=[20, 50], help="trial counts to compare at")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--ablation", action="store_true", help="also TPE without the hand-made recipes")
+    parser.add_argument("--samplers", nargs="*", default=[], choices=sorted(OTHERS), help="other Optuna samplers to compare")
     parser.add_argument("--accuracy-steps", type=int, default=None, help="planner's --accuracy-steps (default: its own)")
     parser.add_argument("--linear", action="store_true", help="latency and memory divided by the largest, not log-scaled")
     parser.add_argument("--pretrain-steps", type=int, default=400)
@@ -110,6 +126,7 @@ def main() -> None:
     searches = {"planner": ("tpe", True, args.trials), "random": ("random", False, args.random_trials)}
     if args.ablation:
         searches["tpe-no-anchors"] = ("tpe", False, args.trials)
+    searches |= {name: (name, True, args.trials) for name in args.samplers}
     runs = {(name, space): how for space in args.space for name, how in searches.items()}
     trials: dict[tuple, list] = {}
     t0 = time.perf_counter()
@@ -117,6 +134,9 @@ def main() -> None:
         for (name, space), (sampler, anchors, n) in runs.items():
             where = args.out / f"{args.task}-{space or 'default'}"
             out = where / f"{name}-{seed}"
+            if sampler in OTHERS:  # an Optuna sampler object, started from the same recipes
+                recipes = load_space(space).anchors(load_model(model))
+                sampler, anchors = AnchoredSampler(OTHERS[sampler](seed), recipes), False
             # an existing study is resumed: a run interrupted, or extended by seeds, redoes nothing
             result = planner.plan(
                 model=model,

@@ -269,7 +269,7 @@ class SearchSpace(_Strict):
             return None
         params: dict[str, object] = {"weight_depth": full, "weight_mode": "full"} if weights else {}
         if "bias" in self.modes:
-            params["bias_depth"] = len(wanted) - wanted.index("bias") if "bias" in rest else 1
+            params["bias_depth"] = len(wanted) - wanted.index("bias") if "bias" in rest else full
         return params
 
     def _depths(self, trial: Suggester, model: Model, names: list[str]) -> dict[str, str]:
@@ -277,10 +277,13 @@ class SearchSpace(_Strict):
 
         Both depths are drawn log-uniformly from 1 to every layer: most draws stay near the head,
         where backpropagation is cheap, and a sampler resolves the last few layers finely. The
-        last layer always trains (a new task needs its classifier), so there is no depth 0."""
+        last layer always trains (a new task needs its classifier), so there is no depth 0. The
+        bias depth is how far back backpropagation reaches, and weights update within it (a
+        weight depth beyond it counts as the bias depth): what a step costs follows one depth,
+        as in TinyEngine's scheme, not the larger of two."""
         L, choices = len(names), self._weight_modes()
-        bias = int(trial.suggest_int("bias_depth", 1, L, log=True)) if "bias" in self.modes else 0
-        weights = int(trial.suggest_int("weight_depth", 1, L, log=True)) if choices else 0
+        bias = int(trial.suggest_int("bias_depth", 1, L, log=True)) if "bias" in self.modes else L
+        weights = min(int(trial.suggest_int("weight_depth", 1, L, log=True)), bias) if choices else 0
         mode = Mode.parse(str(trial.suggest_categorical("weight_mode", choices))) if choices else None
         modes = {}
         for i, n in enumerate(names):
@@ -292,7 +295,7 @@ class SearchSpace(_Strict):
                 and (mode.value is None or mode.value in self._values(model.layer(n), mode.kind))
             ):
                 modes[n] = str(mode)
-            elif i >= L - max(bias, weights) and "bias" in allowed:
+            elif i >= L - bias and "bias" in allowed and "bias" in self.modes:
                 # a layer in the weight window that cannot take its mode still updates its bias:
                 # backpropagation reaches it anyway
                 modes[n] = "bias"
