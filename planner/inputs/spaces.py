@@ -27,7 +27,7 @@ FIXED_BATCH_HINT = (
     "export it with a dynamic batch (torch.onnx.export(..., dynamic_shapes={'x': {0: torch.export.Dim('batch')}}), "
     "or dynamic_axes={'x': {0: 'batch'}} with dynamo=False), or plan at that batch"
 )
-DEFAULT_SPACE = "depths"
+DEFAULT_SPACE = "per-layer"
 
 
 class Suggester(Protocol):
@@ -52,7 +52,7 @@ class SearchSpace(_Strict):
     """What the study may vary. Layers default to every layer with parameters, in model order.
 
     `strategy` says how the trainable set is drawn:
-    - `depths` (the default space's): TinyEngine's sparse update as a fixed set of numbers (Lin
+    - `depths` (`sparse-update`'s): TinyEngine's sparse update as a fixed set of numbers (Lin
       et al. 2022): the last `bias_depth` layers update their biases and the last `weight_depth`
       their weights, all in one `weight_mode` (`full`, `ratio:0.25`, …) — the network's
       structure in three parameters a sampler models jointly, where per-layer choices give it one
