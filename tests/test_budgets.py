@@ -15,7 +15,7 @@ from planner.plans.directory import read_plan
 TOLERANCE = 0.01
 
 
-def _plan(tiny_model, tiny_data, out, budgets):
+def _plan(tiny_model, tiny_data, out, budgets, **options):
     return planner.plan(
         model=tiny_model,
         data=tiny_data,
@@ -28,6 +28,7 @@ def _plan(tiny_model, tiny_data, out, budgets):
         seed=5,
         budgets=budgets,
         accuracy_tolerance=TOLERANCE,
+        **options,
     )
 
 
@@ -124,19 +125,7 @@ def test_a_candidate_estimated_over_the_ram_budget_is_infeasible_and_never_compi
     # the most any candidate compiled to below the largest floor: that one fits, the largest is clearly over
     budget = max(t.memory.total for t in first.trials if t.memory.total < max(floors.values()))
     cache = tmp_path / "cache"
-    result = planner.plan(
-        model=tiny_model,
-        data=tiny_data,
-        out=tmp_path / "b",
-        trials=8,
-        accuracy_steps=12,
-        screen_steps=0,
-        latency_repeats=2,
-        sampler="random",
-        seed=5,
-        budgets=[str(budget)],
-        cache_dir=cache,
-    )
+    result = _plan(tiny_model, tiny_data, tmp_path / "b", [str(budget)], cache_dir=cache)
     assert [t.candidate for t in result.trials] == [t.candidate for t in first.trials]
     build = BuildOptions.for_target(load_target("host"), cache_dir=cache)
     skipped = [t for t in result.trials if floors[t.number] > budget]

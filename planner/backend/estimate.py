@@ -36,7 +36,7 @@ import tvm
 from tvm import relax
 
 from planner.backend._base import MemoryEstimate
-from planner.backend.memory import PAGE, tensor_bytes
+from planner.backend.memory import PAGE, parameter_bytes, tensor_bytes
 from planner.types import Candidate, MemoryBreakdown, StepSignature, Updates
 
 # ops that lower to views of their input (no copy of their own)
@@ -154,13 +154,7 @@ def live_peak(func: relax.Function, weights: set[tuple], *, in_place: bool) -> P
 
 def estimate(step: relax.Function, sig: StepSignature, candidate: Candidate) -> MemoryEstimate:
     """The peak memory of `step` (`build_training_module`'s `train_step`) before compiling it."""
-    params = list(step.params)
-    n_in, n_frozen, n_train, n_state = len(sig.inputs), len(sig.frozen), len(sig.trainable), len(sig.optim_states)
-    frozen_b = sum(_bytes(p.ty) for p in params[n_in : n_in + n_frozen])
-    trainable = params[n_in + n_frozen : n_in + n_frozen + n_train]
-    train_b = sum(_bytes(p.ty) for p in trainable)
-    state_b = sum(_bytes(p.ty) for p in params[n_in + n_frozen + n_train : n_in + n_frozen + n_train + n_state])
-    batch_b = sum(_bytes(p.ty) for p in params[:n_in]) + _bytes(params[-1].ty)
+    trainable, frozen_b, train_b, state_b, batch_b = parameter_bytes(step, sig)
     weights = {k for p in trainable if (k := tensor_key(p)) is not None}
     peak = live_peak(step, weights, in_place=candidate.updates is Updates.IN_PLACE)
     activations = peak.bytes - peak.gradients + batch_b

@@ -118,8 +118,9 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
     return grads
 
 
-def _parameter_bytes(planned: relax.Function, sig: StepSignature) -> tuple[list[relax.Var], int, int, int, int]:
-    """The trainable vars and the bytes of each kind of step input, apart so `step_peak` is just the replay."""
+def parameter_bytes(planned: relax.Function, sig: StepSignature) -> tuple[list[relax.Var], int, int, int, int]:
+    """The trainable vars and the bytes of each kind of step input (trainable, frozen, optimizer
+    state, batch), in the step's parameter order: the same before compiling (`estimate`) and after."""
     params = list(planned.params)
     # Inputs to the step: the model's inputs..., frozen..., trainable..., states..., labels
     n_in, n_frozen, n_train, n_state = len(sig.inputs), len(sig.frozen), len(sig.trainable), len(sig.optim_states)
@@ -136,7 +137,7 @@ def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str,
 
     `workspaces` (from `kernel_workspaces`) adds the kernels' own scratch.
     """
-    train_vars, frozen_b, train_b, state_b, batch_b = _parameter_bytes(planned, sig)
+    train_vars, frozen_b, train_b, state_b, batch_b = parameter_bytes(planned, sig)
     grad_vars = _gradient_vars(planned, train_vars)
 
     pool_free: dict[int, int] = {}  # page-rounded size -> free blocks
