@@ -36,7 +36,7 @@ import tvm
 from tvm import relax
 
 from planner.backend._base import MemoryEstimate
-from planner.backend.memory import PAGE, parameter_bytes, tensor_bytes
+from planner.backend.memory import PAGE, parameter_bytes, type_bytes
 from planner.types import Candidate, MemoryBreakdown, StepSignature, Updates
 
 # ops that lower to views of their input (no copy of their own)
@@ -46,14 +46,6 @@ _VIEWS = frozenset({"relax.reshape", "relax.squeeze", "relax.expand_dims", "rela
 # slack is the kernels' workspaces and the allocator's per-size pools, which the graph does not show
 # and which dominate only a model of a few hundred KiB.
 LOW, HIGH, SLACK = 0.85, 1.4, 128 * 1024
-
-
-def _bytes(ty: relax.Type) -> int:
-    if isinstance(ty, relax.TensorType) and ty.shape is not None and isinstance(ty.shape, relax.ShapeExpr):
-        return tensor_bytes(ty.shape.values, ty.dtype)
-    if isinstance(ty, relax.TupleType):
-        return sum(_bytes(f) for f in ty.fields)
-    return 0
 
 
 def tensor_key(v: relax.Var) -> tuple | None:
@@ -108,7 +100,7 @@ def live_peak(func: relax.Function, weights: set[tuple], *, in_place: bool) -> P
             if len(sources) == 1:
                 root[b.var] = sources[0]
         else:  # TVM's allocator hands out whole pages: on a small model they are much of the step
-            size[b.var] = -(-_bytes(b.var.ty) // PAGE) * PAGE
+            size[b.var] = -(-type_bytes(b.var.ty) // PAGE) * PAGE
         for u in used:
             last[u] = i
     results: set[relax.Var] = set()

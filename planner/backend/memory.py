@@ -86,11 +86,12 @@ def tensor_bytes(shape, dtype: str) -> int:
     return int(np.prod([int(d) for d in shape], dtype=np.int64)) * np.dtype(str(dtype)).itemsize
 
 
-def _ty_bytes(ty) -> int:
-    if isinstance(ty, relax.TensorType) and ty.shape is not None:
+def type_bytes(ty) -> int:
+    """Bytes of a value of Relax type `ty` (a tensor, or a tuple of them); 0 when its shape is not static."""
+    if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
         return tensor_bytes(ty.shape.values, ty.dtype)
     if isinstance(ty, relax.TupleType):
-        return sum(_ty_bytes(f) for f in ty.fields)
+        return sum(type_bytes(f) for f in ty.fields)
     return 0
 
 
@@ -105,7 +106,7 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
     After fusion, an update kernel reads the old parameter and, unless the gradient computation
     was fused into it, a buffer with as many elements as that parameter: the gradient.
     """
-    sizes = {p: _ty_bytes(p.ty) for p in trainable}
+    sizes = {p: type_bytes(p.ty) for p in trainable}
     grads: set[relax.Var] = set()
     for block in planned.body.blocks:
         for binding in block.bindings:
@@ -114,7 +115,7 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
                 continue
             ins = [a for a in value.args[:-1] if isinstance(a, relax.Var)]
             for param in (a for a in ins if a in sizes):
-                grads.update(a for a in ins if a not in sizes and _ty_bytes(a.ty) == sizes[param])
+                grads.update(a for a in ins if a not in sizes and type_bytes(a.ty) == sizes[param])
     return grads
 
 
@@ -124,11 +125,11 @@ def parameter_bytes(planned: relax.Function, sig: StepSignature) -> tuple[list[r
     params = list(planned.params)
     # Inputs to the step: the model's inputs..., frozen..., trainable..., states..., labels
     n_in, n_frozen, n_train, n_state = len(sig.inputs), len(sig.frozen), len(sig.trainable), len(sig.optim_states)
-    frozen_b = sum(_ty_bytes(p.ty) for p in params[n_in : n_in + n_frozen])
+    frozen_b = sum(type_bytes(p.ty) for p in params[n_in : n_in + n_frozen])
     train_vars = params[n_in + n_frozen : n_in + n_frozen + n_train]
-    train_b = sum(_ty_bytes(p.ty) for p in train_vars)
-    state_b = sum(_ty_bytes(p.ty) for p in params[n_in + n_frozen + n_train : n_in + n_frozen + n_train + n_state])
-    batch_b = sum(_ty_bytes(p.ty) for p in params[:n_in]) + _ty_bytes(params[-1].ty)
+    train_b = sum(type_bytes(p.ty) for p in train_vars)
+    state_b = sum(type_bytes(p.ty) for p in params[n_in + n_frozen + n_train : n_in + n_frozen + n_train + n_state])
+    batch_b = sum(type_bytes(p.ty) for p in params[:n_in]) + type_bytes(params[-1].ty)
     return train_vars, frozen_b, train_b, state_b, batch_b
 
 
@@ -195,7 +196,7 @@ def step_peak(planned: relax.Function, sig: StepSignature, workspaces: dict[str,
             elif name == "relax.reshape" and value.args[0] in owner:  # a view: no copy
                 hold(var, owner[value.args[0]])
             elif name == "relax.builtin.alloc_tensor":  # unplanned allocation: its own storage
-                allocate(var, _ty_bytes(var.ty))
+                allocate(var, type_bytes(var.ty))
             if live > peak:
                 peak = live
                 peak_grad = sum(size for s, size in storage_size.items() if any(h in grad_vars for h in holders[s]))
