@@ -154,16 +154,18 @@ COMMON |= {"updates": "in-place", "recompute": "none", "batch_size": 8}
     [
         (1, 1, "full", [("fc", "full")]),
         (3, 1, "full", [("bn", "bias"), ("c2", "bias"), ("fc", "full")]),
-        (3, 3, "ratio:0.5", [("bn", "bias"), ("c2", "ratio:0.5"), ("fc", "ratio:0.5")]),
+        (3, 3, "ratio:0.5", [("bn", "bias"), ("c2", "ratio:0.5"), ("fc", "full")]),
         (2, 3, "full", [("c2", "full"), ("fc", "full")]),
-        (4, 2, "ratio:0.25", [("c1", "bias"), ("bn", "bias"), ("c2", "ratio:0.25"), ("fc", "ratio:0.25")]),
+        (4, 2, "ratio:0.25", [("c1", "bias"), ("bn", "bias"), ("c2", "ratio:0.25"), ("fc", "full")]),
+        (1, 1, "ratio:0.125", [("fc", "full")]),
     ],
 )
 def test_depths_train_biases_and_weights_as_far_back_as_drawn(tiny_model, bias, weights, mode, trained):
     """`depths`: the last `bias_depth` layers update their biases, the last `weight_depth` of
     those their weights in `weight_mode` (no further back than the biases: a step's cost follows
     how far backpropagation reaches); a layer that cannot take that mode (BatchNorm has no output
-    channels to split) updates its bias, and nothing before the bias depth trains."""
+    channels to split) updates its bias, nothing before the bias depth trains, and the classifier
+    trains whole under a ratio (a share of its output channels is a share of the classes)."""
     model = load_model(tiny_model)
     assert [layer.name for layer in model.layers] == ["c1", "bn", "c2", "fc"]
     params = {"bias_depth": bias, "weight_depth": weights, "weight_mode": mode} | COMMON

@@ -54,7 +54,8 @@ class SearchSpace(_Strict):
     `strategy` says how the trainable set is drawn:
     - `depths` (`sparse-update`'s): TinyEngine's sparse update as a fixed set of numbers (Lin
       et al. 2022): the last `bias_depth` layers update their biases and the last `weight_depth`
-      their weights, all in one `weight_mode` (`full`, `ratio:0.25`, …) — the network's
+      their weights, all in one `weight_mode` (`full`, `ratio:0.25`, …; the classifier whole
+      under a ratio, which would leave classes untrained) — the network's
       structure in three parameters a sampler models jointly, where per-layer choices give it one
       unrelated categorical per layer (3^53 sets for MobileNetV2) that 20-100 trials cannot learn;
     - `per-layer` (a YAML's without `strategy`): each layer gets its own mode from `modes`;
@@ -277,7 +278,8 @@ class SearchSpace(_Strict):
 
         Both depths are drawn log-uniformly from 1 to every layer: most draws stay near the head,
         where backpropagation is cheap, and a sampler resolves the last few layers finely. The
-        last layer always trains (a new task needs its classifier), so there is no depth 0. The
+        last layer always trains (a new task needs its classifier), so there is no depth 0, and in
+        full when the weight mode would freeze some of its outputs (classes). The
         bias depth is how far back backpropagation reaches, and weights update within it (a
         weight depth beyond it counts as the bias depth): what a step costs follows one depth,
         as in TinyEngine's scheme, not the larger of two."""
@@ -288,7 +290,11 @@ class SearchSpace(_Strict):
         modes = {}
         for i, n in enumerate(names):
             allowed = self._allowed(model, n)
-            if (
+            if i == L - 1 and mode is not None and get_mode(mode.kind).freezes_outputs and "full" in allowed:
+                # the classifier in full: a share of its output channels is a share of the classes
+                # (TinyEngine's sparse update, too, always trains its classifier whole)
+                modes[n] = "full"
+            elif (
                 mode is not None
                 and i >= L - weights
                 and mode.kind in allowed

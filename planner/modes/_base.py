@@ -103,6 +103,9 @@ class UpdateMode(ABC):
     # itself stays among the step's inputs (frozen) beside them.
     suffixes: ClassVar[tuple[str, ...]] = ()
     keeps_weight: ClassVar[bool] = True
+    # Whether some of the weight's output channels stay frozen: on a classifier those are whole
+    # classes that could not learn the new task, so `depths` trains its last layer in full instead.
+    freezes_outputs: ClassVar[bool] = False
 
     def params(self, layer: LayerLike) -> tuple[str, ...]:
         """The parameters (ONNX initializer names) a layer in this mode updates."""

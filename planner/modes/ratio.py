@@ -33,6 +33,7 @@ class Ratio(UpdateMode):
     argument = Argument("ratio", "ratios", float, (0.125, 0.25, 0.5), "in (0, 1]", lambda r: 0 < r <= 1)
     suffixes = ("head", "tail")
     keeps_weight = False
+    freezes_outputs = True
 
     def params(self, layer: LayerLike) -> tuple[str, ...]:
         return tuple(p for p in (layer.weight, layer.bias) if p)
