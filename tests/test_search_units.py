@@ -24,6 +24,7 @@ from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _alive, process, recover_dead_trials, worker
 from planner.search._samplers import AnchoredSampler, make_sampler, takes_anchors
 from planner.search._storage import ProcessStorage, storage_of
+from planner.search.study import open_study
 
 STAMP = {"process": process(), "worker": worker()}
 
@@ -306,6 +307,28 @@ def test_anchors_fix_the_first_trials_of_a_sampler_object_too():
     xs = [study.ask().suggest_float("x", 0, 1) for _ in range(3)]
     assert xs[:2] == [0.25, 0.75] and xs[2] not in (0.25, 0.75)
     assert sampler.fixes(1) and not sampler.fixes(2)
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_resumed_study_draws_new_candidates_and_the_same_ones_each_time(sampler, tmp_path):
+    """Seeded as at its start, a resumed study's sampler would replay its first draws (random
+    search's all of them, TPE's startup) and measure those candidates again; reseeded from the
+    seed and the trials begun, it draws new ones, and a rerun of the same resume the same ones."""
+
+    def draws(url: str, n: int) -> list[float]:
+        study = open_study(url, "s", 0, {"space": "x"}, sampler)
+        xs = []
+        for _ in range(n):
+            trial = study.ask()
+            xs.append(trial.suggest_float("x", 0, 1))
+            study.tell(trial, [xs[-1], 1.0, 1.0])
+        return xs
+
+    first = draws(f"sqlite:///{tmp_path / 'a.db'}", 3)
+    resumed = draws(f"sqlite:///{tmp_path / 'a.db'}", 3)
+    assert not set(resumed) & set(first)
+    assert draws(f"sqlite:///{tmp_path / 'b.db'}", 3) == first  # a new study: the seed's own draws
+    assert draws(f"sqlite:///{tmp_path / 'b.db'}", 3) == resumed
 
 
 def test_only_tpe_takes_the_spaces_recipes():

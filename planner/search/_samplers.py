@@ -4,6 +4,7 @@ they apply."""
 
 from __future__ import annotations
 
+import numpy as np
 import optuna
 
 from planner.errors import BadInput
@@ -75,3 +76,11 @@ def make_sampler(
         what = repr(sampler) if isinstance(sampler, str) else f"a {type(sampler).__name__}"
         raise BadInput(f"unknown sampler {what} (one of {', '.join(SAMPLERS)}, or an optuna.samplers.BaseSampler)")
     return AnchoredSampler(base, anchors) if anchors else base
+
+
+def resumed_seed(seed: int, begun: int) -> int:
+    """The seed a study resumed after `begun` trials draws with. Why not `seed` itself: a sampler
+    seeded alike replays its first draws, so a resumed random search (or TPE's startup) would
+    measure its first candidates again, cheaply from the caches and uselessly. Why not a random
+    one: the same resume of the same study still draws the same candidates."""
+    return int(np.random.SeedSequence([seed, begun]).generate_state(1)[0])

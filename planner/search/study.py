@@ -37,7 +37,7 @@ from planner.measurement import runner_for
 from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import _retry_stale, process, recover_dead_trials, worker
-from planner.search._samplers import SAMPLERS, AnchoredSampler, make_sampler, takes_anchors
+from planner.search._samplers import SAMPLERS, AnchoredSampler, make_sampler, resumed_seed, takes_anchors
 from planner.search._storage import GRACE_ENV, HEARTBEAT_ENV, ProcessStorage, experimental, open_storage, storage_of
 from planner.search.evaluate import EvalSettings, Evaluator
 from planner.search.records import _finished, records, to_record
@@ -122,6 +122,9 @@ def open_study(
             f"study '{name}' in {redact(storage_url)} was created with a different {', '.join(changed)}; "
             "use another `study` name or `out` directory"
         )
+    begun = len(study.get_trials(deepcopy=False))
+    if begun and seed is not None and isinstance(sampler, str):  # a script's sampler object keeps its own seed
+        study.sampler = make_sampler(sampler, resumed_seed(seed, begun), anchors)
     return study
 
 
