@@ -200,9 +200,10 @@ def resnet(depth: int = 8, resolution: int = 32, classes: int = 10, seed: int = 
 
 
 def vit_block(
-    resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64, classes: int = 10, seed: int = 0
+    resolution: int = 32, patch: int = 4, dim: int = 32, mlp: int = 64, classes: int = 10, seed: int = 0, blocks: int = 1
 ) -> onnx.ModelProto:
-    """Patch embedding, one pre-norm transformer block (single-head attention, GELU MLP), mean-pool head."""
+    """Patch embedding, `blocks` pre-norm transformer blocks (single-head attention, GELU MLP),
+    mean-pool head. One block's layers are `attn.q`, `mlp.fc1`, …, several blocks' `block0.attn.q`, …"""
     g = _Graph(seed)
     r = g.rng
     tokens = (resolution // patch) ** 2
@@ -228,22 +229,26 @@ def vit_block(
             axis=-1,
         )
 
-    h = norm(x, "attn.norm")
-    q, k, v = (linear(h, f"attn.{p}", dim, dim) for p in "qkv")
-    scores = g.node("MatMul", [q, g.node("Transpose", [k], "attn.kT", perm=[0, 2, 1])], "attn.scores")
-    scores = g.node("Mul", [scores, g.const("attn.scale", np.array(1.0 / np.sqrt(dim), np.float32))], "attn.scaled")
-    attn = g.node("Softmax", [scores], "attn.softmax", axis=-1)
-    h = linear(g.node("MatMul", [attn, v], "attn.mix"), "attn.out", dim, dim)
-    x = g.node("Add", [x, h], "attn.residual")
-    h = linear(norm(x, "mlp.norm"), "mlp.fc1", dim, mlp)
-    h = linear(g.node("Gelu", [h], "mlp.gelu"), "mlp.fc2", mlp, dim)
-    x = g.node("Add", [x, h], "mlp.residual")
+    for b in range(blocks):
+        p = "" if blocks == 1 else f"block{b}."
+        h = norm(x, f"{p}attn.norm")
+        q, k, v = (linear(h, f"{p}attn.{n}", dim, dim) for n in "qkv")
+        scores = g.node("MatMul", [q, g.node("Transpose", [k], f"{p}attn.kT", perm=[0, 2, 1])], f"{p}attn.scores")
+        scale = g.const(f"{p}attn.scale", np.array(1.0 / np.sqrt(dim), np.float32))
+        attn = g.node("Softmax", [g.node("Mul", [scores, scale], f"{p}attn.scaled")], f"{p}attn.softmax", axis=-1)
+        h = linear(g.node("MatMul", [attn, v], f"{p}attn.mix"), f"{p}attn.out", dim, dim)
+        x = g.node("Add", [x, h], f"{p}attn.residual")
+        h = linear(norm(x, f"{p}mlp.norm"), f"{p}mlp.fc1", dim, mlp)
+        h = linear(g.node("Gelu", [h], f"{p}mlp.gelu"), f"{p}mlp.fc2", mlp, dim)
+        x = g.node("Add", [x, h], f"{p}mlp.residual")
     x = g.node("ReduceMean", [x, g.const("pool.axes", np.array([1], np.int64))], "pool", keepdims=0)
     w = g.param("classifier.weight", r.normal(0, np.sqrt(1.0 / dim), (classes, dim)))
     g.nodes.append(
         helper.make_node("Gemm", [x, w, g.param("classifier.bias", np.zeros(classes))], ["logits"], name="classifier", transB=1)
     )
-    return g.model(f"vit_block_{resolution}", (3, resolution, resolution), classes)
+    return g.model(
+        f"vit_block_{resolution}" if blocks == 1 else f"vit_{blocks}x{dim}_{resolution}", (3, resolution, resolution), classes
+    )
 
 
 def save(model: onnx.ModelProto, path: str | Path) -> Path:
