@@ -28,6 +28,10 @@ step under a tenth of the slowest one would sit within 0.1 of zero, so that halv
 or memory there would barely count; on a log scale each halving counts the same. `--linear`
 divides by the largest instead (this benchmark's score before MobileNetV2 was added). "Trials to reach random-100" is the first prefix of planner's run
 whose hypervolume reaches random search's at `--random-trials`, per seed and on the means.
+"Pooled" puts a table's ratios in context: every feasible trial of the table (all searches and
+seeds) pooled, its front's hypervolume, and that of the best 1, 3 and 20 of them (chosen
+greedily). Where one trial already holds most of the pooled front, as on a ViT's
+`sparse-update` (docs/benchmarks.md), a lead at 20 trials is capped by how soon a search draws it.
 Accuracy results are cached across the samplers of a seed (they fine-tune a shared candidate
 identically), which saves time, not trials.
 """
@@ -72,6 +76,10 @@ OTHERS = {
     "qmc": lambda seed: optuna.samplers.QMCSampler(seed=seed, scramble=True),
     "tpe-univariate": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=8),
     "tpe-startup-4": lambda seed: optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=4),
+    "tpe-gamma-30": lambda seed: optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, n_startup_trials=8, gamma=lambda n: min(int(np.ceil(0.3 * n)), 25)
+    ),
+    "tpe-group": lambda seed: optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8),
     "gp": lambda seed: optuna.samplers.GPSampler(seed=seed, n_startup_trials=8),
 }
 
@@ -115,6 +123,23 @@ def hypervolume(trials: list, n: int, normalise) -> float:
     """The hypervolume of the first `n` trials' feasible front, in `normalise`'s unit box."""
     front = np.array([p for _, p in trials[:n] if p is not None])
     return float(compute_hypervolume(normalise(front), REFERENCE)) if len(front) else 0.0
+
+
+def best_subsets(front: np.ndarray, sizes: list[int]) -> dict[int, float]:
+    """The hypervolume of the `k` points of `front` (normalised) that together dominate the most,
+    for each `k` in `sizes`, chosen greedily (within 1 - 1/e of the best `k`-subset): how much of
+    a table's best-known front a few lucky trials already hold, which bounds what any search can
+    lead random search by at a given trial count."""
+    chosen: list[int] = []
+    found = {}
+    for k in range(1, max(sizes) + 1):
+        rest = [i for i in range(len(front)) if i not in chosen]
+        if not rest:
+            break
+        chosen.append(max(rest, key=lambda i: compute_hypervolume(front[[*chosen, i]], REFERENCE)))
+        if k in sizes:
+            found[k] = float(compute_hypervolume(front[chosen], REFERENCE))
+    return found
 
 
 def main() -> None:
@@ -207,6 +232,14 @@ def main() -> None:
             f"{label}: trials planner needs to reach random search's {goal}-trial hypervolume: "
             f"{on_means or f'more than {args.trials}'} on the means; per seed {', '.join(per_seed)} "
             f"('—': not within {args.trials})"
+        )
+        pooled = scale(np.array([p for (_, sp, _), ts in trials.items() if sp == space for _, p in ts if p is not None]))
+        front = pooled[[not np.any(np.all(pooled <= q, axis=1) & np.any(pooled < q, axis=1)) for q in pooled]]
+        best = best_subsets(front, [1, 3, 20])
+        print(
+            f"{label}: every trial of this table pooled ({len(pooled)} feasible): hypervolume "
+            f"{compute_hypervolume(front, REFERENCE):.4f}; its best "
+            + ", ".join(f"{k} trial{'s' * (k > 1)}: {v:.4f}" for k, v in best.items())
         )
 
 
