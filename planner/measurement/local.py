@@ -10,6 +10,7 @@ import numpy as np
 from planner.backend._base import Artifact
 from planner.backend.compile import VM_LIBRARY
 from planner.backend.session import TrainingSession
+from planner.backend.threads import use_threads
 from planner.measurement._base import Measurement, Runner, Session
 from planner.measurement.latency import method, time_step
 from planner.types import Latency
@@ -33,7 +34,7 @@ class LocalRunner(Runner):
         return "local"
 
     def measure(self, artifact: Artifact, weights: dict[str, np.ndarray], repeats: int) -> Measurement:
-        latency = time_step(local_session(artifact, weights), repeats, device=self.device)
+        latency = time_step(local_session(artifact, weights), repeats, device=self.device, set_threads=use_threads)
         return Measurement(latency=latency, board=self.device)
 
     def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:

@@ -16,6 +16,7 @@ import numpy as np
 
 from planner.backend import Artifact, ArtifactKind, backend_class, backend_for
 from planner.backend.session import TrainingSession
+from planner.backend.threads import use_threads
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
 from planner.inputs.data import Dataset, Tokenization, data_format, format_named, load_dataset
@@ -104,6 +105,7 @@ def run_plan(
             return before, after, final, _check(session, step_heap, plan, device)
 
         if runner is None or runner.runs_here:
+            use_threads(plan.metrics.step_latency_ms.threads)  # as many as the plan's step was timed on
             before, after, final, check = work(_load_here(artifact, weights, plan))
         else:
             before, after, final, check = runner.train(artifact, weights, work)

@@ -178,6 +178,9 @@ class LatencyMetric(_Part):
     repeats: int
     number: int
     device: str
+    threads: int = Field(
+        default=0, ge=0, description="how many of the pool's threads the step ran on (0: all); `planner run` uses as many"
+    )
 
 
 class MemoryMetric(_Part):

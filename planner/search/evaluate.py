@@ -103,6 +103,7 @@ class Evaluator:
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
             on_host = compiled if self.runner.runs_here else self._build(candidate, host=True)
+            one = self.runner.runs_here and measured.latency.threads == 1  # (a short step: one thread is faster)
             run = FineTune(
                 self.model,
                 self.data,
@@ -111,7 +112,7 @@ class Evaluator:
                 settings.seed,
                 settings.cache_dir,
                 hooks.interrupted,
-                hooks.fine_tune_threads,
+                (lambda: 1) if one else hooks.fine_tune_threads,
             )
             budgets = self._budgets(compiled, measured.latency.median)
             fidelity = None

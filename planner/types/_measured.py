@@ -34,6 +34,8 @@ class Latency:
     repeats: int
     number: int
     device: str
+    # how many of the pool's threads the step ran on (0: all): `planner run` runs it on as many
+    threads: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
