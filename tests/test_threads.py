@@ -114,19 +114,19 @@ print(*asked, "|", timed.threads, tvm.runtime.num_threads())
 """
 
 
-@pytest.mark.parametrize("short_ms, asked", [("1e9", "0 1 0"), ("0", "0")])
+@pytest.mark.parametrize("short_ms, asked", [("1e9", ("0 1 0", "0 1 1 0")), ("0", ("0",))])
 def test_a_short_step_is_timed_on_one_thread_too_and_the_pool_is_left_whole(tiny_model, tmp_path, short_ms, asked):
     """A step of a few kernels spends more on waking and joining the pool's threads than it
     saves by splitting (and on a 2-vCPU VM was bimodal, 2x apart): under `SHORT_STEP_MS` it is
-    timed on one thread as well and keeps the faster, saying which; above it, on all. Either way
-    the pool is whole again after the timing."""
+    tried on one thread as well (timed in full when its first repeat is faster) and keeps the
+    faster, saying which; above it, on all. Either way the pool is whole again after the timing."""
     if physical_cores() < 2:
         pytest.skip("one core: nothing to choose")
     code = TIMED.replace("sys.argv[1:4]", repr([str(tiny_model), str(tmp_path / "cache"), short_ms]))
     calls, result = _run(code, "2").split(" | ")
     threads, pool = result.split()
-    assert calls == asked and pool == "2"
-    assert threads in (("0", "1") if asked == "0 1 0" else ("0",))
+    assert calls in asked and pool == "2"
+    assert threads == "0" or calls == "0 1 1 0"  # one thread kept only when timed in full
 
 
 RUN = """

@@ -26,7 +26,8 @@ def time_step(
     device). One timed warm-up step sets how many steps each repeat averages (~`repeat_ms`).
 
     `set_threads(n)` sets how many of the pool's threads the step runs on (0: all). Where it is
-    given, a short step is timed on one thread too and the faster is kept (`Latency.threads`,
+    given, a short step is tried on one thread too, timed in full if its first repeat is faster,
+    and the faster is kept (`Latency.threads`,
     which `planner run` then uses): a step of a few kernels at batch 1 spends more on waking and
     joining the pool's threads than it saves by splitting its loops. On a 2-vCPU VM a ViT head's
     step took 0.022 ms on one thread and 0.038 or 0.07 ms on two, whichever mode the pool
@@ -37,7 +38,7 @@ def time_step(
     vm = session.vm
     vm.set_input(STEP_FUNC, *session.step_args(x, y))
 
-    def timed(threads: int) -> Latency:
+    def timed(threads: int, repeats: int) -> Latency:
         if set_threads is not None:
             set_threads(threads)
         warm = vm.time_evaluator("invoke_stateful", session.device, number=1, repeat=1)(STEP_FUNC)
@@ -55,11 +56,13 @@ def time_step(
             threads=threads,
         )
 
-    latency = timed(0)
+    latency = timed(0, repeats)
     if set_threads is not None and latency.median < SHORT_STEP_MS:
-        one = timed(1)
+        # one repeat first: where one thread is plainly slower (most steps over a millisecond),
+        # that is all the comparison costs
+        if timed(1, 1).median < latency.median:
+            latency = min(latency, timed(1, repeats), key=lambda t: t.median)
         set_threads(0)
-        latency = min(latency, one, key=lambda t: t.median)
     return latency
 
 
