@@ -11,7 +11,7 @@ from planner.backend.graph import STEP_FUNC
 from planner.backend.session import TrainingSession, example_batch
 from planner.types import Latency
 
-# Below this (milliseconds a step on every thread), a step is timed on one thread as well and
+# Below this (milliseconds a step on every thread), a step is tried on one thread as well and
 # runs on the faster: see `time_step`.
 SHORT_STEP_MS = 5.0
 
@@ -27,11 +27,11 @@ def time_step(
 
     `set_threads(n)` sets how many of the pool's threads the step runs on (0: all). Where it is
     given, a short step is tried on one thread too, timed in full if its first repeat is faster,
-    and the faster is kept (`Latency.threads`,
-    which `planner run` then uses): a step of a few kernels at batch 1 spends more on waking and
-    joining the pool's threads than it saves by splitting its loops. On a 2-vCPU VM a ViT head's
-    step took 0.022 ms on one thread and 0.038 or 0.07 ms on two, whichever mode the pool
-    happened to be in: 2-4x slower and bimodal (docs/benchmarks.md, "Planning speed").
+    and the faster is kept (`Latency.threads`, which `planner run` then uses): a step of a few
+    kernels at batch 1 spends more on waking and joining the pool's threads than it saves by
+    splitting its loops. On a 2-vCPU VM a ViT head's step took 0.022 ms on one thread and 0.038
+    or 0.07 ms on two, whichever mode the pool happened to be in: 2-4x slower and bimodal
+    (docs/benchmarks.md, the one-block ViT under "Search quality").
     """
     sig = session.sig
     x, y = example_batch(sig, np.random.default_rng(0))
