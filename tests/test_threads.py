@@ -133,25 +133,32 @@ RUN = """
 import json, sys, tvm
 from pathlib import Path
 import planner
+from planner.backend.session import TrainingSession
 plan, data, out, threads = sys.argv[1:5]
 path = Path(plan) / "plan.json"
 raw = json.loads(path.read_text())
 raw["metrics"]["step_latency_ms"]["threads"] = int(threads)
 path.write_text(json.dumps(raw))
+seen, step = set(), TrainingSession.step
+def counted(self, x, y):
+    seen.add(tvm.runtime.num_threads())
+    return step(self, x, y)
+TrainingSession.step = counted
 planner.run(plan, data=data, steps=3, out=out)
-print(tvm.runtime.num_threads())
+print(*seen, tvm.runtime.num_threads())
 """
 
 
 def test_planner_run_steps_on_as_many_threads_as_the_plan_was_timed_on(tiny_model, tiny_data, tmp_path):
     """A plan whose step was faster on one thread runs on one thread, or its run would be the
-    2-4x slower step the plan chose against (and `planner run`'s check would warn of it)."""
+    2-4x slower step the plan chose against (and `planner run`'s check would warn of it); the
+    caller's thread has its whole pool again afterwards."""
     if physical_cores() < 2:
         pytest.skip("one core: nothing to choose")
     import planner
 
     plan = tmp_path / "plan"
     planner.plan(model=tiny_model, data=tiny_data, out=plan, trials=1, accuracy_steps=5)
-    for threads, pool in (("1", "1"), ("0", "2")):
+    for threads, pool in (("1", "1 2"), ("0", "2 2")):
         code = RUN.replace("sys.argv[1:5]", repr([str(plan), str(tiny_data), str(tmp_path / f"ft{threads}"), threads]))
         assert _run(code, "2") == pool

@@ -106,7 +106,10 @@ def run_plan(
 
         if runner is None or runner.runs_here:
             use_threads(plan.metrics.step_latency_ms.threads)  # as many as the plan's step was timed on
-            before, after, final, check = work(_load_here(artifact, weights, plan))
+            try:
+                before, after, final, check = work(_load_here(artifact, weights, plan))
+            finally:
+                use_threads(0)  # the caller's thread gets its whole pool back
         else:
             before, after, final, check = runner.train(artifact, weights, work)
 
