@@ -15,7 +15,7 @@ reports and scripts.
 
 from planner.api._inputs import Inputs, resolve_target
 from planner.api._measure import measure
-from planner.api._plans import check_target, compile, example_images, inspect, report, run
+from planner.api._plans import check_target, compile, example_images, inspect, operators, operators_markdown, report, run
 from planner.api._search import PlanResult, plan, work
 from planner.api._writing import default_storage
 from planner.inputs.settings import Settings
@@ -30,6 +30,8 @@ __all__ = [
     "example_images",
     "inspect",
     "measure",
+    "operators",
+    "operators_markdown",
     "plan",
     "report",
     "resolve_target",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from planner.api._inputs import resolve_target
 from planner.api._writing import write
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput
+from planner.inputs import operators as operator_table
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import Model, load_model
 from planner.inputs.settings import Settings
@@ -34,6 +36,21 @@ def inspect(model: str | Path) -> Model:
     m = load_model(model)
     check_importable(m)
     return m
+
+
+def operators(names: Sequence[str] | None = None) -> list[operator_table.Operator]:
+    """The operator table's rows (`names`, or all of them): what planner does with each ONNX
+    operator — trains, frozen only, refused — and the forms that get less.
+
+        for op in planner.operators(["Conv", "Resize"]):
+            print(op.name, op.support.value, op.limits())
+    """
+    return operator_table.select(names)
+
+
+def operators_markdown() -> str:
+    """The operator table as docs/operators.md holds it."""
+    return operator_table.markdown()
 
 
 def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: int = 0, cache_dir: Path | None = None) -> Plan:

@@ -52,7 +52,8 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     B = candidate.batch_size
     if model.fixed_batch not in (None, B):
         raise CandidateFailed(f"model has a fixed batch size {model.fixed_batch}; cannot use batch {B}")
-    func = imported(model, B)
+    source = imported(model, B)
+    func = source.func
     n_inputs = len(model.inputs)
     names = list(model.initializers)
     if how.layouts or how.quantized:
@@ -62,14 +63,7 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     params = [*xs] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
     func = relax.Function(params, func.body, func.ret_ty, func.is_pure, func.attrs)
     func = func.with_attr("global_symbol", PREDICT_FUNC)
-    backbone = tvm.IRModule({PREDICT_FUNC: func}).with_attrs({"param_num": len(trainable), "state_num": 0})
-    backbone = relax.transform.DecomposeOpsForInference(PREDICT_FUNC)(backbone)
-    # BatchNorm decomposes into `(y, mean, var)[0]`: a tuple between its output and the next op,
-    # which fusion does not look through, so every ReLU6 after a BatchNorm was a kernel of its
-    # own in the prediction function — kernels of no use to the step, compiled for every
-    # candidate (a third of a classifier-only MobileNetV2 candidate's). Read through, the
-    # prediction function's kernels are the step's forward kernels.
-    backbone = relax.transform.CanonicalizeBindings()(backbone)
+    backbone = inference_form(source.with_kernels({PREDICT_FUNC: func}, {"param_num": len(trainable), "state_num": 0}))
     backbone, loss_scale = low_precision(backbone, candidate.precision, PREDICT_FUNC)
 
     optimizer = make_optimizer(candidate)
@@ -82,7 +76,7 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     def differentiate(func: relax.Function) -> tvm.IRModule:
         try:
             return SetupTrainer(ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
-                tvm.IRModule({PREDICT_FUNC: func}, attrs=backbone.attrs)
+                source.with_kernels({PREDICT_FUNC: func}, backbone.attrs)
             )
         except Exception as exc:  # TVM reports missing gradients etc. as generic errors
             raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
@@ -98,7 +92,7 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     step, state_types, kernels = _fused_step(
         trainer, prefix, full.params[:n_inputs], n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum
     )
-    out = tvm.IRModule({PREDICT_FUNC: full, STEP_FUNC: step})
+    out = source.with_kernels({PREDICT_FUNC: full, STEP_FUNC: step})
     for gv, kernel in kernels.items():
         out[gv] = kernel
     sig = StepSignature(
@@ -118,6 +112,19 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
         kept=kept,
     )
     return out, sig
+
+
+def inference_form(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` with its ops in the form the gradient pass differentiates: BatchNorm (and any op with
+    a training form) decomposed as inference computes it, read through without a tuple.
+
+    Why the reading through: BatchNorm decomposes into `(y, mean, var)[0]`, a tuple between its
+    output and the next op, which fusion does not look through, so every ReLU6 after a BatchNorm
+    was a kernel of its own in the prediction function — kernels of no use to the step, compiled
+    for every candidate (a third of a classifier-only MobileNetV2 candidate's). Read through, the
+    prediction function's kernels are the step's forward kernels."""
+    mod = relax.transform.DecomposeOpsForInference()(mod)
+    return relax.transform.CanonicalizeBindings()(mod)
 
 
 def _recomputing(

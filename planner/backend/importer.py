@@ -3,6 +3,8 @@
 TVM's frontend writes some ops in forms Relax cannot differentiate or planner's passes trip on (a
 Clip as TIR with its bounds' NaN guards, a clamp as maximum/minimum, gathers in `fast` mode that
 read out of range); they are rewritten here, once, as the model is imported for a batch size.
+Others it writes as TIR kernels of its own (`call_tir` of a padding, a tile, an einsum): an
+import is the Relax function *and* those kernels, which every module built from it must carry.
 Imports are kept for the last few (model, batch) pairs: a study's candidates share a few batches.
 """
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
@@ -21,11 +25,29 @@ from planner.backend.rewrites import for_training
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
 
+
+@dataclass(frozen=True)
+class Imported:
+    """A model as Relax: `func(*inputs, *parameters)`, and the TIR kernels its `call_tir`s name
+    (the frontend's own lowering of a padding, a tile, an einsum), which every module holding
+    `func` must hold too (`with_kernels`)."""
+
+    func: relax.Function
+    kernels: tuple[tuple[tvm.ir.GlobalVar, tvm.tirx.PrimFunc], ...] = ()
+
+    def with_kernels(self, functions: dict[str, relax.Function], attrs: dict | None = None) -> tvm.IRModule:
+        """A module of `functions` (by name) and the import's kernels."""
+        mod = tvm.IRModule(functions, attrs=attrs)
+        for gv, kernel in self.kernels:
+            mod[gv] = kernel
+        return mod
+
+
 # (model key, batch) -> the model imported for that batch, the least recently used dropped first:
 # a study's candidates take a few batch sizes (a space lists three or four, gradient accumulation
 # divides them), so 16 keep every one of a study's, with room for a second model, and a
 # long-lived process does not keep every graph it ever imported.
-_IMPORTED: OrderedDict[tuple[str, int], relax.Function] = OrderedDict()
+_IMPORTED: OrderedDict[tuple[str, int], Imported] = OrderedDict()
 _IMPORTS_KEPT = 16
 _IMPORTED_LOCK = threading.Lock()  # builds run in several threads
 _CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must read are the same at any batch
@@ -38,7 +60,7 @@ def check_importable(model: Model) -> None:
     imported(model, model.fixed_batch or _CHECK_BATCH)
 
 
-def imported(model: Model, batch: int) -> relax.Function:
+def imported(model: Model, batch: int) -> Imported:
     """The model as one Relax function `(*inputs, *parameters)` for a step of `batch` samples; imported
     once per model and batch while it is among the last `_IMPORTS_KEPT` used (shapes are folded for
     the batch, see `planner.fixups`)."""
@@ -48,21 +70,37 @@ def imported(model: Model, batch: int) -> relax.Function:
             _IMPORTED.move_to_end(key)
             return _IMPORTED[key]
     try:
-        mod = from_onnx(model.import_proto(batch), keep_params_in_input=True)
-    except Exception as exc:  # the frontend raises assorted types for ops it does not know
-        raise BadInput(f"TVM cannot import {model.path.name}: {last_line(exc)}") from None
-    mod, _ = relax.frontend.detach_params(mod)
-    mod = _untangle_clip(mod)
-    func = for_training(mod["main"])
+        result = to_relax(model.import_proto(batch))
+    except _FrontendError as exc:
+        raise BadInput(f"TVM cannot import {model.path.name}: {exc}") from None
     expected = len(model.inputs) + len(model.initializers)
-    if len(func.params) != expected:  # the frontend keeps initializers in graph order
-        raise CandidateFailed(f"ONNX import produced {len(func.params)} parameters, expected {expected}")
-    func = func.without_attr("params").without_attr("num_input")
+    if len(result.func.params) != expected:  # the frontend keeps initializers in graph order
+        raise CandidateFailed(f"ONNX import produced {len(result.func.params)} parameters, expected {expected}")
     with _IMPORTED_LOCK:
-        _IMPORTED[key] = func
+        _IMPORTED[key] = result
         if len(_IMPORTED) > _IMPORTS_KEPT:
             _IMPORTED.popitem(last=False)
-    return func
+    return result
+
+
+class _FrontendError(Exception):
+    """TVM's ONNX frontend refused the graph (the message is its last line)."""
+
+
+def to_relax(proto: onnx.ModelProto) -> Imported:
+    """An ONNX graph as planner differentiates it: TVM's import, every initializer left a
+    parameter (`func(*inputs, *initializers)` in graph order), then planner's rewrites (here and
+    in `planner.backend.rewrites`). `proto` is a graph as `planner.inputs.fixups.for_import`
+    writes it: shapes fixed, constants folded."""
+    try:
+        mod = from_onnx(proto, keep_params_in_input=True)
+    except Exception as exc:  # the frontend raises assorted types for ops it does not know
+        raise _FrontendError(last_line(exc)) from None
+    mod, _ = relax.frontend.detach_params(mod)
+    mod = _untangle_clip(mod)
+    func = for_training(mod["main"]).without_attr("params").without_attr("num_input")
+    kernels = tuple((gv, f) for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    return Imported(func, kernels)
 
 
 @relax.expr_functor.mutator

@@ -6,6 +6,9 @@
   so the 2-D convolution computes exactly the 1-D one, and gets conv2d's gradient (planner's,
   over the padding it reads: `gradients._conv2d_grad`) and its kernels: OpenBLAS's im2col GEMMs
   and the schedules every 2-D convolution has, instead of scalar loops.
+- 1-D pools and transposed convolutions as 2-D ones of height 1, for the same reason: Relax has
+  gradients for neither `max_pool1d`, `avg_pool1d` nor `conv1d_transpose`, and planner's 2-D ones
+  are proven (tests/test_operators.py).
 - A concatenation of one tensor (GPT-2's attention concatenates the key with an empty cache) as
   the tensor: TVM's concat gradient returns a tensor where its gradient pass expects a tuple.
 """
@@ -40,6 +43,50 @@ class _Conv1dAsConv2d(relax.PyExprMutator):
         return relax.op.reshape(conv, [int(d) for d in call.ty.shape])
 
 
+def _pool1d_as_2d(call: relax.Call, op) -> relax.Expr:
+    a = call.attrs
+    pool = op(
+        relax.op.expand_dims(call.args[0], 2),
+        pool_size=(1, int(a.pool_size[0])),
+        strides=(1, int(a.strides[0])),
+        padding=(0, int(a.padding[0]), 0, int(a.padding[1])),
+        dilation=(1, int(a.dilation[0])),
+        ceil_mode=bool(a.ceil_mode),
+        count_include_pad=bool(a.count_include_pad),
+    )
+    return relax.op.reshape(pool, [int(d) for d in call.ty.shape])
+
+
+def _conv1d_transpose_as_2d(call: relax.Call) -> relax.Expr:
+    a = call.attrs
+    x, w = call.args
+    conv = relax.op.nn.conv2d_transpose(
+        relax.op.expand_dims(x, 2),
+        relax.op.expand_dims(w, 2),
+        strides=(1, int(a.strides[0])),
+        padding=(0, int(a.padding[0]), 0, int(a.padding[1])),
+        output_padding=(0, int(a.output_padding[0])),
+        dilation=(1, int(a.dilation[0])),
+        groups=int(a.groups),
+        out_dtype=a.out_dtype or None,
+    )
+    return relax.op.reshape(conv, [int(d) for d in call.ty.shape])
+
+
+@relax.expr_functor.mutator
+class _OneDAsTwoD(relax.PyExprMutator):
+    """`max_pool1d`, `avg_pool1d` and `conv1d_transpose` (NCW) as their 2-D ops over `[N, C, 1, W]`."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        name = call.op.name if isinstance(call.op, tvm.ir.Op) else ""
+        if name in ("relax.nn.max_pool1d", "relax.nn.avg_pool1d") and call.attrs.layout == "NCW":
+            return _pool1d_as_2d(call, relax.op.nn.max_pool2d if name.endswith("max_pool1d") else relax.op.nn.avg_pool2d)
+        if name == "relax.nn.conv1d_transpose" and (call.attrs.data_layout, call.attrs.kernel_layout) == ("NCW", "IOW"):
+            return _conv1d_transpose_as_2d(call)
+        return call
+
+
 @relax.expr_functor.mutator
 class _LoneConcat(relax.PyExprMutator):
     """`concat((x,))` -> `x`."""
@@ -54,6 +101,6 @@ class _LoneConcat(relax.PyExprMutator):
 
 
 def for_training(func: relax.Function) -> relax.Function:
-    """`func` with every 1-D convolution a 2-D one of height 1 and every lone concatenation its
-    tensor (see the module's docstring)."""
-    return _LoneConcat().visit_expr(_Conv1dAsConv2d().visit_expr(func))
+    """`func` with every 1-D convolution, transposed convolution and pool a 2-D one of height 1
+    and every lone concatenation its tensor (see the module's docstring)."""
+    return _LoneConcat().visit_expr(_OneDAsTwoD().visit_expr(_Conv1dAsConv2d().visit_expr(func)))

@@ -66,8 +66,9 @@ def low_precision(backbone: tvm.IRModule, precision: Precision, func: str) -> tu
     mixed = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
     if precision is Precision.FP16:
         return mixed, FP16_LOSS_SCALE
-    retyped = _Fp16AsBf16().visit_expr(mixed[func])
-    return tvm.IRModule({func: retyped}, attrs=backbone.attrs), 1.0
+    out = tvm.IRModule(dict(mixed.functions_items()), attrs=backbone.attrs)  # the import's kernels too
+    out[func] = _Fp16AsBf16().visit_expr(mixed[func])
+    return out, 1.0
 
 
 class ScaledCrossEntropy(CrossEntropyLoss):

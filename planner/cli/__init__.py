@@ -1,8 +1,8 @@
 """The command line: a thin shell over the public API (`planner.api`), one module per command group.
 
 `_app` holds the Typer application, `_output` where results and messages go, `_errors` how an
-error becomes one line and an exit code; `search`, `measure`, `run`, `example`, `report`, `targets` and
-`board` register their commands on import, in the order `planner --help` lists them.
+error becomes one line and an exit code; `search`, `measure`, `run`, `example`, `report`, `targets`,
+`board` and `operators` register their commands on import, in the order `planner --help` lists them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from planner.cli._app import app
 
 # isort: off
 # importing a command module registers its commands, in this order (`planner --help` lists them so)
-from planner.cli import search, measure, run, example, report, targets, board  # noqa: F401
+from planner.cli import search, measure, run, example, report, targets, board, operators  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

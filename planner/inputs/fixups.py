@@ -24,6 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from planner.inputs.decompose import decompose
 from planner.inputs.recurrent import unroll_recurrent
 
 # Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
@@ -53,30 +54,48 @@ def name_nodes(graph: onnx.GraphProto) -> None:
         seen.add(node.name)
 
 
-def untie_identities(graph: onnx.GraphProto) -> None:
-    """`Identity(initializer)` becomes an initializer of its own, under the Identity's output name.
+def tie_identities(graph: onnx.GraphProto) -> None:
+    """Every use of `Identity(initializer)` reads the initializer itself, and the Identity is gone.
 
-    Why: the legacy exporter stores equal-valued tensors once and hands each user an Identity of
-    it (a fresh model's zero biases, say). Those are separate PyTorch parameters; fine-tuned, they
-    part ways, so each needs its own tensor.
+    Why: the legacy exporter writes a parameter used by several modules (ALBERT's layers sharing
+    one set of weights) once, and every further use as an Identity of it — and it writes equal
+    tensors the same way. The file says they are one tensor, so they train as one: one gradient
+    summed over every use, one optimizer state, one tensor in the fine-tuned model (the dynamo
+    exporter writes the one tensor itself, which gives the same). Made separate parameters, each
+    copy would move by its own use's gradient only.
     """
-    inits = {t.name: t for t in graph.initializer}
+    inits = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    tied: dict[str, str] = {}
     kept = []
     for node in graph.node:
-        if node.op_type == "Identity" and len(node.input) == 1 and node.input[0] in inits:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(inits[node.input[0]])
-            copy.name = node.output[0]
-            graph.initializer.append(copy)
+        source = node.input[0] if node.op_type == "Identity" and len(node.input) == 1 else None
+        source = tied.get(source, source) if source is not None else None
+        if source in inits and node.output[0] not in outputs:
+            tied[node.output[0]] = source
         else:
             kept.append(node)
-    if len(kept) == len(graph.node):
+    if not tied:
         return
+    for node in kept:
+        for i, name in enumerate(node.input):
+            if name in tied:
+                node.input[i] = tied[name]
+        for attr in node.attribute:  # subgraphs (an If's branches) may read them too
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                _rename_reads(sub, tied)
     del graph.node[:]
     graph.node.extend(kept)
-    used = {name for node in graph.node for name in _reads(node)} | {o.name for o in graph.output}
-    for tensor in [t for t in graph.initializer if t.name not in used]:
-        graph.initializer.remove(tensor)
+
+
+def _rename_reads(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in renamed:
+                node.input[i] = renamed[name]
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                _rename_reads(sub, renamed)
 
 
 def _static_shapes(proto: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
@@ -99,6 +118,17 @@ def _static_shapes(proto: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], 
 def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
     """The element type (`onnx.TensorProto.FLOAT`, …) of every tensor shape inference can type."""
     return _static_shapes(proto)[1]
+
+
+def tensor_ranks(proto: onnx.ModelProto) -> dict[str, int]:
+    """The rank of every tensor shape inference knows the shape of (its sizes fixed or not)."""
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    g = inferred.graph
+    ranks = {t.name: len(t.dims) for t in g.initializer}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        if vi.type.tensor_type.HasField("shape"):
+            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+    return ranks
 
 
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -151,8 +181,9 @@ def for_import(
 ) -> onnx.ModelProto:
     """A copy of `proto` as planner hands it to TVM: batch `batch`, dynamic lengths `lengths`, every initializer that is
     not in `parameters` a Constant node, every GRU, LSTM and RNN node unrolled over its fixed
-    sequence (`planner.inputs.recurrent`: TVM imports none of them), and every computation on
-    constants (shapes included) folded into a Constant."""
+    sequence (`planner.inputs.recurrent`: TVM imports none of them), every computation on
+    constants (shapes included) folded into a Constant, and every operator TVM would import
+    without a gradient written as ones it has (`planner.inputs.decompose`)."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     bind_batch(out, batch, lengths or {})
@@ -169,6 +200,10 @@ def for_import(
     unroll_recurrent(out)
     while _fold_constants(out, values, opset):  # a folded shape lets inference see further
         pass
+    shapes, types = _static_shapes(out)
+    if decompose(out, values, shapes, types, opset):  # what TVM would import without a gradient
+        while _fold_constants(out, values, opset):
+            pass
     return out
 
 

@@ -20,20 +20,13 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from planner import modes
-from planner.errors import BadInput, first_line
-from planner.inputs.fixups import constant_values, for_import, name_nodes, tensor_types, untie_identities
+from planner.errors import BadInput, UnsupportedOp, first_line
+from planner.inputs.fixups import constant_values, for_import, name_nodes, tensor_ranks, tensor_types, tie_identities
 from planner.inputs.names import folded_values, layer_name, standalone_name
-from planner.inputs.trainability import blocking_nodes, layer_problem
+from planner.inputs.operators import layer_slots, refused
+from planner.inputs.trainability import Graph, blocking_nodes, layer_problem
 from planner.types import Mode, ModelInput
 
-# Which inputs of an op are its weight and its bias; other parameters it takes are frozen buffers.
-_WEIGHT_BIAS_SLOTS: dict[str, tuple[int | None, int | None]] = {
-    "Conv": (1, 2),
-    "Gemm": (1, 2),
-    "MatMul": (1, None),
-    "BatchNormalization": (1, 2),  # scale, bias; running mean/var (3, 4) stay frozen
-    "LayerNormalization": (1, 2),  # scale, bias
-}
 # The batch the layer table is analysed at: the ops left once shapes are folded are the same at any batch;
 # and the length every dynamic length (a sequence) is analysed at, for the same reason.
 _ANALYSIS_BATCH = 1
@@ -202,7 +195,7 @@ def load_model(path: str | Path) -> Model:
     except Exception as exc:
         raise BadInput(f"{path} is not a valid ONNX model: {first_line(exc)}") from None
     name_nodes(proto.graph)
-    untie_identities(proto.graph)
+    tie_identities(proto.graph)
     graph = proto.graph
     init_names = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in init_names]
@@ -302,22 +295,26 @@ def _parameters(graph: onnx.GraphProto) -> tuple[str, ...]:
     floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and t.name not in folded}
     slotted: set[str] = set()
     for node in graph.node:
-        if node.op_type in _WEIGHT_BIAS_SLOTS:
+        if layer_slots(node) is not None:
             slotted.update(n for n in node.input[1:] if n in floats)
     return tuple(n for n, t in floats.items() if n in slotted or math.prod(t.dims) > 1)
 
 
 def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
     """The layer table, read off the graph as TVM will see it (shapes folded), so a layer is
-    called trainable only when nothing but real computation lies between it and the logits."""
-    analysed, types = _analyse(proto, parameters)
+    called trainable only when nothing but real computation lies between it and the logits.
+    A node planner cannot run at all refuses the model (`UnsupportedOp`), naming it."""
+    analysed, types, ranks = _analyse(proto, parameters)
     graph = analysed.graph
+    table = Graph(graph.node, types, constant_values(graph), ranks)
+    for node in graph.node:
+        if why := refused(table.view(node)):
+            raise UnsupportedOp(why)
     shapes = _display_shapes(proto, analysed)
     inits = {t.name: t for t in graph.initializer}
     params = set(parameters)
     consumers = _consumers(graph)
-    constants = constant_values(graph)
-    downstream = blocking_nodes(list(graph.node), [o.name for o in graph.output], types, constants)
+    downstream = blocking_nodes(table, [o.name for o in graph.output])
     claimed: dict[str, int] = {}  # parameter -> the layer (index) that owns it
     taken: set[str] = set()
     layers: list[Layer] = []
@@ -335,6 +332,7 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
         claimed.update(dict.fromkeys(owned, len(layers)))
         taken.add(name)
         param_shapes = {n: tuple(inits[n].dims) for n in owned}
+        trained = {p for p in (weight, bias) if p}
         layers.append(
             Layer(
                 name=name,
@@ -346,8 +344,8 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
                 param_shapes=param_shapes,
                 param_bytes=sum(math.prod(s) * 4 for s in param_shapes.values()),
                 output_shape=shapes.get(nodes[-1].output[0], ()),
-                problem=layer_problem(nodes, downstream, constants)
-                if (weight or bias)
+                problem=layer_problem(table, nodes, trained, downstream)
+                if trained
                 else f"'{name}' ({nodes[0].op_type}) has no trainable parameters",
                 out_axis=out_axis if weight else None,
             )
@@ -361,12 +359,13 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
         own = list(dict.fromkeys(n for n in node.input if n in params and n not in claimed))
         if not own:
             continue
-        if node.op_type not in _WEIGHT_BIAS_SLOTS:
+        slots = layer_slots(node)
+        if slots is None:
             for param in own:  # a parameter used on its own: an Add's is a bias, any other a weight
                 is_bias = node.op_type in ("Add", "Sub")
                 add([node], None if is_bias else param, param if is_bias else None, (), standalone_name(node, param, taken), None)
             continue
-        w_slot, b_slot = _WEIGHT_BIAS_SLOTS[node.op_type]
+        w_slot, b_slot = slots
         weight = _slot(node, w_slot, own)
         bias = _slot(node, b_slot, own)
         nodes = [node]
@@ -380,25 +379,27 @@ def _layers(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
     for i, others in shared.items():  # a tied layer trains only if every use passes a gradient
         layer = layers[i]
         uses = [by_name[n] for n in layer.nodes] + others
-        problem = layer_problem(uses, downstream, constants) if layer.weight or layer.bias else layer.problem
+        trained = {p for p in (layer.weight, layer.bias) if p}
+        problem = layer_problem(table, uses, trained, downstream) if trained else layer.problem
         layers[i] = replace(
             layer, nodes=layer.nodes + tuple(n.name for n in others), shared_by=tuple(n.name for n in others), problem=problem
         )
     return layers
 
 
-def _analyse(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """The graph as TVM will import it, with its tensors' types: `_layers`'s input, kept apart from the layer walk."""
+def _analyse(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> tuple[onnx.ModelProto, dict[str, int], dict[str, int]]:
+    """The graph as TVM will import it, with its tensors' types and ranks: `_layers`'s input, kept apart from the layer walk."""
     try:
         init_names = {t.name for t in proto.graph.initializer}
         dynamic = {d.dim_param for i in proto.graph.input if i.name not in init_names for d in i.type.tensor_type.shape.dim[1:]}
         analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters), dict.fromkeys(dynamic - {""}, _ANALYSIS_LENGTH))
         types = tensor_types(analysed)
+        ranks = tensor_ranks(analysed)
     except BadInput:  # a fix-up's own refusal (a GRU with partial sequence lengths) says what it is
         raise
     except Exception as exc:  # onnx's shape inference and reference ops raise assorted types
         raise BadInput(f"ONNX shape inference failed: {first_line(exc)}") from None
-    return analysed, types
+    return analysed, types, ranks
 
 
 def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
