@@ -645,9 +645,12 @@ class Erf(OpRunUnaryNum):
 
 
 class Gelu(OpRunUnaryNum):
-    """Exact GELU in float64 (the reference expands ONNX's function body with float32 constants)."""
+    """GELU in float64, exact or `approximate="tanh"` as ONNX defines them (the reference expands
+    ONNX's function body with float32 constants)."""
 
-    def _run(self, x, approximate="none"):
+    def _run(self, x, approximate=None):
+        if (approximate or getattr(self, "approximate", "none")) == "tanh":
+            return ((0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))).astype(x.dtype),)
         erf = np.vectorize(math.erf, otypes=[np.float64])
         return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
 

@@ -9,6 +9,9 @@
 - 1-D pools and transposed convolutions as 2-D ones of height 1, for the same reason: Relax has
   gradients for neither `max_pool1d`, `avg_pool1d` nor `conv1d_transpose`, and planner's 2-D ones
   are proven (tests/test_operators.py).
+- Group and RMS normalization (ONNX's `GroupNormalization`, `RMSNormalization`) as the means,
+  variances and products they are: Relax has gradients for those, not for `group_norm` or
+  `rms_norm`.
 - A concatenation of one tensor (GPT-2's attention concatenates the key with an empty cache) as
   the tensor: TVM's concat gradient returns a tensor where its gradient pass expects a tuple.
 """
@@ -87,6 +90,46 @@ class _OneDAsTwoD(relax.PyExprMutator):
         return call
 
 
+def _group_norm(call: relax.Call) -> relax.Expr:
+    a = call.attrs
+    x, gamma, beta = call.args
+    shape = [int(d) for d in x.ty.shape]
+    groups = int(a.num_groups)
+    grouped = relax.op.reshape(x, [shape[0], groups, shape[1] // groups, *shape[2:]])
+    axes = list(range(2, len(shape) + 1))
+    mean = relax.op.mean(grouped, axes, keepdims=True)
+    spread = relax.op.variance(grouped, axes, keepdims=True)
+    eps = relax.const(float(a.epsilon), x.ty.dtype)
+    y = relax.op.reshape((grouped - mean) / relax.op.sqrt(spread + eps), shape)
+    channel = [shape[1] if i == 1 else 1 for i in range(len(shape))]
+    if a.scale:
+        y = y * relax.op.reshape(gamma, channel)
+    if a.center:
+        y = y + relax.op.reshape(beta, channel)
+    return y
+
+
+def _rms_norm(call: relax.Call) -> relax.Expr:
+    x, weight = call.args
+    eps = relax.const(float(call.attrs.epsilon), x.ty.dtype)
+    axes = [int(d) for d in call.attrs.axes]
+    return x / relax.op.sqrt(relax.op.mean(x * x, axes, keepdims=True) + eps) * weight
+
+
+@relax.expr_functor.mutator
+class _NormsAsOps(relax.PyExprMutator):
+    """`group_norm` (channels on axis 1) and `rms_norm` as means, variances, products and sums."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        name = call.op.name if isinstance(call.op, tvm.ir.Op) else ""
+        if name == "relax.nn.group_norm" and int(call.attrs.channel_axis) == 1:
+            return _group_norm(call)
+        if name == "relax.nn.rms_norm":
+            return _rms_norm(call)
+        return call
+
+
 @relax.expr_functor.mutator
 class _LoneConcat(relax.PyExprMutator):
     """`concat((x,))` -> `x`."""
@@ -101,6 +144,9 @@ class _LoneConcat(relax.PyExprMutator):
 
 
 def for_training(func: relax.Function) -> relax.Function:
-    """`func` with every 1-D convolution, transposed convolution and pool a 2-D one of height 1
-    and every lone concatenation its tensor (see the module's docstring)."""
-    return _LoneConcat().visit_expr(_OneDAsTwoD().visit_expr(_Conv1dAsConv2d().visit_expr(func)))
+    """`func` with every 1-D convolution, transposed convolution and pool a 2-D one of height 1,
+    group and RMS norms as their ops and every lone concatenation its tensor (see the module's
+    docstring)."""
+    for rewrite in (_Conv1dAsConv2d, _OneDAsTwoD, _NormsAsOps, _LoneConcat):
+        func = rewrite().visit_expr(func)
+    return func

@@ -84,8 +84,8 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 
 
 def _pad(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
-    """`Pad` (any mode, negative pads crop) as slices and concatenations, one axis at a time (as
-    numpy's pad, which the reference runs, pads the corners)."""
+    """`Pad` (any mode) as slices and concatenations, one axis at a time (as numpy's pad, which
+    the reference runs, pads the corners)."""
     shape = ctx.shape(node.input[0])
     pads = ctx.const(node, 1)
     if shape is None or pads is None or (len(node.input) > 2 and node.input[2] and ctx.const(node, 2) is None):
@@ -97,12 +97,10 @@ def _pad(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
     value = ctx.const(node, 2)
     mode = _attr(node, "mode", "constant")
     dtype = ctx.dtype(node.input[0])
+    if min(pads) < 0:  # a crop: left to the table
+        return False
     x, current = node.input[0], list(shape)
     for axis, before, after in zip(axes, pads[: len(axes)], pads[len(axes) :]):
-        if before < 0 or after < 0:  # cropping first
-            x = w.slice(x, axis, max(-before, 0), current[axis] - max(-after, 0))
-            current[axis] -= max(-before, 0) + max(-after, 0)
-            before, after = max(before, 0), max(after, 0)
         if not before and not after:
             continue
         size = current[axis]

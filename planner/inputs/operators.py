@@ -93,6 +93,7 @@ class Operator:
     layer: tuple[int | None, int | None] | None = None
     forms: tuple[Form, ...] = ()
     why: str = ""  # for a frozen-only or refused operator: why
+    folded: bool = False  # computed once at import, from shapes and constants (it never reaches TVM)
     section: str = ""  # set by the table: where docs list it
 
     def passes_to(self, slot: int) -> bool:
@@ -138,6 +139,11 @@ def _negative_steps(node: Node) -> bool:
     return steps is not None and bool((np.asarray(steps) < 0).any())
 
 
+def _negative_pads(node: Node) -> bool:
+    pads = node.const(1)
+    return pads is not None and bool((np.asarray(pads) < 0).any())
+
+
 def _computed_exponent(node: Node) -> bool:
     return node.const(1) is None
 
@@ -152,6 +158,18 @@ def _resize_mode(node: Node) -> str:
 
 def _batch_dims(node: Node) -> bool:
     return bool(node.attr("batch_dims", 0))
+
+
+def _repeated_index(node: Node) -> bool:
+    terms = node.text("equation", "").replace(" ", "").partition("->")[0].replace("...", "").split(",")
+    return any(len(set(t)) != len(t) for t in terms)
+
+
+def _computed_input(node: Node) -> bool:
+    return any(name and name not in node.constants for name in node.proto.input)
+
+
+_DATA_SHAPED = Form(Support.REFUSED, "computed from the data", "its output's shape would depend on the data", _computed_input)
 
 
 def _resize_unsupported(node: Node) -> bool:
@@ -181,6 +199,7 @@ _STEP = "a step function: its gradient is zero wherever it exists, so nothing be
 _CONTROL = "control flow and sequences are not supported: export the model without data-dependent loops"
 _QUANTIZED = "quantized graphs are not supported yet: export the float model"
 _DYNAMIC = "its output shape depends on the data; a step needs fixed shapes"
+_FOLDED = "computed once at import: a step's shapes are fixed, so this is a constant"
 
 _SECTIONS: dict[str, tuple[Operator, ...]] = {
     "Linear algebra and convolutions": (
@@ -198,7 +217,18 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         ),
         _t("Gemm", "`nn.Linear` on 2-D inputs", layer=(1, 2)),
         _t("MatMul", "`nn.Linear` on 3-D inputs (with an `Add` of its bias), `@`, attention's products", layer=(1, None)),
-        _t("Einsum", "`torch.einsum`: written as matrix products (no operand may repeat an index)"),
+        _t(
+            "Einsum",
+            "`torch.einsum`: written as transposes, sums and matrix products",
+            forms=(
+                Form(
+                    Support.FROZEN,
+                    "an operand repeating an index (a diagonal, a trace)",
+                    "not written as products",
+                    _repeated_index,
+                ),
+            ),
+        ),
     ),
     "Activations": (
         _t("Relu", "`nn.ReLU`"),
@@ -232,7 +262,6 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _t("InstanceNormalization", "`nn.InstanceNorm*d`, and `nn.GroupNorm` as both exporters write it", layer=(1, 2)),
         _t("GroupNormalization", "`nn.GroupNorm` (opset 18 and 21 forms)", layer=(1, 2)),
         _t("RMSNormalization", "`nn.RMSNorm` (opset 23)", layer=(1, None)),
-        _t("MeanVarianceNormalization", "mean-variance normalization"),
         _f("LRN", "`nn.LocalResponseNorm`", "planner has no gradient for its 3-D pooling"),
     ),
     "Pooling and resampling": (
@@ -339,7 +368,19 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _f("ScatterElements", "`scatter`", "planner has no gradient for scatters"),
         _f("ScatterND", "index assignment `x[i] = v`", "planner has no gradient for scatters"),
         _t("Tile", "`repeat`", grads=(0,)),
-        _t("Pad", "`F.pad`, `nn.*Pad*d`: constant, reflect, replicate (edge) and circular (wrap)", grads=(0,)),
+        _t(
+            "Pad",
+            "`F.pad`, `nn.*Pad*d`: constant, reflect, replicate (edge) and circular (wrap)",
+            grads=(0,),
+            forms=(
+                Form(
+                    Support.REFUSED,
+                    "negative pads (a crop)",
+                    "not checked against a reference: crop with a slice",
+                    _negative_pads,
+                ),
+            ),
+        ),
         _t("Trilu", "`tril`, `triu`", grads=(0,)),
         _f("Equal", "`==`", _NOT_FLOAT),
         _f("Less", "`<`", _NOT_FLOAT),
@@ -354,12 +395,11 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _f("IsInf", "`isinf`", _NOT_FLOAT),
         _f("Mod", "`%` on indices", _NOT_FLOAT),
         _f("OneHot", "`F.one_hot`", _NOT_FLOAT),
-        _f("Shape", "`x.shape` (a constant once the batch is fixed)", _NOT_FLOAT),
-        _f("Size", "`x.numel()` (a constant once the batch is fixed)", _NOT_FLOAT),
-        _f("Range", "`arange` (a constant once the batch is fixed)", _NOT_FLOAT),
-        _f("ConstantOfShape", "`zeros`, `full` (a constant once the batch is fixed)", "it depends on no input's values"),
-        _f("Constant", "a constant tensor", "it depends on no input"),
-        _f("EyeLike", "`eye`", "it depends on no input's values"),
+        _f("Shape", "`x.shape`", _FOLDED, folded=True),
+        _f("Size", "`x.numel()`", _FOLDED, folded=True),
+        _f("Range", "`arange`", _FOLDED, folded=True, forms=(_DATA_SHAPED,)),
+        _f("ConstantOfShape", "`zeros`, `full`", _FOLDED, folded=True, forms=(_DATA_SHAPED,)),
+        _f("Constant", "a constant tensor", _FOLDED, folded=True),
     ),
     "Recurrent layers": (
         _t("GRU", "`nn.GRU` (unrolled over its fixed sequence)"),
@@ -390,6 +430,7 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _r("RoiAlign", "detection heads", "not tested by planner"),
         _r("MaxUnpool", "`nn.MaxUnpool*d`", "not tested by planner"),
         _r("LpPool", "`nn.LPPool*d` written as one operator", "not tested by planner"),
+        _r("MeanVarianceNormalization", "not written by PyTorch's exporters", "not tested by planner"),
         _r(
             "Upsample",
             "the deprecated form of `Resize` (opsets 7-9)",

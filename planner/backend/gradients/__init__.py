@@ -1,6 +1,7 @@
 """Gradients TVM 0.27 lacks, gets wrong, or keeps more memory for, set as Relax's own op attributes.
 
-One module per kind of op (`elementwise`, `convolution`, `normalization`, `indexing`), each
+One module per kind of op (`elementwise`, `convolution`, `normalization`, `indexing`,
+`reduction`, `pooling`), each
 with its `GRADIENTS`. Each is checked against float64 finite differences of ONNX's reference
 runtime through the ops that lower to it (tests/test_operators.py) and, in the models PyTorch
 exports, against PyTorch autograd (tests/test_pytorch_families.py). They are in force only inside
@@ -16,10 +17,17 @@ from collections.abc import Iterator
 
 import tvm
 
-from planner.backend.gradients import convolution, elementwise, indexing, normalization
+from planner.backend.gradients import convolution, elementwise, indexing, normalization, pooling, reduction
 from planner.backend.gradients._common import Gradients
 
-_GRADIENTS: Gradients = {**elementwise.GRADIENTS, **convolution.GRADIENTS, **normalization.GRADIENTS, **indexing.GRADIENTS}
+_GRADIENTS: Gradients = {
+    **elementwise.GRADIENTS,
+    **convolution.GRADIENTS,
+    **normalization.GRADIENTS,
+    **indexing.GRADIENTS,
+    **reduction.GRADIENTS,
+    **pooling.GRADIENTS,
+}
 _ATTR = "FPrimalGradient"
 _TVM_LEVEL = 10  # the level TVM registers its own gradients at (`register_gradient`'s default)
 

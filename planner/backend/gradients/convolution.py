@@ -67,6 +67,34 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return [data_grad, weight_grad]
 
 
+def _conv2d_transpose_grad(orig_var, orig_call, output_grad, ctx):
+    """y = conv2d_transpose(x, w) (NCHW, IOHW): the adjoint of a convolution, so dx is the
+    convolution of dy by w (same stride, dilation and groups) and dw the weight gradient of that
+    convolution with x as its output gradient — `_conv2d_grad`'s recipe with the roles swapped.
+
+    y is the full transposed convolution cropped by the padding, the last rows kept longer by the
+    output padding: its adjoint pads dy back (crops it, where the output padding runs past the
+    full result) before the convolution reads it."""
+    a = orig_call.attrs
+    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "IOHW", "NCHW"):
+        raise ValueError(f"planner's conv2d_transpose gradient takes NCHW/IOHW, not {a.data_layout}/{a.kernel_layout}")
+    x, weight = orig_call.args
+    pads = [int(p) for p in a.padding]
+    extra = [int(p) for p in a.output_padding]
+    grad = output_grad
+    after = [pads[2] - extra[0], pads[3] - extra[1]]
+    if any(v < 0 for v in after):  # output rows past the full result: they got nothing from x
+        out = dims(output_grad)
+        grad = relax.op.strided_slice(grad, axes=[2, 3], begin=[0, 0], end=[out[2] + min(after[0], 0), out[3] + min(after[1], 0)])
+    padding = [pads[0], pads[1], max(after[0], 0), max(after[1], 0)]
+    conv = ctx.normalize(
+        relax.op.nn.conv2d(grad, weight, a.strides, padding, a.dilation, int(a.groups), "NCHW", "OIHW", "NCHW", a.out_dtype)
+    )
+    weight_grad = _conv2d_grad(conv, conv, x, ctx)[1]
+    return [conv, weight_grad]
+
+
 GRADIENTS: Gradients = {
-    "relax.nn.conv2d": (_conv2d_grad, True)  # dilated ones, over the padding the convolution reads
+    "relax.nn.conv2d": (_conv2d_grad, True),  # dilated ones, over the padding the convolution reads
+    "relax.nn.conv2d_transpose": (_conv2d_transpose_grad, False),
 }

@@ -13,7 +13,7 @@ import math
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
-from planner.backend.gradients._common import Gradients, is_float
+from planner.backend.gradients._common import Gradients, dims, is_float
 
 
 def _relu_grad(orig_var, orig_call, output_grad, ctx):
@@ -63,10 +63,69 @@ def _astype_grad(orig_var, orig_call, output_grad, ctx):
     return [relax.op.astype(output_grad, x.ty.dtype)]
 
 
+def _gelu_tanh_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3):
+    dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u)."""
+    x = orig_call.args[0]
+    dtype = x.ty.dtype
+
+    def c(v: float) -> relax.Constant:
+        return relax.const(v, dtype)
+
+    x2 = x * x
+    t = relax.op.tanh(c(math.sqrt(2.0 / math.pi)) * (x + c(0.044715) * x2 * x))
+    slope = c(0.5) * (c(1.0) + t) + c(0.5) * x * (c(1.0) - t * t) * c(math.sqrt(2.0 / math.pi)) * (c(1.0) + c(3 * 0.044715) * x2)
+    return [output_grad * slope]
+
+
+def _leakyrelu_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x where x > 0, alpha x elsewhere (any alpha, one above 1 included)."""
+    x = orig_call.args[0]
+    dtype = x.ty.dtype
+    alpha = relax.const(float(orig_call.attrs.alpha), dtype)
+    return [relax.op.where(relax.op.greater(x, relax.const(0.0, dtype)), output_grad, output_grad * alpha)]
+
+
+def _prelu_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x where x > 0, alpha[c] x elsewhere, alpha along `axis`: dx as a leaky ReLU's, and
+    dalpha[c] the sum of x dy over the negative inputs of channel c (a one-element alpha: of all)."""
+    x, alpha = orig_call.args
+    dtype = x.ty.dtype
+    rank = len(dims(x))
+    axis = int(orig_call.attrs.axis) % rank
+    channels = dims(alpha)[0]
+    spread = [channels if i == axis else 1 for i in range(rank)]
+    positive = relax.op.greater(x, relax.const(0.0, dtype))
+    zero = relax.op.zeros_like(output_grad)
+    slope = relax.op.reshape(alpha, spread)
+    dx = relax.op.where(positive, output_grad, output_grad * slope)
+    dalpha = relax.op.reshape(relax.op.collapse_sum_to(relax.op.where(positive, zero, x * output_grad), spread), [channels])
+    return [dx, dalpha]
+
+
+def _where_grad(orig_var, orig_call, output_grad, ctx):
+    """y = where(c, a, b): da is dy where c holds, db where it does not, each summed over the
+    axes it was broadcast along (TVM's keeps the output's shape, which a broadcast parameter — a
+    bias, a filler constant — cannot take)."""
+    cond, a, b = orig_call.args
+    zero = relax.op.zeros_like(output_grad)
+
+    def back(grad: relax.Expr, like: relax.Expr) -> relax.Expr:
+        if dims(like) != dims(output_grad):
+            grad = relax.op.collapse_sum_to(grad, dims(like))
+        return grad if like.ty.dtype == output_grad.ty.dtype else relax.op.astype(grad, like.ty.dtype)
+
+    return [no_grad(cond), back(relax.op.where(cond, output_grad, zero), a), back(relax.op.where(cond, zero, output_grad), b)]
+
+
 GRADIENTS: Gradients = {
     "relax.clip": (_clip_grad, False),
     "relax.erf": (_erf_grad, False),
     "relax.nn.gelu": (_gelu_grad, False),
+    "relax.nn.gelu_tanh": (_gelu_tanh_grad, False),
+    "relax.nn.leakyrelu": (_leakyrelu_grad, False),
+    "relax.nn.prelu": (_prelu_grad, False),
+    "relax.where": (_where_grad, True),  # TVM's ignores broadcasting
     "relax.nn.relu": (_relu_grad, True),  # from the output (see above)
     "relax.astype": (_astype_grad, True),  # TVM's passes gradients into integer paths
 }

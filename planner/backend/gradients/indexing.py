@@ -16,7 +16,7 @@ def _squeeze_grad(orig_var, orig_call, output_grad, ctx):
     return [relax.op.reshape(output_grad, dims(orig_call.args[0]))]
 
 
-def _strided_slice_grad(orig_var, orig_call, output_grad, ctx):
+def strided_slice_grad(orig_var, orig_call, output_grad, ctx):
     """y = x[begin:end:step] along `axes` (any step, a negative one reversing: `flip`): dy/dx is
     the output gradient put back where the slice came from, zeros elsewhere. A reversing axis
     flips the gradient first, which makes it the increasing slice of the same positions. Built
@@ -96,11 +96,21 @@ def _gather_nd_grad(orig_var, orig_call, output_grad, ctx):
     return [relax.op.scatter_nd(relax.op.zeros_like(x), clamped, output_grad, "add"), no_grad(indices)]
 
 
+def _gather_elements_grad(orig_var, orig_call, output_grad, ctx):
+    """y = gather_elements(x, indices, axis) (`torch.gather`): dx is dy scatter-added into zeros
+    of x's shape where each index points (an element picked twice gets both)."""
+    x, indices = orig_call.args
+    axis = int(orig_call.attrs.axis)
+    zeros = relax.op.zeros_like(x)
+    return [relax.op.scatter_elements(zeros, indices, output_grad, axis, reduction="add"), no_grad(indices)]
+
+
 GRADIENTS: Gradients = {
     "relax.squeeze": (_squeeze_grad, False),
-    "relax.strided_slice": (_strided_slice_grad, False),
+    "relax.strided_slice": (strided_slice_grad, False),
     "relax.tril": (_trilu_grad, False),
     "relax.gather_nd": (_gather_nd_grad, False),
+    "relax.gather_elements": (_gather_elements_grad, False),
     "relax.take": (_take_grad, True),  # TVM's takes one-dimensional indices only
     "relax.triu": (_trilu_grad, True),  # TVM's returns too few partials
 }
