@@ -8,6 +8,9 @@ attention gathering a learned bias with `torch.gather`. For each: `inspect` name
 PyTorch does and all of them train, and one SGD step of every layer is PyTorch's float64 autograd
 step within float32 noise (`test_pytorch_families._check_one_step`). Where the exporters differ
 in what they write (ALBERT's shared weights, weight norm), a test says what each writes.
+
+What planner cannot do yet is a strict xfail naming its minimal cause (INSPECT_FAILS,
+STEP_FAILS), and the layers beside it are stepped on their own, so the rest stays checked.
 """
 
 from __future__ import annotations
@@ -73,10 +76,10 @@ STEP_FAILS: dict[tuple[str, str], str] = {
 }
 
 
-def _cases(fails: dict[tuple[str, str], str], families=tf.OPERATOR_FAMILIES) -> list:
+def _cases(fails: dict[tuple[str, str], str]) -> list:
     return [
         pytest.param(f, e, id=f"{f}-{e}", marks=[pytest.mark.xfail(reason=fails[f, e], strict=True)] if (f, e) in fails else [])
-        for f in families
+        for f in tf.OPERATOR_FAMILIES
         for e in tf.EXPORTERS
     ]
 
@@ -96,7 +99,39 @@ def test_layers_are_pytorch_modules_and_all_train(family, exporter):
 @pytest.mark.parametrize("family, exporter", _cases(STEP_FAILS))
 def test_one_sgd_step_matches_pytorch_autograd_in_float64(family, exporter):
     """Every layer trained: each updated tensor within float32 noise of PyTorch's float64 step."""
-    _check_one_step(family, tf.export(family, exporter))
+    path = tf.export(family, exporter)
+    tf.parameter_map(family, path, api.inspect(path).parameters)  # what the reference needs, before a compile
+    _check_one_step(family, path)
+
+
+# The layers beside each failing operator: until it has a gradient, these still train like PyTorch.
+_BESIDE = {
+    "gelu_decoder": ["blocks.1.mlp.2", "norm", "head"],  # after every tanh-GELU
+    "conv_autoencoder": ["head"],  # after every ConvTranspose
+    "relpos_attention": ["embed", "qkv", "proj", "norm", "head"],  # all but rel_bias, the GatherElements' input
+}
+
+
+@pytest.mark.parametrize(
+    "family, exporter",
+    [
+        pytest.param(f, e, id=f"{f}-{e}")
+        for f, e in [*((f, e) for f in _BESIDE for e in tf.EXPORTERS), ("groupnorm_audio", "dynamo")]
+    ],
+)
+def test_the_layers_beside_a_known_failure_train_like_pytorch(family, exporter):
+    """Each case of STEP_FAILS that fails for one operator or one layer-table slip, stepped without
+    the layers it concerns (groupnorm_audio: every layer whose parameters are PyTorch tensors):
+    the rest of the model trains like PyTorch."""
+    path = tf.export(family, exporter)
+    model = api.inspect(path)
+    if family in _BESIDE:
+        layers = _BESIDE[family]
+    else:
+        found = tf._match_all(tf._float_initializers(path), tf._folded_module(family)[0])[0]
+        layers = [layer.name for layer in model.layers if all(found[p] for p in layer.params_for("full"))]
+        assert {layer.name for layer in model.layers} - set(layers) == {"norm1", "norm2"}  # InstanceNormalization's ones/zeros
+    _check_one_step(family, path, layers)
 
 
 @pytest.mark.parametrize("exporter", tf.EXPORTERS)
