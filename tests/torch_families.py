@@ -8,6 +8,9 @@ Tests use this to check planner's gradients against PyTorch itself on graphs mad
   text classifiers on `input_ids` and `attention_mask` (a token bag, and Hugging Face BERT, GPT-2
   and Llama from small configs) and a Conv1d sensor CNN; `sample_batch(family, n)` gives inputs
   (one array, or a tuple of one per input) and labels.
+- `OPERATOR_FAMILIES`: small models that each put one kind of operator on the gradient path (ALBERT's
+  shared weights, weight norm, 1-D pools, tanh-GELU, padding, transposed convolutions, GroupNorm,
+  `torch.gather`), checked by tests/test_operator_families.py; every function here takes them too.
 - `export(family, exporter)`: the ONNX file, cached per torch/torchvision version
   (`dynamic_length`: with a dynamic sequence length).
 - `torch_module(family)`: the same eval-mode model with the same weights.
@@ -102,7 +105,8 @@ class Family:
     num_classes: int = NUM_CLASSES
     tokens: Tokens | None = None  # text: `input_ids` and `attention_mask` instead of `x`
     # modules whose parameter the dynamo exporter folds into a value it stores (a position table
-    # looked up at the fixed positions 0..L-1: `planner.inputs.names.folded_values`): no layer there
+    # looked up at the fixed positions 0..L-1, weight norm's g * v / ||v||:
+    # `planner.inputs.names.folded_values`): no layer there
     folded_by_dynamo: frozenset[str] = frozenset()
 
     @property
@@ -188,6 +192,23 @@ class SequenceClassifier(nn.Module):
                 **common,
             )
             self.model = transformers.BertForSequenceClassification(config)
+        elif kind == "albert":
+            # three layers sharing one layer group: every layer reads the same weights. Exact GELU
+            # (ALBERT's default is tanh-GELU, "gelu_new"), so the check is about the sharing alone:
+            # tanh-GELU has a family of its own (gelu_decoder)
+            config = transformers.AlbertConfig(
+                embedding_size=16,
+                hidden_size=32,
+                num_hidden_layers=3,
+                num_hidden_groups=1,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=16,
+                hidden_act="gelu",
+                classifier_dropout_prob=0.0,
+                **common,
+            )
+            self.model = transformers.AlbertForSequenceClassification(config)
         elif kind == "gpt2":
             config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, **common)
             self.model = transformers.GPT2ForSequenceClassification(config)
@@ -244,6 +265,238 @@ class SensorCNN(nn.Module):
         return self.head(self.features(x).mean(dim=2))
 
 
+# ----------------------------------------------------------- the operator families (see OPERATOR_FAMILIES)
+
+
+class TemporalConvNet(nn.Module):
+    """A temporal convolutional network on [batch, 4, 45]: three residual blocks of a causal
+    dilated Conv1d (kernel 3, dilation 1, 2, 4; 4 -> 8 -> 8 -> 8 channels) under
+    `parametrizations.weight_norm` and a ReLU, then the mean over time and Linear(8->10).
+
+    Causal two ways: block 0 and 2 pad on the left with `F.pad` (constant 0), block 1 pads both
+    sides (`padding=`) and slices the end off (the "chomp" of the TCN paper). Block 0's residual
+    is a 1x1 conv (4 -> 8 channels), the others' the identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        weight_norm = nn.utils.parametrizations.weight_norm
+        self.dilations = (1, 2, 4)
+        self.convs = nn.ModuleList(
+            weight_norm(nn.Conv1d(4 if i == 0 else 8, 8, 3, dilation=d, padding=2 * d if i == 1 else 0))
+            for i, d in enumerate(self.dilations)
+        )
+        self.relus = nn.ModuleList(nn.ReLU() for _ in self.dilations)
+        self.downsample = nn.Conv1d(4, 8, 1)
+        self.head = nn.Linear(8, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, (conv, relu, d) in enumerate(zip(self.convs, self.relus, self.dilations)):
+            if i == 1:
+                y = conv(x)[..., : -2 * d]  # padded both sides: the look-ahead sliced off
+            else:
+                y = conv(nn.functional.pad(x, (2 * d, 0)))
+            x = relu(y) + (self.downsample(x) if i == 0 else x)
+        return self.head(x.mean(dim=2))
+
+
+class InceptionBlock1d(nn.Module):
+    """Inception's four parallel branches on a sequence, concatenated: Conv1d kernel 1, 3 and 5
+    (same length), and MaxPool1d(3, stride 1, padding 1) followed by a 1x1 Conv1d."""
+
+    def __init__(self, c_in: int, width: int) -> None:
+        super().__init__()
+        self.branch1 = nn.Conv1d(c_in, width, 1)
+        self.branch3 = nn.Conv1d(c_in, width, 3, padding=1)
+        self.branch5 = nn.Conv1d(c_in, width, 5, padding=2)
+        self.pool = nn.MaxPool1d(3, stride=1, padding=1)
+        self.branch_pool = nn.Conv1d(c_in, width, 1)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branches = (self.branch1(x), self.branch3(x), self.branch5(x), self.branch_pool(self.pool(x)))
+        return self.act(torch.cat(branches, dim=1))
+
+
+class Inception1d(nn.Module):
+    """An Inception-style 1-D net on [batch, 3, 37]: Conv1d(3->8, kernel 3)-BatchNorm-ReLU stem,
+    an Inception block (4 x 4 channels), a strided MaxPool1d(3, stride 2), a second block
+    (4 x 6), AvgPool1d(2, stride 2), the mean over time and Linear(24->10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv1d(3, 8, 3), nn.BatchNorm1d(8), nn.ReLU())
+        self.block1 = InceptionBlock1d(8, 4)
+        self.down = nn.MaxPool1d(3, stride=2)
+        self.block2 = InceptionBlock1d(16, 6)
+        self.avg = nn.AvgPool1d(2, stride=2)
+        self.head = nn.Linear(24, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.avg(self.block2(self.down(self.block1(self.stem(x)))))
+        return self.head(x.mean(dim=2))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with a causal mask (`torch.triu` of -inf) and key padding from
+    an attention mask; a packed q/k/v Linear and an output Linear."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
+        causal = torch.triu(torch.full((n, n), float("-inf"), dtype=x.dtype), diagonal=1)
+        weights = torch.softmax(scores + causal + padding, dim=-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class DecoderBlock(nn.Module):
+    """A pre-norm GPT block: LayerNorm, causal self-attention, LayerNorm, Linear-GELU(tanh)-Linear."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(approximate="tanh"), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), padding)
+        return x + self.mlp(self.ln2(x))
+
+
+class GeluDecoder(nn.Module):
+    """A small causal transformer decoder on `input_ids`, `attention_mask` [batch, 11]: token
+    embedding (vocabulary 64, width 24) plus a learned position table `pos`, two pre-norm blocks
+    (2 heads, tanh-GELU MLP of 48), a final LayerNorm, and Linear(24->10) on each sample's last
+    unpadded token (as GPT-2's classifier picks it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 24)
+        self.pos = nn.Parameter(torch.zeros(1, 11, 24))
+        self.blocks = nn.ModuleList(DecoderBlock(24, 2) for _ in range(2))
+        self.norm = nn.LayerNorm(24)
+        self.head = nn.Linear(24, NUM_CLASSES)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos
+        padding = (1.0 - attention_mask.to(x.dtype))[:, None, None, :] * -1e4  # keys past each sample's end
+        for block in self.blocks:
+            x = block(x, padding)
+        last = attention_mask.sum(dim=1) - 1
+        return self.head(self.norm(x)[torch.arange(x.shape[0]), last])
+
+
+class PadEncoder(nn.Module):
+    """A Conv1d encoder on [batch, 2, 40] whose every convolution reads a padded input: `F.pad`
+    reflect (2, 2) -> Conv1d(2->8, 5); `nn.ReflectionPad1d(1)` -> Conv1d(8->8, 3);
+    `nn.ReplicationPad1d((2, 0))` -> Conv1d(8->12, 3, stride 2); `F.pad` constant 0.5 (1, 1) ->
+    Conv1d(12->12, 3); SiLU after each; mean over time and Linear(12->10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(2, 8, 5)
+        self.reflect = nn.ReflectionPad1d(1)
+        self.conv2 = nn.Conv1d(8, 8, 3)
+        self.replicate = nn.ReplicationPad1d((2, 0))
+        self.conv3 = nn.Conv1d(8, 12, 3, stride=2)
+        self.conv4 = nn.Conv1d(12, 12, 3)
+        self.act = nn.SiLU()
+        self.head = nn.Linear(12, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.conv1(nn.functional.pad(x, (2, 2), mode="reflect")))
+        x = self.act(self.conv2(self.reflect(x)))
+        x = self.act(self.conv3(self.replicate(x)))
+        x = self.act(self.conv4(nn.functional.pad(x, (1, 1), value=0.5)))
+        return self.head(x.mean(dim=2))
+
+
+class ConvAutoencoder(nn.Module):
+    """A conv autoencoder classifier on [batch, 3, 15, 15]: Conv2d stride-2 encoder (3 -> 8 ->
+    16 channels, 15 -> 8 -> 4), a ConvTranspose2d decoder (stride 2, padding 1, output padding 1:
+    4 -> 8; then grouped (2) and dilated (2), padding 2: 8 -> 16), the decoded map averaged over
+    its rows into a sequence [batch, 8, 16], a ConvTranspose1d(8->6, kernel 4, stride 2, padding
+    1: 16 -> 32), the mean and Linear(6->10). Every ConvTranspose is on the gradient path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.enc2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.dec1 = nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1)
+        self.dec2 = nn.ConvTranspose2d(8, 8, 3, stride=2, padding=2, output_padding=1, groups=2, dilation=2)
+        self.up1d = nn.ConvTranspose1d(8, 6, 4, stride=2, padding=1)
+        self.act = nn.Tanh()
+        self.head = nn.Linear(6, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.enc2(self.act(self.enc1(x))))
+        x = self.act(self.dec2(self.act(self.dec1(x))))
+        x = self.act(self.up1d(x.mean(dim=2)))
+        return self.head(x.mean(dim=2))
+
+
+class GroupNormAudio(nn.Module):
+    """An audio encoder on log-mel frames [batch, 1, 16, 21] (16 mels, 21 frames): Conv2d(1->8,
+    3, padding 1)-GroupNorm(2 groups)-SiLU, Conv2d(8->16, 3, stride 2, padding 1)-GroupNorm(4)-
+    GELU, the mean over mels, Conv1d(16->16, 3, padding 1)-InstanceNorm1d(affine)-SiLU, the mean
+    over time and Linear(16->10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.norm1 = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.norm2 = nn.GroupNorm(4, 16)
+        self.conv3 = nn.Conv1d(16, 16, 3, padding=1)
+        self.norm3 = nn.InstanceNorm1d(16, affine=True)
+        self.silu = nn.SiLU()
+        self.gelu = nn.GELU()
+        self.head = nn.Linear(16, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.silu(self.norm1(self.conv1(x)))
+        x = self.gelu(self.norm2(self.conv2(x))).mean(dim=2)
+        x = self.silu(self.norm3(self.conv3(x)))
+        return self.head(x.mean(dim=2))
+
+
+class RelativePositionAttention(nn.Module):
+    """Self-attention with a learned relative-position bias on [batch, 9, 8]: Linear(8->16)
+    embedding, packed q/k/v Linear (2 heads of 8), scores plus `bias[h, j - i + 8]` (query i, key j) taken from
+    the table `rel_bias` [1, 2, 1, 17] by `torch.gather` (ONNX GatherElements) with a constant
+    relative-index matrix expanded over the batch, softmax, output Linear, residual, LayerNorm,
+    the mean over the sequence and Linear(16->10)."""
+
+    def __init__(self, length: int = 9, heads: int = 2, width: int = 16) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Linear(8, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.rel_bias = nn.Parameter(torch.zeros(1, heads, 1, 2 * length - 1))  # stored as gathered: no reshape to fold
+        index = torch.arange(length)[None, :] - torch.arange(length)[:, None] + length - 1  # [query, key]
+        self.register_buffer("index", index, persistent=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        b, n, d = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        table = self.rel_bias.expand(b, self.heads, n, self.rel_bias.shape[-1])
+        bias = torch.gather(table, 3, self.index.expand(b, self.heads, n, n))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias, dim=-1)
+        x = self.norm(x + self.proj((weights @ v).transpose(1, 2).reshape(b, n, d)))
+        return self.head(x.mean(dim=1))
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -280,11 +533,40 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Models made to put one kind of operator each on the gradient path, as PyTorch users write
+# them (tests/test_operator_families.py): weights shared by several layers (ALBERT), weight norm
+# and dilated causal convolutions, 1-D max and average pools, tanh-GELU, padding, transposed
+# convolutions, GroupNorm and InstanceNorm, and a `torch.gather` of a parameter. Apart from
+# FAMILIES: tests/test_pytorch_families.py measures and plans every one of those.
+OPERATOR_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "albert",
+            (12,),
+            lambda: SequenceClassifier("albert"),
+            tokens=Tokens(length=12, vocab=64),
+            folded_by_dynamo=frozenset({"model.albert.embeddings.position_embeddings"}),
+        ),
+        Family(
+            "tcn", (4, 45), TemporalConvNet, folded_by_dynamo=frozenset(f"convs.{i}.parametrizations.weight" for i in range(3))
+        ),
+        Family("inception1d", (3, 37), Inception1d),
+        Family("gelu_decoder", (11,), GeluDecoder, tokens=Tokens(length=11, vocab=64)),
+        Family("pad_encoder", (2, 40), PadEncoder),
+        Family("conv_autoencoder", (3, 15, 15), ConvAutoencoder),
+        Family("groupnorm_audio", (1, 16, 21), GroupNormAudio),
+        Family("relpos_attention", (9, 8), RelativePositionAttention),
+    )
+}
+
+
 def _family(name: str) -> Family:
     try:
-        return FAMILIES[name]
+        return FAMILIES.get(name) or OPERATOR_FAMILIES[name]
     except KeyError:
-        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
+        known = ", ".join([*FAMILIES, *OPERATOR_FAMILIES])
+        raise KeyError(f"unknown model family {name!r}; known: {known}") from None
 
 
 def _rng(family: str, purpose: str) -> np.random.Generator:
@@ -314,7 +596,9 @@ def _draw(module: nn.Module, name: str, shape: torch.Size, rng: np.random.Genera
     """Values for one parameter, in ranges that keep activations O(1) through the whole network.
 
     Conv and Linear weights are He/LeCun normal (gain sqrt(2) before ReLU-like convs, 1 for
-    Linear); norm scales uniform in [0.7, 1.3] (not 1: a scale of ones would be deduplicated);
+    Linear; a transposed conv's fan-in is its input channels per group times the kernel taps
+    per stride; weight norm's direction v as the conv's weight, its magnitude g sqrt(2) times
+    uniform [0.7, 1.3]); norm scales uniform in [0.7, 1.3] (not 1: a scale of ones would be deduplicated);
     biases N(0, 0.1) (never zero: the dynamo exporter drops zero conv biases); standalone tensors
     (class token, position tables) N(0, 0.5).
 
@@ -337,6 +621,17 @@ def _draw(module: nn.Module, name: str, shape: torch.Size, rng: np.random.Genera
         return rng.uniform(0.7, 1.3, size)
     if type(module).__name__ == "Conv1D" and len(size) == 2:  # transformers' GPT-2 Linear, stored [in, out]
         return rng.normal(0.0, 1.0 / math.sqrt(size[0]), size)
+    if isinstance(module, nn.utils.parametrize.ParametrizationList) and name in ("original0", "original1"):
+        # weight norm's magnitude g [out, 1, ...] (original0) and direction v (original1) of a
+        # conv's weight, g * v / ||v||: v as the weight would be, g near the norm He gives a row
+        # (sqrt(2)), each different
+        if name == "original0":
+            return math.sqrt(2.0) * rng.uniform(0.7, 1.3, size)
+        return rng.normal(0.0, math.sqrt(2.0 / math.prod(size[1:])), size)
+    if isinstance(module, nn.modules.conv._ConvTransposeNd) and name == "weight":
+        # [in, out / groups, *kernel]: each output sums in / groups channels over kernel / stride taps
+        taps = math.prod(size[2:]) / math.prod(module.stride)
+        return rng.normal(0.0, math.sqrt(2.0 / (size[0] // module.groups * taps)), size)
     if isinstance(module, (nn.modules.conv._ConvNd, nn.Linear, nn.MultiheadAttention)) and len(size) >= 2:
         fan_in = math.prod(size[1:])
         gain = math.sqrt(2.0) if isinstance(module, nn.modules.conv._ConvNd) else 1.0
@@ -434,7 +729,10 @@ def pytorch_layer_names(family: str, exporter: Exporter = "legacy") -> set[str]:
     The paths of the torch.nn modules that own parameters directly (`layer1.0.conv1`,
     `encoder.layers.0.self_attn` for its packed input projection, `...self_attn.out_proj`), and
     the full names of parameters that user-written modules own directly (`class_token`,
-    `encoder.pos_embedding`, `pos`): those are layers on their own. A BatchNorm folded into its
+    `encoder.pos_embedding`, `pos`): those are layers on their own. So are the tensors of a
+    parametrization (weight norm's magnitude and direction, `convs.0.parametrizations.weight.
+    original0` and `original1`): the graph computes the module's weight from them with ops of
+    their own (legacy: ReduceL2, Div, Mul), and the module itself keeps its bias. A BatchNorm folded into its
     conv is not a layer of the exported graph; the conv is. transformers' `Conv1D` (GPT-2's Linear,
     its weight stored [in, out]) is a layer as a Linear is. The dynamo exporter's folded modules
     (`Family.folded_by_dynamo`) are none in its exports.
@@ -446,7 +744,8 @@ def pytorch_layer_names(family: str, exporter: Exporter = "legacy") -> set[str]:
         own = [name for name, _ in module.named_parameters(recurse=False)]
         if not own or path in folded or (exporter == "dynamo" and path in _family(family).folded_by_dynamo):
             continue
-        if type(module).__module__.startswith("torch.nn.") or type(module).__name__ == "Conv1D":
+        parametrization = isinstance(module, nn.utils.parametrize.ParametrizationList)
+        if (type(module).__module__.startswith("torch.nn.") and not parametrization) or type(module).__name__ == "Conv1D":
             names.add(path)
         else:
             names.update(f"{path}.{name}" if path else name for name in own)
