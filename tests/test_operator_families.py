@@ -9,8 +9,6 @@ PyTorch does and all of them train, and one SGD step of every layer is PyTorch's
 step within float32 noise (`test_pytorch_families._check_one_step`). Where the exporters differ
 in what they write (ALBERT's shared weights, weight norm), a test says what each writes.
 
-What planner cannot do yet is a strict xfail naming its minimal cause (INSPECT_FAILS,
-STEP_FAILS), and the layers beside it are stepped on their own, so the rest stays checked.
 """
 
 from __future__ import annotations
@@ -28,63 +26,10 @@ from planner import api  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# What planner gets wrong today, each with its minimal cause. Strict: a case that passes must
-# leave these lists.
-_ALBERT_COPIES = (
-    "the dynamo exporter writes ALBERT's shared ffn and ffn_output weights (transposed) once per "
-    "layer, three bitwise-equal initializers each (val_135, val_205, val_275), where query, key, "
-    "value and dense are one initializer used by the three MatMuls: planner makes the copies of "
-    "layers 1 and 2 layers of their own (node_MatMul_198, ...) and would train three copies of one "
-    "PyTorch tensor, each by one layer's gradient"
-)
-_GROUPNORM = (
-    "nn.GroupNorm is written Reshape -> InstanceNormalization(ones [groups], zeros [groups]) -> "
-    "Reshape -> Mul(weight [C,1,1]) -> Add(bias [C,1,1]); planner's layer table does not make "
-    "the Mul and Add one layer 'norm1': "
-)
-INSPECT_FAILS: dict[tuple[str, str], str] = {
-    ("albert", "dynamo"): _ALBERT_COPIES,
-    ("groupnorm_audio", "dynamo"): _GROUPNORM
-    + "the dynamo exporter stores the ones and zeros as initializers (val_8, val_11), which planner "
-    "takes for the norm's weight and bias (layer 'norm1', tensors no PyTorch module has); the "
-    "weight and bias are layers named by their nodes (node_Mul_22, node_group_norm)",
-    ("groupnorm_audio", "legacy"): _GROUPNORM + "the legacy exporter writes the ones and zeros as Constant nodes; planner "
-    "names the weight's Mul 'norm1' and makes the bias a layer of its own, '/norm1/Add'",
-}
-_NO_GRADIENT = "planner imports {node} as {op}, for which TVM registers no gradient (FPrimalGradient)"
-STEP_FAILS: dict[tuple[str, str], str] = {
-    ("albert", "dynamo"): _ALBERT_COPIES,
-    ("groupnorm_audio", "dynamo"): INSPECT_FAILS["groupnorm_audio", "dynamo"]
-    + " (the step of every PyTorch tensor matches autograd: only the ones and zeros are wrong)",
-    **{
-        ("gelu_decoder", e): _NO_GRADIENT.format(op="relax.nn.gelu_tanh", node="Gelu(approximate='tanh')")
-        + " (mlp.2, norm and head train like PyTorch: they are after every GELU)"
-        for e in tf.EXPORTERS
-    },
-    **{
-        ("conv_autoencoder", e): _NO_GRADIENT.format(
-            op="relax.nn.conv2d_transpose", node="every ConvTranspose (the 1-D one rewritten as 2-D)"
-        )
-        + " (the head alone trains like PyTorch)"
-        for e in tf.EXPORTERS
-    },
-    **{
-        ("relpos_attention", e): _NO_GRADIENT.format(op="relax.gather_elements", node="GatherElements")
-        + " (rel_bias's only path; every other layer trains like PyTorch)"
-        for e in tf.EXPORTERS
-    },
-}
+CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in tf.OPERATOR_FAMILIES for e in tf.EXPORTERS]
 
 
-def _cases(fails: dict[tuple[str, str], str]) -> list:
-    return [
-        pytest.param(f, e, id=f"{f}-{e}", marks=[pytest.mark.xfail(reason=fails[f, e], strict=True)] if (f, e) in fails else [])
-        for f in tf.OPERATOR_FAMILIES
-        for e in tf.EXPORTERS
-    ]
-
-
-@pytest.mark.parametrize("family, exporter", _cases(INSPECT_FAILS))
+@pytest.mark.parametrize("family, exporter", CASES)
 def test_layers_are_pytorch_modules_and_all_train(family, exporter):
     """`inspect` names each layer by its PyTorch module path (or parameter name), every layer can
     train, and every parameter planner would train is one PyTorch tensor."""
@@ -96,42 +41,12 @@ def test_layers_are_pytorch_modules_and_all_train(family, exporter):
     assert set(tf.parameter_map(family, path, params)) == set(params)  # raises on a non-PyTorch tensor
 
 
-@pytest.mark.parametrize("family, exporter", _cases(STEP_FAILS))
+@pytest.mark.parametrize("family, exporter", CASES)
 def test_one_sgd_step_matches_pytorch_autograd_in_float64(family, exporter):
     """Every layer trained: each updated tensor within float32 noise of PyTorch's float64 step."""
     path = tf.export(family, exporter)
     tf.parameter_map(family, path, api.inspect(path).parameters)  # what the reference needs, before a compile
     _check_one_step(family, path)
-
-
-# The layers beside each failing operator: until it has a gradient, these still train like PyTorch.
-_BESIDE = {
-    "gelu_decoder": ["blocks.1.mlp.2", "norm", "head"],  # after every tanh-GELU
-    "conv_autoencoder": ["head"],  # after every ConvTranspose
-    "relpos_attention": ["embed", "qkv", "proj", "norm", "head"],  # all but rel_bias, the GatherElements' input
-}
-
-
-@pytest.mark.parametrize(
-    "family, exporter",
-    [
-        pytest.param(f, e, id=f"{f}-{e}")
-        for f, e in [*((f, e) for f in _BESIDE for e in tf.EXPORTERS), ("groupnorm_audio", "dynamo")]
-    ],
-)
-def test_the_layers_beside_a_known_failure_train_like_pytorch(family, exporter):
-    """Each case of STEP_FAILS that fails for one operator or one layer-table slip, stepped without
-    the layers it concerns (groupnorm_audio: every layer whose parameters are PyTorch tensors):
-    the rest of the model trains like PyTorch."""
-    path = tf.export(family, exporter)
-    model = api.inspect(path)
-    if family in _BESIDE:
-        layers = _BESIDE[family]
-    else:
-        found = tf._match_all(tf._float_initializers(path), tf._folded_module(family)[0])[0]
-        layers = [layer.name for layer in model.layers if all(found[p] for p in layer.params_for("full"))]
-        assert {layer.name for layer in model.layers} - set(layers) == {"norm1", "norm2"}  # InstanceNormalization's ones/zeros
-    _check_one_step(family, path, layers)
 
 
 @pytest.mark.parametrize("exporter", tf.EXPORTERS)
@@ -170,13 +85,14 @@ def test_albert_legacy_export_holds_each_shared_weight_once_and_trains_it_as_one
     assert len(set(mapping.values())) == len(mapping)  # one initializer per PyTorch tensor
 
 
-def test_albert_dynamo_export_copies_some_shared_weights():
+def test_albert_dynamo_export_copies_some_shared_weights_and_planner_ties_them():
     """What the dynamo exporter writes for ALBERT's shared weights (torch 2.13): biases and
     LayerNorm tensors once, under their PyTorch names, read by the three layers' nodes; the
     transposed query, key, value and dense weights once (`val_*`), read by the three MatMuls; but
     the transposed ffn and ffn_output weights once per layer, three bitwise-equal initializers
-    each. One PyTorch tensor in three initializers is what `parameter_map` refuses: trained apart,
-    each copy would move by one layer's gradient."""
+    each. Each copy's MatMul records the PyTorch parameter it computes with, so planner reads the
+    three as one (`fixups.tie_copies`): one layer, one weight, its gradient summed over the three
+    layers (`test_one_sgd_step_matches_pytorch_autograd_in_float64[albert-dynamo]`)."""
     path = tf.export("albert", "dynamo")
     proto = onnx.load(str(path))
     values = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
@@ -189,6 +105,7 @@ def test_albert_dynamo_export_copies_some_shared_weights():
     for onnx_name, refs in mapping.items():
         for ref in refs:
             holders.setdefault(ref.name, []).append(onnx_name)
+    model = api.inspect(path)
     for module in _SHARED_MODULES + _SHARED_NORMS:
         weight = holders[f"{_SHARED}{module}.weight"]
         bias = holders[f"{_SHARED}{module}.bias"]
@@ -198,8 +115,14 @@ def test_albert_dynamo_export_copies_some_shared_weights():
             assert all(users[w] == ["MatMul"] for w in weight), module
         else:
             assert len(weight) == 1 and len(users[weight[0]]) == 3, (module, weight)
+        layer = model.layer(_SHARED + module)
+        assert layer.weight == weight[0] and len(layer.shared_by) in (2, 4), (
+            module,
+            layer,
+        )  # each further use: a MatMul (and its Add)
+    assert not {w for m in ("ffn", "ffn_output") for w in holders[f"{_SHARED}{m}.weight"][1:]} & set(model.parameters)
     with pytest.raises(ValueError, match=r"ffn\.weight' is also in"):
-        tf.parameter_map("albert", path)
+        tf.parameter_map("albert", path)  # the file itself, every initializer named: two copies of one tensor
 
 
 def test_parameter_map_refuses_two_initializers_of_one_tensor(tmp_path):
@@ -228,7 +151,7 @@ def test_weight_norm_as_each_exporter_writes_it():
     (`test_one_sgd_step_matches_pytorch_autograd_in_float64[tcn-legacy]`). The dynamo exporter
     folds each weight into a constant named as the FX node that computed it (`mul_2`), which planner
     never trains (`names.folded_values`): g and v are nowhere in the file, and the conv trains its
-    bias alone."""
+    bias alone — which `inspect` says (`Layer.folded_weight`)."""
     legacy = onnx.load(str(tf.export("tcn", "legacy")))
     ops = [n.op_type for n in legacy.graph.node]
     assert ops.count("ReduceL2") == ops.count("Div") == ops.count("Mul") == 3
@@ -250,3 +173,4 @@ def test_weight_norm_as_each_exporter_writes_it():
     for i in range(3):
         conv = model.layer(f"convs.{i}")
         assert (conv.op, conv.weight, conv.bias, conv.trainable) == ("Conv", None, f"convs.{i}.bias", True)
+        assert conv.folded_weight == ["mul_2", "mul_11", "mul_22"][i]  # what inspect says of it

@@ -977,7 +977,9 @@ def parameter_map(family: str, onnx_path: Path, names: Iterable[str] | None = No
 
     `names` defaults to the trainable ones: every float initializer with more than one element.
     Raises ValueError, saying which and why, unless each name is exactly one PyTorch tensor and
-    no other initializer is that tensor too (the ONNX graph would train two copies of it).
+    no other named initializer is that tensor too (the two copies would be trained apart). A copy
+    not named — one the dynamo exporter wrote per use, which planner reads as the first — holds
+    the same values; the reference's gradient of the tensor sums every use, as a tied copy's does.
     """
     return _parameter_map(family, Path(onnx_path), _float_initializers(Path(onnx_path)), names)[0]
 
@@ -1007,8 +1009,10 @@ def _parameter_map(
                 f"{name!r} {list(inits[name].shape)}: its values match {len(refs)} PyTorch tensors "
                 f"{[r.name for r in refs]} (same size: {same})"
             )
-        elif len(owners[refs[0].name]) > 1:
-            errors.append(f"{name!r}: PyTorch tensor {refs[0].name!r} is also in {owners[refs[0].name]}")
+        elif len(others := [o for o in owners[refs[0].name] if o != name and o in wanted]) > 0:
+            # another copy the caller also trains: the two would move apart (a copy the caller
+            # does not name holds the same values, and the tensor's gradient sums every use)
+            errors.append(f"{name!r}: PyTorch tensor {refs[0].name!r} is also in {others}")
         else:
             mapping[name] = refs[0]
     if errors:

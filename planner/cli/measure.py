@@ -118,12 +118,18 @@ def inspect(
             "trainable": layer.trainable,
             "reason": layer.problem,
             "shared_by": list(layer.shared_by),
+            "folded_weight": layer.folded_weight,
         }
         for layer in m.layers
     ]
     if json_out:
         described = [i.to_json() for i in m.inputs]
-        print(json.dumps({"model": str(m.path), "sha256": m.sha256, "inputs": described, "layers": rows}, indent=2))
+        copies = [list(group) for group in m.copies]
+        print(
+            json.dumps(
+                {"model": str(m.path), "sha256": m.sha256, "inputs": described, "layers": rows, "copies": copies}, indent=2
+            )
+        )
         return
     inputs = ", ".join(
         f"{i.name} [batch, {', '.join(map(str, i.shape))}]{'' if i.dtype == 'float32' else ' ' + i.dtype}" for i in m.inputs
@@ -136,16 +142,28 @@ def inspect(
         table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
     for layer, r in zip(m.layers, rows):
         op = f"{r['op']} ×{1 + len(layer.shared_by)} (shared)" if layer.shared_by else r["op"]
-        cells = (
-            r["layer"],
-            op,
-            _param_roles(layer),
-            f"{r['param_bytes']:,}",
-            str(tuple(r["output_shape"])),
-            "yes" if r["trainable"] else f"no: {r['reason']}",
-        )
+        cells = (r["layer"], op, _param_roles(layer), f"{r['param_bytes']:,}", str(tuple(r["output_shape"])), _trainable(layer))
         table.add_row(*map(escape, cells))
     stdout.print(table)
+    for group in m.copies:  # what planner cannot tie is said, not silently trained apart
+        stdout.print(
+            f"note: {', '.join(group)} hold equal values and nothing in the file ties them; if they are one PyTorch "
+            "parameter written once per use, planner trains them apart (export with dynamo=False to keep it one tensor)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _trainable(layer) -> str:
+    if not layer.trainable:
+        return f"no: {layer.problem}"
+    if layer.folded_weight:
+        return (
+            f"bias only: weight '{layer.folded_weight}' is a constant the exporter computed (a weight_norm or "
+            "spectral_norm); export with dynamo=False to train it"
+        )
+    return "yes"
 
 
 def _param_roles(layer) -> str:

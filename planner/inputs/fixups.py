@@ -16,6 +16,7 @@ at them, so no computation on a weight is ever baked in.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 
@@ -25,6 +26,7 @@ from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from planner.inputs.decompose import decompose
+from planner.inputs.names import recorded_parameters
 from planner.inputs.recurrent import unroll_recurrent
 
 # Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
@@ -86,6 +88,48 @@ def tie_identities(graph: onnx.GraphProto) -> None:
                 _rename_reads(sub, tied)
     del graph.node[:]
     graph.node.extend(kept)
+
+
+def equal_initializers(graph: onnx.GraphProto) -> list[list[str]]:
+    """Groups of float initializers of more than one value holding bitwise-equal tensors, in
+    graph order: one tensor stored several times (or, in a model never trained, equal ones)."""
+    groups: dict[tuple, list[str]] = {}
+    for t in graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT and math.prod(t.dims) > 1:
+            value = numpy_helper.to_array(t)
+            groups.setdefault((tuple(t.dims), hashlib.sha256(value.tobytes()).hexdigest()), []).append(t.name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def tie_copies(graph: onnx.GraphProto) -> None:
+    """Bitwise-equal initializers that the dynamo exporter wrote for one PyTorch parameter read
+    as the first of them.
+
+    Why: it writes a weight shared by several modules once per use when it transposes it for each
+    (ALBERT's feed-forward weights, three copies for three layers), and each copy would train by
+    its own use's gradient only. Each node records the FX node it came from, and so the
+    parameters it computes with (`names.recorded_parameters`): copies whose readers all name a
+    parameter in common are that parameter. Equal tensors with no such record are left apart
+    (`planner inspect` says which)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+
+    def recorded(name: str) -> set[str]:
+        found = [recorded_parameters(n) for n in readers.get(name, [])]
+        return set.intersection(*found) if found else set()
+
+    tied: dict[str, str] = {}
+    for names in equal_initializers(graph):
+        common = set.intersection(*(recorded(n) for n in names))
+        if common:
+            tied.update({n: names[0] for n in names[1:]})
+    if not tied:
+        return
+    _rename_reads(graph, tied)
+    for tensor in [t for t in graph.initializer if t.name in tied]:
+        graph.initializer.remove(tensor)
 
 
 def _rename_reads(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:

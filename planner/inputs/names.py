@@ -101,6 +101,16 @@ def standalone_name(node: onnx.NodeProto, param: str, taken: set[str]) -> str:
 _FX_ARGUMENT = re.compile(r"%([A-Za-z_][\w]*)")
 
 
+def recorded_parameters(node: onnx.NodeProto) -> set[str]:
+    """The PyTorch parameters a dynamo export's node says it computes with: the FX placeholders
+    (`%p_layer_0_ffn_weight`) among the arguments of the FX node it came from (none for a node of
+    another exporter)."""
+    record = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), None)
+    if record is None or "](args = " not in record:
+        return set()
+    return {name for name in _FX_ARGUMENT.findall(record.split("](args = ", 1)[1]) if name.startswith("p_")}
+
+
 def folded_values(graph: onnx.GraphProto) -> set[str]:
     """Initializers the dynamo exporter computed rather than found: values of the PyTorch
     program it folded into constants, never parameters.
