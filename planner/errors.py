@@ -44,14 +44,27 @@ class CandidateFailed(Exception):
     """One candidate could not be built, compiled or run: a failed trial, never a dead study."""
 
 
-class EnvironmentFailure(PlannerError):
-    """Not the candidate's fault: the machine planner runs on (its cache, disk, toolchain) failed.
+class NotTheCandidates(PlannerError):
+    """A failure that is not the candidate's: a trial hit by it is never a finished trial. The
+    search queues its candidate again, stops, and the run ends with this one line and its exit
+    code; rerunning once the cause is fixed measures exactly the missing trials."""
 
-    A trial hit by it is never a finished trial: the search queues its candidate again, stops,
-    and the run ends with this one line and exit 2; rerunning once the environment is fixed
-    measures exactly the missing trials."""
+
+class EnvironmentFailure(NotTheCandidates):
+    """The machine planner runs on (its cache, disk, toolchain) failed (exit 2)."""
 
     exit_code = 2
+
+
+class PlannerBug(NotTheCandidates):
+    """planner failed at what its operator table promises: building the gradient of a model whose
+    operators all train or run frozen there, or compiling such a step. A bug in planner, never a
+    trial failure the user has to read a TVM message about (exit 70, EX_SOFTWARE)."""
+
+    exit_code = 70
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"planner bug: {what} ({detail}); please report it with the model")
 
 
 class BoardUnreachable(EnvironmentFailure):

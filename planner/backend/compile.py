@@ -44,7 +44,16 @@ from planner.backend.memory import step_peak
 from planner.backend.schedule import default_schedule
 from planner.backend.storage import share_storage
 from planner.backend.trainer import update_lr
-from planner.errors import DISK_REASONS, CandidateFailed, EnvironmentFailure, disk_problem, first_line, last_line, reason
+from planner.errors import (
+    DISK_REASONS,
+    CandidateFailed,
+    EnvironmentFailure,
+    PlannerBug,
+    disk_problem,
+    first_line,
+    last_line,
+    reason,
+)
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget, RpcRunner
 from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSignature, Updates
@@ -52,6 +61,7 @@ from planner.types import Candidate, Kernels, MemoryBreakdown, Recompute, StepSi
 LIB_NAME = f"{ARTIFACT_STEM}.so"
 VM_LIBRARY = ArtifactKind("relax-vm")  # a shared library of Relax VM bytecode and kernels, run by TVM's VM
 META_NAME = "train_step.json"  # the cache entry's record, never part of the artifact
+TVM_COMPILE = "TVM compile"
 
 
 def check_cache_dir(path: str | Path) -> Path:
@@ -247,7 +257,8 @@ def _discard(entry: Path) -> None:
 def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None) -> Exception:
     """`exc`, raised in `stage` of a compile, as the error it is: `EnvironmentFailure` when the
     machine failed (a write refused for want of room or access, by planner or by the linker; the
-    C++ compiler or a file gone), else `CandidateFailed`."""
+    C++ compiler or a file gone); `PlannerBug` when TVM could not compile the step (the operator
+    table promised it); else `CandidateFailed`."""
     found = disk_problem(exc)
     if found is not None:
         why, filename = found
@@ -268,6 +279,8 @@ def _failure(exc: Exception, stage: str, cache_dir: Path, toolchain: str | None)
         missing = missing.__cause__ or missing.__context__
     if missing is not None:
         return EnvironmentFailure(f"{stage}: {missing.filename or first_line(missing)}: not found")
+    if stage == TVM_COMPILE:  # every op of the step is one the operator table says runs
+        return PlannerBug("the step of a model the operator table accepts did not compile", last_line(exc))
     return CandidateFailed(f"{stage} failed: {last_line(exc)}")
 
 
@@ -351,7 +364,7 @@ def _compile(model: Model, candidate: Candidate, build: BuildOptions, cache_dir:
         memory = step_peak(lowered[STEP_FUNC], sig, workspaces)
         requires = [PACKAGE] if gemm.calls_openblas(lowered) else []
     except Exception as exc:
-        raise _failure(exc, "TVM compile", cache_dir, toolchain) from None
+        raise _failure(exc, TVM_COMPILE, cache_dir, toolchain) from None
     if candidate.recompute != Recompute.NONE:
         memory = replace(memory, recompute_saved=_held(_baseline(model, candidate, build)) - _held(memory))
 

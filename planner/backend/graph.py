@@ -30,7 +30,7 @@ from planner.backend.importer import imported
 from planner.backend.tir import accumulate_kernel, scale_kernel
 from planner.backend.trainer import ScaledCrossEntropy, fill, low_precision, make_optimizer, runtime_lr, update_lr
 from planner.backend.weights import as_stored, origin, stored_weights
-from planner.errors import CandidateFailed, last_line
+from planner.errors import CandidateFailed, PlannerBug, last_line
 from planner.inputs.model import Model
 from planner.types import Candidate, Recompute, StepSignature
 
@@ -78,8 +78,8 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
             return SetupTrainer(ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
                 source.with_kernels({PREDICT_FUNC: func}, backbone.attrs)
             )
-        except Exception as exc:  # TVM reports missing gradients etc. as generic errors
-            raise CandidateFailed(f"gradient construction failed: {last_line(exc)}") from None
+        except Exception as exc:  # every op of the model is one the operator table says trains or runs frozen
+            raise PlannerBug("the gradient of a model the operator table accepts could not be built", last_line(exc)) from None
 
     kept: tuple[str, ...] = ()
     n_leading = n_inputs if prefix is None else len(prefix.ret_ty.fields)  # the differentiated part's non-weight inputs

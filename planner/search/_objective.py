@@ -11,7 +11,7 @@ from dataclasses import replace
 import optuna
 
 from planner.backend.threads import physical_cores
-from planner.errors import CandidateFailed, EnvironmentFailure, first_line
+from planner.errors import CandidateFailed, NotTheCandidates, first_line
 from planner.inputs.spaces import SearchSpace
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _requeue
@@ -23,12 +23,12 @@ from planner.types import Fidelity
 
 class _Halt:
     """Why this process stops starting trials: Ctrl-C/SIGTERM (`stop`), a second one (`hard`), or
-    an environment failure (`error`, raised once the trials in flight end)."""
+    a failure not the candidate's (`error`, raised once the trials in flight end)."""
 
     def __init__(self, stop: threading.Event | None) -> None:
         self.stop = stop or threading.Event()
         self.hard = False
-        self.error: EnvironmentFailure | None = None
+        self.error: NotTheCandidates | None = None
 
     def __call__(self) -> bool:
         return self.stop.is_set() or self.hard or self.error is not None
@@ -92,9 +92,9 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
                     hooks, before_timing=lambda: pipeline.before_timing(tid), after_timing=lambda: pipeline.timed(tid)
                 )
             constraints = evaluator.evaluate(candidate, trial.set_user_attr, hooks)
-        except EnvironmentFailure as exc:
-            # the board, the disk or the cache failed, not the candidate: it is measured again by
-            # the next run, and this one stops (the caller raises `exc`)
+        except NotTheCandidates as exc:
+            # the board, the disk or the cache failed, or planner did: not the candidate. It is
+            # measured again by the next run, and this one stops (the caller raises `exc`)
             halt.error = halt.error or exc
             failures = int(trial.user_attrs.get("env_failures", 0)) + 1
             if failures >= ENV_RETRIES:  # ... unless it failed the environment every time it ran

@@ -17,7 +17,7 @@ from pathlib import Path
 from planner import faults
 from planner.backend import Backend, BuiltArtifact, backend_for
 from planner.backend.threads import use_threads
-from planner.errors import CandidateFailed, EnvironmentFailure, disk_problem, last_line
+from planner.errors import CandidateFailed, EnvironmentFailure, NotTheCandidates, disk_problem, last_line
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
@@ -132,8 +132,8 @@ class Evaluator:
                 acc.after,
                 f" (diverged at step {acc.diverged_at})" if acc.diverged_at else "",
             )
-        except EnvironmentFailure as exc:  # the board, cache or disk: not the candidate's failure
-            log.debug("%s: environment failed: %s", _label(candidate), exc)
+        except NotTheCandidates as exc:  # the board, cache or disk, or planner: not the candidate's failure
+            log.debug("%s: not the candidate's failure: %s", _label(candidate), exc)
             raise
         except CandidateFailed as exc:
             log.debug("%s: failed: %s", _label(candidate), exc)
