@@ -91,16 +91,16 @@ def _pad(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
     if shape is None or pads is None or (len(node.input) > 2 and node.input[2] and ctx.const(node, 2) is None):
         return False
     rank = len(shape)
-    axes = ctx.const(node, 3)
-    axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
-    pads = [int(p) for p in pads]
+    given = ctx.const(node, 3)
+    axes = list(range(rank)) if given is None else [int(a) % rank for a in given]
+    widths = [int(p) for p in pads]
     value = ctx.const(node, 2)
     mode = _attr(node, "mode", "constant")
     dtype = ctx.dtype(node.input[0])
-    if min(pads) < 0:  # a crop: left to the table
+    if min(widths) < 0:  # a crop: left to the table
         return False
     x, current = node.input[0], list(shape)
-    for axis, before, after in zip(axes, pads[: len(axes)], pads[len(axes) :]):
+    for axis, before, after in zip(axes, widths[: len(axes)], widths[len(axes) :]):
         if not before and not after:
             continue
         size = current[axis]
@@ -108,7 +108,7 @@ def _pad(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
             return False
         if mode == "wrap" and (before > size or after > size):
             return False
-        parts = []
+        parts: list[str | None] = []
         for count, first in ((before, True), (after, False)):
             if not count:
                 parts.append(None)
@@ -129,7 +129,7 @@ def _pad(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
                 parts.append(w.slice(x, axis, size - count, size) if first else w.slice(x, axis, 0, count))
             else:
                 return False
-        x = w.op("Concat", [p for p in (parts[0], x, parts[1]) if p is not None], axis=axis)
+        x = w.op("Concat", [p for p in (parts[0], x, parts[1]) if p], axis=axis)
         current[axis] += before + after
     w.op("Identity", [x], node.output[0])
     return True
@@ -140,10 +140,10 @@ def _pad(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
 
 def _tile(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
     """`Tile` as unsqueeze, expand and reshape: the copies are a new outer axis per axis."""
-    shape, reps = ctx.shape(node.input[0]), ctx.const(node, 1)
-    if shape is None or reps is None:
+    shape, given = ctx.shape(node.input[0]), ctx.const(node, 1)
+    if shape is None or given is None:
         return False
-    reps = [int(r) for r in reps]
+    reps = [int(r) for r in given]
     rank = len(shape)
     spread = w.op("Unsqueeze", [node.input[0], w.const(np.arange(0, 2 * rank, 2, dtype=np.int64))])
     expanded = w.op("Expand", [spread, w.const(np.array([v for r, d in zip(reps, shape) for v in (r, d)], np.int64))])
@@ -155,12 +155,12 @@ def _cumsum(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
     """A reversed or exclusive `CumSum` as the plain one (TVM writes the reversal as TIR): flips
     around it, and the input subtracted for an exclusive sum."""
     reverse, exclusive = _attr(node, "reverse", 0), _attr(node, "exclusive", 0)
-    shape, axis = ctx.shape(node.input[0]), ctx.const(node, 1)
+    shape, given = ctx.shape(node.input[0]), ctx.const(node, 1)
     if not (reverse or exclusive):
         return False
-    if shape is None or axis is None:
+    if shape is None or given is None:
         return False
-    axis = int(np.asarray(axis).reshape(())) % len(shape)
+    axis = int(np.asarray(given).reshape(())) % len(shape)
     size = shape[axis]
 
     def flip(t: str) -> str:
@@ -289,7 +289,8 @@ def _resize_matrix(
         for k in range(size):
             basis = np.zeros(shape, np.float64)
             basis.reshape(-1)[k] = 1.0
-            columns.append(np.asarray(evaluator.run(None, {"x": basis, **feeds})[0]).reshape(-1))
+            (column,) = evaluator.run(None, {"x": basis, **feeds})
+            columns.append(np.asarray(column).reshape(-1))
     except Exception:  # a mode the reference does not run
         return None
     return np.stack(columns, axis=1)
@@ -326,22 +327,23 @@ def _einsum(node: onnx.NodeProto, ctx: _Context, w: _Writer) -> bool:
     pair, the indices both share and something later needs are a batch, those only they share
     are contracted, and an index no one else needs is summed first. An operand that repeats an
     index (a diagonal or a trace) is left to the table."""
-    shapes = [ctx.shape(name) for name in node.input]
-    if any(s is None for s in shapes):
+    found = [ctx.shape(name) for name in node.input]
+    shapes = [s for s in found if s is not None]
+    if len(shapes) != len(found):
         return False
-    parsed = _parse_einsum(str(_attr(node, "equation", "")), [len(s) for s in shapes])  # type: ignore[arg-type]
+    parsed = _parse_einsum(str(_attr(node, "equation", "")), [len(s) for s in shapes])
     if parsed is None:
         return False
     terms, output = parsed
     if any(len(set(t)) != len(t) for t in terms):
         return False
     sizes: dict[str, int] = {}
-    for term, shape in zip(terms, shapes):
-        for letter, size in zip(term, shape):  # type: ignore[arg-type]
+    for term, extents in zip(terms, shapes):
+        for letter, size in zip(term, extents):
             if sizes.get(letter, 1) != size and size != 1 and sizes.get(letter, 1) != 1:
                 return False
             sizes[letter] = max(sizes.get(letter, 1), size)
-    operands = [(name, term, list(shape)) for name, term, shape in zip(node.input, terms, shapes)]  # type: ignore[arg-type]
+    operands = [(name, term, list(extents)) for name, term, extents in zip(node.input, terms, shapes)]
 
     def broadcast(name: str, term: str, shape: list[int]) -> tuple[str, list[int]]:
         full = [sizes[c] for c in term]

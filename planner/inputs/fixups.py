@@ -71,8 +71,8 @@ def tie_identities(graph: onnx.GraphProto) -> None:
     tied: dict[str, str] = {}
     kept = []
     for node in graph.node:
-        source = node.input[0] if node.op_type == "Identity" and len(node.input) == 1 else None
-        source = tied.get(source, source) if source is not None else None
+        source = node.input[0] if node.op_type == "Identity" and len(node.input) == 1 else ""
+        source = tied.get(source, source)
         if source in inits and node.output[0] not in outputs:
             tied[node.output[0]] = source
         else:

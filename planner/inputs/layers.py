@@ -11,6 +11,7 @@ two reshapes, then the Mul of its weight and the Add of its bias — or one para
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -152,8 +153,8 @@ def layers_of(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer
         slots = layer_slots(node)
         norm = _group_norm(node, producers, consumers, params - set(claimed), table.constants) if node.op_type == "Mul" else None
         if norm is not None:  # a GroupNorm: the InstanceNormalization, its reshape, the scale and the shift
-            nodes, weight, bias = norm
-            add(nodes, weight, bias, (), layer_name(nodes, [weight, bias], taken), None)
+            norm_nodes, scale, shift = norm
+            add(norm_nodes, scale, shift, (), layer_name(norm_nodes, [scale, shift], taken), None)
             continue
         if slots is None:
             for param in own:  # a parameter used on its own: an Add's is a bias, any other a weight
@@ -257,14 +258,16 @@ def _group_norm(
     producers: dict[str, onnx.NodeProto],
     consumers: dict[str, list[onnx.NodeProto]],
     free: set[str],
-    constants: dict[str, np.ndarray],
+    constants: Mapping[str, np.ndarray],
 ) -> tuple[list[onnx.NodeProto], str, str] | None:
     """A GroupNorm as both exporters write it, seen from the Mul of its weight:
     InstanceNormalization(x, ones, zeros) -> Reshape -> Mul(weight) -> Add(bias), each alone
     consuming the one before. The nodes, the weight and the bias."""
     data, weight = (mul.input[0], mul.input[1]) if mul.input[1] in free else (mul.input[1], mul.input[0])
     reshape = producers.get(data)
-    norm = producers.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
+    if reshape is None or reshape.op_type != "Reshape":
+        return None
+    norm = producers.get(reshape.input[0])
     if weight not in free or norm is None or norm.op_type != "InstanceNormalization" or len(norm.input) < 3:
         return None
     scale, shift = (constants.get(n) for n in norm.input[1:3])
@@ -273,7 +276,7 @@ def _group_norm(
     users = consumers.get(mul.output[0], [])
     if len(users) != 1 or users[0].op_type != "Add":
         return None
-    bias = next((n for n in users[0].input if n != mul.output[0]), None)
+    bias = next((n for n in users[0].input if n != mul.output[0]), "")
     if bias not in free or len(consumers.get(reshape.output[0], [])) != 1:
         return None
     return [norm, reshape, mul, users[0]], weight, bias
