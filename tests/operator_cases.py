@@ -368,10 +368,11 @@ def classifier_loss(model: onnx.ModelProto, weights: dict[str, np.ndarray], xs: 
 Cases = Callable[[], list[Case]]
 
 
-def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-4) -> dict[str, float]:
+def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-4, frozen: bool = False) -> dict[str, float]:
     """The case in a classifier through planner's pipeline (see the module docstring): relative
     errors of the logits and the loss against the reference, and of each trained tensor's
-    gradient against central differences (float64 reference, float32 step)."""
+    gradient against central differences (float64 reference, float32 step). `frozen`: only the
+    head trained, the node in the frozen part, whatever the table says of it."""
     from planner.backend.compile import BuildOptions, compile_candidate
     from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
@@ -380,11 +381,11 @@ def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-
     path, xs = classifier(case, directory / "model.onnx")
     model = load_model(path)
     proto = onnx.load(str(path))
-    trains = form_support(case) == "trains"
+    trains = form_support(case) == "trains" and not frozen
     layers = [layer for layer in model.layers if trains or layer.name == "fc"]
     untrainable = {layer.name: layer.problem for layer in layers if not layer.trainable}
     assert not untrainable, f"inspect refuses layers the table trains: {untrainable}"
-    if not trains:  # the layers before the node: inspect names the node that stops their gradient
+    if form_support(case) != "trains":  # the layers before the node: inspect names the node that stops their gradient
         before = [layer for layer in model.layers if layer.name.startswith("pre") or layer.name.startswith("op")]
         wrong = {layer.name: layer.problem for layer in before if layer.trainable or "'op'" not in (layer.problem or "")}
         assert not wrong, f"a frozen-only node must stop the gradient of the layers before it: {wrong}"

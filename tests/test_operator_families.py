@@ -19,7 +19,7 @@ import pytest
 from onnx import numpy_helper
 
 torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
-from test_pytorch_families import _check_one_step  # noqa: E402
+from test_pytorch_families import _check_layers, _check_one_step  # noqa: E402
 
 import torch_families as tf  # noqa: E402
 from planner import api  # noqa: E402
@@ -33,12 +33,7 @@ CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in tf.OPERATOR_FAMILIES for e i
 def test_layers_are_pytorch_modules_and_all_train(family, exporter):
     """`inspect` names each layer by its PyTorch module path (or parameter name), every layer can
     train, and every parameter planner would train is one PyTorch tensor."""
-    path = tf.export(family, exporter)
-    model = api.inspect(path)
-    assert {layer.name for layer in model.layers} == tf.pytorch_layer_names(family, exporter)
-    assert [(layer.name, layer.problem) for layer in model.layers if not layer.trainable] == []
-    params = [p for layer in model.layers for p in layer.params_for("full")]
-    assert set(tf.parameter_map(family, path, params)) == set(params)  # raises on a non-PyTorch tensor
+    _check_layers(family, exporter, tf.export(family, exporter))
 
 
 @pytest.mark.parametrize("family, exporter", CASES)

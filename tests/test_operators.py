@@ -17,6 +17,8 @@ from planner.inputs.operators import OPERATORS, Support, markdown
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
 TRAINS = [pytest.param(c, id=c.id) for c in CASES if form_support(c) == "trains"]
 RUNS = [pytest.param(c, id=c.id) for c in CASES if form_support(c) != "refused"]
+# one form of each operator that trains, in the frozen part: a frozen op needs no gradient, and must compile
+FROZEN = [pytest.param(c, id=c.id) for c in {c.op: c for c in reversed(CASES) if form_support(c) == "trains"}.values()]
 
 
 def test_docs_hold_the_table_as_it_is():
@@ -52,6 +54,14 @@ def test_gradient_matches_finite_differences_in_float64(case):
 
 @pytest.mark.parametrize("case", RUNS)
 def test_runs_in_planners_pipeline(case, tmp_path):
+    """Trained through (a form that trains) or in the frozen part (a frozen-only one)."""
     errors = pipeline_check(case, tmp_path)
     assert errors["logits"] < 1e-4 and errors["loss"] < 1e-4, errors
     assert all(e < 2e-3 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("case", FROZEN)
+def test_an_operator_that_trains_also_compiles_frozen(case, tmp_path):
+    """Only the head trained: the operator runs in the frozen part, before the differentiated one."""
+    errors = pipeline_check(case, tmp_path, frozen=True)
+    assert errors["logits"] < 1e-4 and errors["loss"] < 1e-4, errors

@@ -49,7 +49,11 @@ def test_layers_are_pytorch_modules_and_all_train(family, exporter):
     """`inspect` names each layer by its PyTorch module path (or parameter name), whichever
     exporter wrote the file; every layer of these families can train; and every parameter planner
     would train is a PyTorch tensor (a constant, such as an attention scale, never is)."""
-    path = tf.export(family, exporter)
+    _check_layers(family, exporter, tf.export(family, exporter))
+
+
+def _check_layers(family: str, exporter: str, path: Path) -> None:
+    """Layer names are PyTorch's, every layer trains, and each parameter is one PyTorch tensor."""
     model = api.inspect(path)
     assert {layer.name for layer in model.layers} == tf.pytorch_layer_names(family, exporter)
     assert [(layer.name, layer.problem) for layer in model.layers if not layer.trainable] == []

@@ -11,8 +11,9 @@ two reshapes, then the Mul of its weight and the Add of its bias — or one para
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import onnx
@@ -148,30 +149,10 @@ def layers_of(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer
             if node.name not in layers[owner].nodes:  # a second use of a layer's parameters
                 shared.setdefault(owner, []).append(node)
         own = list(dict.fromkeys(n for n in node.input if n in params and n not in claimed))
-        if not own:
-            continue
-        slots = layer_slots(node)
-        norm = _group_norm(node, producers, consumers, params - set(claimed), table.constants) if node.op_type == "Mul" else None
-        if norm is not None:  # a GroupNorm: the InstanceNormalization, its reshape, the scale and the shift
-            norm_nodes, scale, shift = norm
-            add(norm_nodes, scale, shift, (), layer_name(norm_nodes, [scale, shift], taken), None)
-            continue
-        if slots is None:
-            for param in own:  # a parameter used on its own: an Add's is a bias, any other a weight
-                is_bias = node.op_type in ("Add", "Sub")
-                add([node], None if is_bias else param, param if is_bias else None, (), standalone_name(node, param, taken), None)
-            continue
-        w_slot, b_slot = slots
-        weight = _slot(node, w_slot, own)
-        bias = _slot(node, b_slot, own)
-        nodes = [node]
-        if node.op_type == "MatMul" and weight:
-            follower = _bias_add(node, consumers, params - set(claimed), inits)
-            if follower is not None:  # a Linear: MatMul, then the Add of its bias
-                add_node, bias = follower
-                nodes.append(add_node)
-        buffers = tuple(n for n in own if n not in (weight, bias))
-        add(nodes, weight, bias, buffers, layer_name(nodes, [p for p in (weight, bias) if p], taken), _out_axis(node))
+        if own:
+            free = params - set(claimed)
+            for nodes, weight, bias, buffers, naming, out_axis in _groupings(node, own, free, producers, consumers, table, inits):
+                add(nodes, weight, bias, buffers, naming(taken), out_axis)
     for i, others in shared.items():  # a tied layer trains only if every use passes a gradient
         layer = layers[i]
         uses = [by_name[n] for n in layer.nodes] + others
@@ -181,6 +162,42 @@ def layers_of(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer
             layer, nodes=layer.nodes + tuple(n.name for n in others), shared_by=tuple(n.name for n in others), problem=problem
         )
     return layers
+
+
+Grouping = tuple[list[onnx.NodeProto], str | None, str | None, tuple[str, ...], Callable[[set[str]], str], int | None]
+
+
+def _groupings(
+    node: onnx.NodeProto,
+    own: list[str],
+    free: set[str],
+    producers: dict[str, onnx.NodeProto],
+    consumers: dict[str, list[onnx.NodeProto]],
+    table: Graph,
+    inits: dict[str, onnx.TensorProto],
+) -> list[Grouping]:
+    """The layers `node` begins, given the parameters it is the first to read (`own`; `free`: every
+    parameter no layer has yet): (nodes, weight, bias, buffers, its name given the names taken,
+    the weight's output axis)."""
+    norm = _group_norm(node, producers, consumers, free, table.constants) if node.op_type == "Mul" else None
+    if norm is not None:  # a GroupNorm: the InstanceNormalization, its reshape, the scale and the shift
+        nodes, scale, shift = norm
+        return [(nodes, scale, shift, (), partial(layer_name, nodes, [scale, shift]), None)]
+    slots = layer_slots(node)
+    if slots is None:  # a parameter used on its own: an Add's is a bias, any other a weight
+        bias_like = node.op_type in ("Add", "Sub")
+        return [
+            ([node], None if bias_like else p, p if bias_like else None, (), partial(standalone_name, node, p), None) for p in own
+        ]
+    weight, bias = _slot(node, slots[0], own), _slot(node, slots[1], own)
+    nodes = [node]
+    if node.op_type == "MatMul" and weight:
+        follower = _bias_add(node, consumers, free, inits)
+        if follower is not None:  # a Linear: MatMul, then the Add of its bias
+            add_node, bias = follower
+            nodes.append(add_node)
+    buffers = tuple(n for n in own if n not in (weight, bias))
+    return [(nodes, weight, bias, buffers, partial(layer_name, nodes, [p for p in (weight, bias) if p]), _out_axis(node))]
 
 
 def _analyse(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> tuple[onnx.ModelProto, dict[str, int], dict[str, int]]:

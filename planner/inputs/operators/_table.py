@@ -1,121 +1,10 @@
-"""The operator table: every ONNX operator planner knows, and what it does with it.
-
-Each operator (and, where its attributes matter, each form of it) is one of:
-
-- **trains**: a gradient flows through it to the inputs named in `grads`, and a parameter in one
-  of those inputs trains (a convolution's weight, a PReLU's slope); the gradient is proven
-  against central finite differences of ONNX's own reference runtime in float64
-  (tests/test_operators.py, several attribute and shape forms each);
-- **frozen only**: it runs in a frozen part of the model (before every trained layer, or beside
-  the trained path), where no gradient is needed; a layer whose gradient would have to pass
-  through it is untrainable, and `inspect` says which node stops it;
-- **refused**: planner cannot run it at all; `load_model` refuses the model naming the node and
-  the reason, before any compile.
-
-An operator missing from the table is refused, so a model with an operator nobody checked never
-reaches a trial. `planner operators` prints the table; docs/operators.md is its `--markdown` form,
-which a test keeps current. This module reads ONNX only: loading a model never imports TVM.
-
-Some operators reach TVM as other ONNX operators (`planner.inputs.decompose`): a padding as
-slices and concatenations, a resize as gathers, an einsum as matrix products. Their rows describe
-the operator the user's file holds; the proof runs through the decomposition.
-"""
+"""The operator table's rows, by section, with the forms that get less than their operator."""
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-
 import numpy as np
-import onnx
 
-from planner.errors import BadInput
-
-
-class Support(enum.Enum):
-    TRAINS = "trains"
-    FROZEN = "frozen only"
-    REFUSED = "refused"
-
-
-@dataclass(frozen=True)
-class Node:
-    """An ONNX node with what the analysis knows around it: the values of constant tensors and
-    the rank of every tensor shape inference could type (a form is told apart by these)."""
-
-    proto: onnx.NodeProto
-    constants: Mapping[str, np.ndarray] = field(default_factory=dict)
-    ranks: Mapping[str, int] = field(default_factory=dict)
-
-    def attr(self, name: str, default=None):
-        for a in self.proto.attribute:
-            if a.name == name:
-                return onnx.helper.get_attribute_value(a)
-        return default
-
-    def const(self, slot: int) -> np.ndarray | None:
-        """The value of input `slot` when it is a constant (None when absent or computed)."""
-        if slot >= len(self.proto.input) or not self.proto.input[slot]:
-            return None
-        return self.constants.get(self.proto.input[slot])
-
-    def rank(self, slot: int) -> int | None:
-        if slot >= len(self.proto.input):
-            return None
-        return self.ranks.get(self.proto.input[slot])
-
-    def text(self, name: str, default: str) -> str:
-        value = self.attr(name, default)
-        return value.decode() if isinstance(value, bytes) else str(value)
-
-
-@dataclass(frozen=True)
-class Form:
-    """An attribute form of an operator whose support is less than the operator's."""
-
-    support: Support
-    what: str  # the form, as docs and `inspect` name it: "a 3-D convolution"
-    why: str  # why it is not supported further
-    applies: Callable[[Node], bool]
-
-
-@dataclass(frozen=True)
-class Operator:
-    """One row of the table."""
-
-    name: str  # the ONNX op type
-    support: Support
-    what: str  # what PyTorch writes it for (docs)
-    # the inputs a gradient flows into (None: every input; integer and boolean inputs never carry one)
-    grads: tuple[int, ...] | None = None
-    # the inputs that are a layer's weight and bias when they hold parameters (a convolution's 1 and 2)
-    layer: tuple[int | None, int | None] | None = None
-    forms: tuple[Form, ...] = ()
-    why: str = ""  # for a frozen-only or refused operator: why
-    folded: bool = False  # computed once at import, from shapes and constants (it never reaches TVM)
-    section: str = ""  # set by the table: where docs list it
-
-    def passes_to(self, slot: int) -> bool:
-        return self.grads is None or slot in self.grads
-
-    def limits(self) -> list[str]:
-        """What the row says beyond its support: why not further, each lesser form, which inputs a gradient reaches."""
-        out = [self.why] if self.why else []
-        out += [f"{f.what}: {f.support.value} ({f.why})" for f in self.forms]
-        if self.grads is not None and self.support is Support.TRAINS:
-            out.append(f"gradient to input{'s' if len(self.grads) > 1 else ''} {', '.join(map(str, self.grads))} only")
-        return out
-
-    def to_json(self) -> dict:
-        return {
-            "operator": self.name,
-            "support": self.support.value,
-            "section": self.section,
-            "pytorch": self.what,
-            "limits": self.limits(),
-        }
-
+from planner.inputs.operators._base import Form, Node, Operator, Support
 
 # --- forms -------------------------------------------------------------------------------------
 
@@ -134,11 +23,6 @@ _THREE_D = Form(
 )
 
 
-def _negative_steps(node: Node) -> bool:
-    steps = node.const(4)
-    return steps is not None and bool((np.asarray(steps) < 0).any())
-
-
 def _negative_pads(node: Node) -> bool:
     pads = node.const(1)
     return pads is not None and bool((np.asarray(pads) < 0).any())
@@ -146,14 +30,6 @@ def _negative_pads(node: Node) -> bool:
 
 def _computed_exponent(node: Node) -> bool:
     return node.const(1) is None
-
-
-def _pad_mode(node: Node) -> str:
-    return node.text("mode", "constant")
-
-
-def _resize_mode(node: Node) -> str:
-    return node.text("mode", "nearest")
 
 
 def _batch_dims(node: Node) -> bool:
@@ -442,98 +318,3 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
 OPERATORS: dict[str, Operator] = {
     op.name: Operator(**{**op.__dict__, "section": section}) for section, ops in _SECTIONS.items() for op in ops
 }
-_STANDARD_DOMAINS = ("", "ai.onnx")
-
-
-def operator(node: onnx.NodeProto) -> Operator | None:
-    """The table's row for `node` (None: an operator planner does not know)."""
-    if node.domain not in _STANDARD_DOMAINS:
-        return None
-    return OPERATORS.get(node.op_type)
-
-
-def support(node: Node) -> tuple[Support, str]:
-    """How planner supports this node (its form included), and why not further ('' when it trains)."""
-    op = operator(node.proto)
-    if op is None:
-        domain = f" of domain '{node.proto.domain}'" if node.proto.domain not in _STANDARD_DOMAINS else ""
-        return Support.REFUSED, f"planner does not know the operator{domain} (see `planner operators`)"
-    for form in op.forms:
-        if form.applies(node):
-            return form.support, f"{form.what}: {form.why}"
-    return op.support, op.why
-
-
-def refused(node: Node) -> str | None:
-    """Why planner cannot run `node` at all, or None when it can."""
-    level, why = support(node)
-    if level is Support.REFUSED:
-        return f"node '{node.proto.name}' ({node.proto.op_type}) is refused: {why}"
-    return None
-
-
-def gradient_problem(node: Node, slot: int) -> str | None:
-    """Why a gradient cannot flow from `node`'s output into its input `slot`, or None when it can."""
-    level, why = support(node)
-    name = f"node '{node.proto.name}' ({node.proto.op_type})"
-    if level is not Support.TRAINS:
-        return f"{name} has no gradient in planner: {why}"
-    op = operator(node.proto)
-    if op is not None and not op.passes_to(slot):
-        return f"{name} passes no gradient to its input {slot} ('{node.proto.input[slot]}')"
-    return None
-
-
-def layer_slots(node: onnx.NodeProto) -> tuple[int | None, int | None] | None:
-    """The (weight, bias) inputs of a layer operator, None for any other."""
-    op = operator(node)
-    return op.layer if op is not None else None
-
-
-# --- the published table ------------------------------------------------------------------
-
-
-def rows() -> Iterable[tuple[str, Operator]]:
-    """(section, operator) in the order docs list them."""
-    for section, ops in _SECTIONS.items():
-        for op in ops:
-            yield section, OPERATORS[op.name]
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def markdown() -> str:
-    """docs/operators.md: the table, one section per kind of operator."""
-    counts = {s: sum(1 for op in OPERATORS.values() if op.support is s) for s in Support}
-    lines = [
-        "# Operators",
-        "",
-        "<!-- Generated by `planner operators --markdown > docs/operators.md`; tests/test_operators.py keeps it current. -->",
-        "",
-        "What planner does with each ONNX operator PyTorch's exporters write. **trains**: a gradient flows",
-        "through it (and into its parameters, where it has some), proven against central finite differences",
-        "of ONNX's reference runtime in float64 over several attribute and shape forms (tests/test_operators.py).",
-        "**frozen only**: it compiles and runs in a frozen part of the model (tested for every row);",
-        "a layer whose gradient would pass through it cannot train, and `planner inspect` names the node.",
-        "**refused**: a model holding it is refused when it is loaded, naming the node. An operator not listed is refused.",
-        "",
-        f"{counts[Support.TRAINS]} operators train, {counts[Support.FROZEN]} are frozen only, {counts[Support.REFUSED]} are refused.",
-    ]
-    for section, ops in _SECTIONS.items():
-        lines += ["", f"## {section}", "", "| operator | support | PyTorch | limits |", "|---|---|---|---|"]
-        for op in ops:
-            lines.append(f"| `{op.name}` | {op.support.value} | {_cell(op.what)} | {_cell('; '.join(op.limits()))} |")
-    return "\n".join(lines) + "\n"
-
-
-def select(names: Sequence[str] | None = None) -> list[Operator]:
-    """The rows named (all, in docs order, when none are), or BadInput naming an unknown one."""
-    if not names:
-        return [op for _, op in rows()]
-    lowered = {n.lower(): op for n, op in OPERATORS.items()}
-    missing = [n for n in names if n.lower() not in lowered]
-    if missing:
-        raise BadInput(f"no operator {', '.join(map(repr, missing))} in the table: planner refuses it (see `planner operators`)")
-    return [lowered[n.lower()] for n in names]
