@@ -80,6 +80,33 @@ def test_albert_legacy_export_holds_each_shared_weight_once_and_trains_it_as_one
     assert len(set(mapping.values())) == len(mapping)  # one initializer per PyTorch tensor
 
 
+@pytest.mark.parametrize("exporter", tf.EXPORTERS)
+def test_a_shared_weight_stays_one_tensor_through_measure_and_run(exporter, tmp_path):
+    """ALBERT's three layers share one set of weights: measured and run with every layer
+    trained, the fine-tuned model.onnx holds each shared weight as one tensor read by all three
+    layers (the file's Identity uses read the tensor itself), and it moved."""
+    path = tf.export("albert", exporter)
+    model = api.inspect(path)
+    (ids, mask), y = tf.sample_batch("albert", 24, seed=3)
+    np.savez(tmp_path / "data.npz", input_ids=ids, attention_mask=mask, y=y % 10)
+    scheme = tmp_path / "all.yaml"
+    entries = "\n".join(f"  - {{layer: '{layer.name}', mode: full}}" for layer in model.layers)
+    scheme.write_text(f"name: all\ntrainable:\n{entries}\nbatch_size: 2\noptimizer: {{name: adam, lr: 0.01}}\n")
+    api.measure(path, scheme=scheme, data=tmp_path / "data.npz", out=tmp_path / "plan", accuracy_steps=2, latency_repeats=2)
+    api.run(tmp_path / "plan", data=tmp_path / "data.npz", steps=3, out=tmp_path / "tuned")
+    tuned = onnx.load(str(tmp_path / "tuned" / "model.onnx"))
+    readers: dict[str, int] = {}
+    for node in tuned.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    before = dict(model.initializers)
+    after = {t.name: numpy_helper.to_array(t) for t in tuned.graph.initializer}
+    for module in ("ffn", "attention.query"):
+        weight = model.layer(_SHARED + module).weight
+        assert readers[weight] == 3 and not any(n.op_type == "Identity" for n in tuned.graph.node), module
+        assert not np.array_equal(after[weight], before[weight]), module  # trained, as one
+
+
 def test_albert_dynamo_export_copies_some_shared_weights_and_planner_ties_them():
     """What the dynamo exporter writes for ALBERT's shared weights (torch 2.13): biases and
     LayerNorm tensors once, under their PyTorch names, read by the three layers' nodes; the
