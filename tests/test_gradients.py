@@ -1,5 +1,7 @@
-"""Every op planner claims to train through passes a correct gradient (float64 finite differences),
-and planner's gradients are in force only while planner differentiates."""
+"""Operators as exporters compose them (attention, RMSNorm, rotary embeddings, pooling by a mask)
+pass a correct gradient through planner's whole step (float64 finite differences; each operator
+on its own: tests/test_operators.py), and planner's gradients are in force only while planner
+differentiates."""
 
 from __future__ import annotations
 
