@@ -54,8 +54,9 @@ LR = 1000.0
 FD_STEP = 1e-5  # central differences of the float64 reference
 FD_ENTRIES = 6  # entries of each trained tensor checked (every one of a smaller tensor)
 GRADIENT_TOLERANCE = 2e-3  # relative (norm over the entries checked): float32 step against float64 differences
-# ... of at least this norm: a gradient that is zero (a bias a normalization removes) is float32 noise in the step
-GRADIENT_FLOOR = 1e-4
+# ... of at least this norm: a gradient that is zero (a bias a normalization removes) is float32 noise
+# in the step, up to ~2e-7 here
+GRADIENT_FLOOR = 1e-3
 LOGITS_TOLERANCE = 1e-4  # relative to the largest logit
 
 # Entries an exporter of torch 2.13 cannot export (`survey` records its message): nothing for planner to check.
