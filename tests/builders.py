@@ -13,6 +13,9 @@ import tvm
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.ops._op import OpRunUnaryNum
+from onnx.reference.ops.op_conv_transpose import ConvTranspose as _ConvTranspose
+from onnx.reference.ops.op_pad import Pad_18 as _Pad
+from onnx.reference.ops.op_rnn import RNN_14
 
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.backend.session import TrainingSession
@@ -554,6 +557,53 @@ class Gelu(OpRunUnaryNum):
         return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
 
 
+class Pad(_Pad):
+    """ONNX's Pad with negative pads too (a crop, as `F.pad` writes one), which the reference
+    refuses: the crop first, then the reference's own padding by the rest."""
+
+    op_domain = ""
+
+    def _run(self, data, pads, constant_value=None, axes=None, mode=None):
+        rank = data.ndim
+        listed = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
+        widths = [int(p) for p in pads]
+        kept = [slice(None)] * rank
+        for i, axis in enumerate(listed):
+            kept[axis] = slice(max(-widths[i], 0), data.shape[axis] - max(-widths[len(listed) + i], 0))
+        rest = np.array([max(w, 0) for w in widths], np.int64)
+        return super()._run(data[tuple(kept)], rest, constant_value, axes, mode=mode)
+
+
+class ConvTranspose(_ConvTranspose):
+    """ONNX's ConvTranspose, grouped ones included: the reference splits a grouped weight
+    [C_in, C_out / group, k...] along the wrong axis; each group is the reference's own."""
+
+    op_domain = ""
+
+    def _run(self, X, W, B=None, group=None, **attrs):
+        group = group or 1
+        if group == 1:
+            return super()._run(X, W, B, group=1, **attrs)
+        biases = np.split(B, group) if B is not None else [None] * group
+        parts = zip(np.split(X, group, axis=1), np.split(W, group, axis=0), biases)
+        return (np.concatenate([super(ConvTranspose, self)._run(x, w, b, group=1, **attrs)[0] for x, w, b in parts], axis=1),)
+
+
+class RNN(RNN_14):
+    """ONNX's RNN with a Relu activation (`nn.RNN(nonlinearity="relu")`), which the reference lacks."""
+
+    op_domain = ""
+
+    def choose_act(self, name, alpha, beta):
+        if name in ("Relu", "relu"):
+            return lambda x: np.maximum(x, 0)
+        return super().choose_act(name, alpha, beta)
+
+
+# ONNX's reference runtime where onnx 1.23's is wrong or lacking: every reference here runs with these
+REFERENCE_OPS = [Erf, Gelu, Pad, ConvTranspose, RNN]
+
+
 def float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.ndarray) -> float:
     """Mean cross-entropy of the ONNX graph evaluated by onnx's reference runtime in float64."""
     m = onnx.ModelProto()
@@ -569,7 +619,7 @@ def float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.nda
                 node.attribute[0].t.CopyFrom(numpy_helper.from_array(arr.astype(np.float64), node.attribute[0].t.name))
         if node.op_type == "Cast" and node.attribute[0].i == TensorProto.FLOAT:
             node.attribute[0].i = TensorProto.DOUBLE
-    logits = ReferenceEvaluator(m, new_ops=[Erf, Gelu]).run(None, {m.graph.input[0].name: x.astype(np.float64)})[0]
+    logits = ReferenceEvaluator(m, new_ops=REFERENCE_OPS).run(None, {m.graph.input[0].name: x.astype(np.float64)})[0]
     logits = logits - logits.max(axis=1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     return float(-logp[np.arange(len(y)), y].mean())

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from tvm import relax
 
-from builders import Erf, Gelu
+from builders import REFERENCE_OPS
 
 _FLOAT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE}
 
@@ -161,7 +161,7 @@ def node_model(case: Case, double: bool = True) -> onnx.ModelProto:
 def reference(case: Case, model: onnx.ModelProto, arrays: Sequence[np.ndarray]) -> np.ndarray:
     """The node's first output by ONNX's reference runtime."""
     feeds = {i.name: a for i, a in zip(model.graph.input, arrays)}
-    return np.asarray(ReferenceEvaluator(model, new_ops=[Erf, Gelu]).run(["y"], feeds)[0])
+    return np.asarray(ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(["y"], feeds)[0])
 
 
 def differentiated(case: Case) -> list[int]:
@@ -359,7 +359,7 @@ def classifier_loss(model: onnx.ModelProto, weights: dict[str, np.ndarray], xs: 
             if a.name == "to" and a.i == TensorProto.FLOAT:
                 a.i = TensorProto.DOUBLE
     feeds = {i.name: (x.astype(np.float64) if x.dtype == np.float32 else x) for i, x in zip(m.graph.input, xs)}
-    logits = ReferenceEvaluator(m, new_ops=[Erf, Gelu]).run(None, feeds)[0]
+    logits = ReferenceEvaluator(m, new_ops=REFERENCE_OPS).run(None, feeds)[0]
     logits = logits - logits.max(axis=1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     return float(-logp[np.arange(len(y)), y].mean())
@@ -381,14 +381,17 @@ def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-
     path, xs = classifier(case, directory / "model.onnx")
     model = load_model(path)
     proto = onnx.load(str(path))
-    trains = form_support(case) == "trains" and not frozen
+    from planner.inputs.operators import OPERATORS
+
+    zero = OPERATORS[case.op].zero_gradient  # a path through it teaches nothing: the layers before it stop there
+    trains = form_support(case) == "trains" and not frozen and not zero
     layers = [layer for layer in model.layers if trains or layer.name == "fc"]
     untrainable = {layer.name: layer.problem for layer in layers if not layer.trainable}
     assert not untrainable, f"inspect refuses layers the table trains: {untrainable}"
-    if form_support(case) != "trains":  # the layers before the node: inspect names the node that stops their gradient
+    if form_support(case) != "trains" or zero:  # the layers before the node: inspect names the node that stops their gradient
         before = [layer for layer in model.layers if layer.name.startswith("pre") or layer.name.startswith("op")]
         wrong = {layer.name: layer.problem for layer in before if layer.trainable or "'op'" not in (layer.problem or "")}
-        assert not wrong, f"a frozen-only node must stop the gradient of the layers before it: {wrong}"
+        assert not wrong, f"a frozen-only or zero-gradient node must stop the gradient of the layers before it: {wrong}"
     candidate = Candidate(tuple((layer.name, "full") for layer in layers), case.batch, "sgd", 1.0)
     step = compile_candidate(model, candidate, BuildOptions(tvm.target.Target({"kind": "llvm"})))
     w0 = {k: v.astype(np.float32) for k, v in model.initializers.items()}
@@ -396,7 +399,7 @@ def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-
     labels = np.random.default_rng(3).integers(0, N_CLASSES, case.batch)
     inputs = xs[0] if len(xs) == 1 else tuple(xs)
     logits = session.logits(inputs)
-    expected = ReferenceEvaluator(proto, new_ops=[Erf, Gelu]).run(None, {i.name: x for i, x in zip(proto.graph.input, xs)})[0]
+    expected = ReferenceEvaluator(proto, new_ops=REFERENCE_OPS).run(None, {i.name: x for i, x in zip(proto.graph.input, xs)})[0]
     errors = {"logits": float(np.abs(logits - expected).max() / max(np.abs(expected).max(), 1e-6))}
     loss = session.step(inputs, labels)
     reference_loss = classifier_loss(proto, w0, xs, labels)

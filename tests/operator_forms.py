@@ -80,6 +80,12 @@ CONVOLUTIONS = [
     ),
     Case("ConvTranspose", "2-D stride 2 even no bias", (Data((2, 2, 4, 4)), Param((2, 3, 2, 2))), {"strides": [2, 2]}),
     Case(
+        "ConvTranspose",
+        "2-D groups 2 stride 2",
+        (Data((2, 4, 3, 4)), Param((4, 3, 3, 3)), Param((6,))),
+        {"group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 0]},
+    ),
+    Case(
         "ConvTranspose", "1-D stride 3 pad 1", (Data((2, 3, 6)), Param((3, 2, 4)), Param((2,))), {"strides": [3], "pads": [1, 1]}
     ),
     Case(
@@ -190,6 +196,18 @@ POOLS = [
     Case("AveragePool", "2-D ceil mode", (Data((2, 2, 7, 7)),), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
     Case("AveragePool", "1-D k3 stride 2", (Data((2, 3, 10)),), {"kernel_shape": [3], "strides": [2]}),
     Case(
+        "AveragePool",
+        "2-D ceil mode counting the padding",
+        (Data((2, 3, 9, 9)),),
+        {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1, "count_include_pad": 1},
+    ),
+    Case(
+        "AveragePool",
+        "1-D ceil mode, pad 1, counting it",
+        (Data((2, 3, 16)),),
+        {"kernel_shape": [3], "strides": [2], "pads": [1, 1], "ceil_mode": 1, "count_include_pad": 1},
+    ),
+    Case(
         "AveragePool", "1-D pad 1 ceil", (Data((2, 3, 9)),), {"kernel_shape": [4], "strides": [2], "pads": [1, 1], "ceil_mode": 1}
     ),
     Case("GlobalAveragePool", "2-D", (Data((2, 3, 4, 5)),)),
@@ -236,7 +254,9 @@ ELEMENTWISE = [
     Case("Pow", "square", (Data((2, 5)), scalar(2.0))),
     Case("Pow", "cube", (Data((2, 5)), scalar(3.0))),
     Case("Pow", "square root", (Data((2, 5), **POSITIVE), scalar(0.5))),
-    Case("Pow", "computed exponent (frozen)", (Data((2, 5), **POSITIVE), Data((2, 5)))),
+    Case("Pow", "computed exponent", (Data((2, 5), **POSITIVE), Data((2, 5)))),
+    Case("Pow", "a weight as the exponent", (Data((2, 5), **POSITIVE), Param((5,)))),
+    Case("Pow", "an integer exponent", (Data((2, 5)), Const(np.array(3, I64)))),
     Case("Exp", "2-D", (Data((2, 5)),)),
     Case("Log", "positive", (Data((2, 5), **POSITIVE),)),
     Case("Erf", "2-D", (Data((2, 5)),)),
@@ -256,10 +276,20 @@ ELEMENTWISE = [
     Case("CastLike", "like a float", (Data((2, 5)), scalar(0.0))),
     Case("Identity", "2-D", (Data((2, 5)),)),
     Case("Dropout", "eval", (Data((2, 5)),), {}),
-    Case("Floor", "(frozen)", (Data((2, 5)),)),
-    Case("Ceil", "(frozen)", (Data((2, 5)),)),
-    Case("Round", "(frozen)", (Data((2, 5)),)),
-    Case("Sign", "(frozen)", (Data((2, 5)),)),
+    Case("Floor", "2-D", (Data((2, 5), low=-3, high=3),)),
+    Case("Floor", "3-D", (Data((2, 3, 4), low=-3, high=3),)),
+    Case("Ceil", "2-D", (Data((2, 5), low=-3, high=3),)),
+    Case("Round", "2-D", (Data((2, 5), low=-3, high=3),)),
+    Case("Sign", "2-D", (Data((2, 5)),)),
+    Case("Tan", "2-D", (Data((2, 5), low=-1.2, high=1.2),)),
+    Case("Asin", "2-D", (Data((2, 5), low=-0.9, high=0.9),)),
+    Case("Acos", "2-D", (Data((2, 5), low=-0.9, high=0.9),)),
+    Case("Atan", "2-D", (Data((2, 5), low=-3, high=3),)),
+    Case("Sinh", "2-D", (Data((2, 5)),)),
+    Case("Cosh", "2-D", (Data((2, 5)),)),
+    Case("Asinh", "2-D", (Data((2, 5), low=-3, high=3),)),
+    Case("Acosh", "2-D", (Data((2, 5), low=1.2, high=3),)),
+    Case("Atanh", "2-D", (Data((2, 5), low=-0.9, high=0.9),)),
 ]
 
 REDUCTIONS = [
@@ -281,6 +311,7 @@ REDUCTIONS = [
     Case("CumSum", "reversed", (Data((2, 6)), Const(np.array(1, I64))), {"reverse": 1}),
     Case("TopK", "largest 2 of the last axis", (Data((2, 3, 6)), ints(2)), {"axis": -1}, outputs=2),
     Case("TopK", "smallest 3 of axis 1", (Data((2, 5, 2)), ints(3)), {"axis": 1, "largest": 0}, outputs=2),
+    Case("TopK", "unsorted", (Data((2, 3, 6)), ints(2)), {"axis": -1, "sorted": 0}, outputs=2),
     Case("ArgMax", "(frozen)", (Data((2, 3, 5)),), {"axis": -1, "keepdims": 0}),
     Case("ArgMin", "(frozen)", (Data((2, 3, 5)),), {"axis": 1, "keepdims": 1}),
 ]
@@ -328,6 +359,7 @@ SHAPES = [
     Case("Pad", "edge 1-D", (Data((2, 3, 4)), ints(0, 0, 3, 0, 0, 2)), {"mode": "edge"}),
     Case("Pad", "wrap 2-D", (Data((2, 2, 4, 5)), ints(0, 0, 1, 2, 0, 0, 3, 1)), {"mode": "wrap"}, opset=19),
     Case("Pad", "axes input", (Data((2, 3, 5)), ints(2, 1), None, ints(-1)), {"mode": "reflect"}, opset=18),
+    Case("Pad", "negative widths crop", (Data((2, 3, 7, 6)), ints(0, 0, -2, 1, 0, 0, 1, -1))),
     Case("Trilu", "upper k 1", (Data((2, 4, 4)), Const(np.array(1, I64))), {"upper": 1}),
     Case("Trilu", "lower k -1 wide", (Data((2, 3, 5)), Const(np.array(-1, I64))), {"upper": 0}),
     Case("Equal", "(frozen)", (Data((2, 5), low=0, high=3, dtype="int64"), Data((2, 5), low=0, high=3, dtype="int64"))),
@@ -341,7 +373,9 @@ SHAPES = [
     Case("Not", "(frozen)", (Data((2, 5), dtype="bool"),)),
     Case("IsNaN", "(frozen)", (Data((2, 5)),)),
     Case("IsInf", "(frozen)", (Data((2, 5)),)),
-    Case("Mod", "(frozen)", (Data((2, 5), low=0, high=9, dtype="int64"), Const(np.array(4, I64)))),
+    Case("Mod", "integers", (Data((2, 5), low=0, high=9, dtype="int64"), Const(np.array(4, I64)))),
+    Case("Mod", "floats, floored (remainder)", (Data((2, 5), low=-3, high=3), scalar(0.7))),
+    Case("Mod", "floats, truncated (fmod)", (Data((2, 5), low=-3, high=3), scalar(0.7)), {"fmod": 1}),
     Case("OneHot", "(frozen)", (Data((2, 3), low=0, high=4, dtype="int64"), Const(np.array(4, I64)), floats(0, 1))),
 ]
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from operator_cases import form_support, gradient_check, pipeline_check
+from operator_cases import differentiated, form_support, gradient_check, pipeline_check
 from operator_forms import CASES
 
 from planner.inputs.operators import OPERATORS, Support, markdown
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
-TRAINS = [pytest.param(c, id=c.id) for c in CASES if form_support(c) == "trains"]
+TRAINS = [pytest.param(c, id=c.id) for c in CASES if form_support(c) == "trains" and differentiated(c)]
 RUNS = [pytest.param(c, id=c.id) for c in CASES if form_support(c) != "refused"]
 # one form of each operator that trains, in the frozen part: a frozen op needs no gradient, and must compile
 FROZEN = [pytest.param(c, id=c.id) for c in {c.op: c for c in reversed(CASES) if form_support(c) == "trains"}.values()]

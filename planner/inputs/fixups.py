@@ -259,6 +259,11 @@ def _fold_constants(proto: onnx.ModelProto, values: dict[str, np.ndarray], opset
     kept: list[onnx.NodeProto] = []
     folded_any = False
     for node in g.node:
+        taken = _taken_branch(node, values)
+        if taken is not None:  # an If whose condition is a constant once shapes are fixed
+            kept.extend(taken)
+            folded_any = True
+            continue
         folded = _fold(node, values, shapes, opset)
         if folded is None:
             kept.append(node)
@@ -270,6 +275,39 @@ def _fold_constants(proto: onnx.ModelProto, values: dict[str, np.ndarray], opset
     del g.node[:]
     g.node.extend([_constant(n, values[n]) for n in needed] + kept)
     return folded_any
+
+
+def _taken_branch(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> list[onnx.NodeProto] | None:
+    """An `If` whose condition is known, as the nodes of the branch it takes, or None.
+
+    Why: the legacy exporter guards shape arithmetic with If (`repeat`, `diagonal`,
+    `LocalResponseNorm` test an input's rank), and TVM imports no control flow; with the batch
+    bound the condition is a constant. The branch's own tensors get the If's name as a prefix; its
+    outputs become the If's."""
+    if node.op_type != "If" or node.domain not in ("", "ai.onnx") or node.input[0] not in values:
+        return None
+    branch = next(a.g for a in node.attribute if a.name == ("then_branch" if bool(values[node.input[0]]) else "else_branch"))
+    renamed = {out.name: mine for out, mine in zip(branch.output, node.output)}
+    for inner in branch.node:
+        for name in inner.output:
+            renamed.setdefault(name, f"{node.name}/{name}")
+    for t in branch.initializer:
+        renamed.setdefault(t.name, f"{node.name}/{t.name}")
+    nodes = [_constant(renamed[t.name], numpy_helper.to_array(t)) for t in branch.initializer]
+    for inner in branch.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(inner)
+        copy.name = f"{node.name}/{inner.name or inner.op_type}"
+        for i, name in enumerate(copy.input):
+            copy.input[i] = renamed.get(name, name)
+        for i, name in enumerate(copy.output):
+            copy.output[i] = renamed[name]
+        nodes.append(copy)
+    produced = {name for n in nodes for name in n.output}
+    for out, mine in zip(branch.output, node.output):  # an output the branch passes through from outside
+        if mine not in produced:
+            nodes.append(helper.make_node("Identity", [out.name], [mine], name=f"{node.name}/{out.name}"))
+    return nodes
 
 
 def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:

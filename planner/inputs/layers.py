@@ -22,8 +22,8 @@ from onnx import numpy_helper
 from planner import modes
 from planner.errors import BadInput, UnsupportedOp, first_line
 from planner.inputs.fixups import constant_values, for_import, tensor_ranks, tensor_types
-from planner.inputs.names import folded_values, layer_name, standalone_name
-from planner.inputs.operators import layer_slots, refused
+from planner.inputs.names import folded_values, has_record, layer_name, recorded_parameters, standalone_name
+from planner.inputs.operators import layer_slots, operator, refused
 from planner.inputs.trainability import Graph, blocking_nodes, layer_problem
 from planner.types import Mode
 
@@ -75,16 +75,21 @@ def parameters_of(graph: onnx.GraphProto) -> tuple[str, ...]:
     A parameter fills a weight, bias or buffer slot of a layer op, or is a tensor of more than one
     value used anywhere (a class token, a positional embedding). A float scalar elsewhere — an
     attention scale, an epsilon — is a constant: it is never trained and is baked into the step;
-    so is a value the exporter computed and stored (`names.folded_values`), and the ones and zeros
-    a GroupNorm's InstanceNormalization scales by (`_unit_affine`).
+    so is a value the exporter computed and stored (`names.folded_values`), the ones and zeros
+    a GroupNorm's InstanceNormalization scales by (`_unit_affine`), a tensor the dynamo exporter
+    made with no parameter behind it (`_exporter_constants`), and one read only where no gradient
+    goes (a Resize's scales, a Clip's bounds: the operator table's `grads`).
     """
-    folded = folded_values(graph) | _unit_affine(graph)
+    folded = folded_values(graph) | _unit_affine(graph) | _exporter_constants(graph)
     floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and t.name not in folded}
     slotted: set[str] = set()
+    gradient_reaches: set[str] = set()  # read where a gradient can reach it
     for node in graph.node:
         if layer_slots(node) is not None:
             slotted.update(n for n in node.input[1:] if n in floats)
-    return tuple(n for n, t in floats.items() if n in slotted or math.prod(t.dims) > 1)
+        op = operator(node)
+        gradient_reaches.update(n for slot, n in enumerate(node.input) if op is None or op.passes_to(slot))
+    return tuple(n for n, t in floats.items() if n in slotted or (math.prod(t.dims) > 1 and n in gradient_reaches))
 
 
 def layers_of(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer]:
@@ -137,7 +142,7 @@ def layers_of(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer
                 output_shape=shapes.get(nodes[-1].output[0], ()),
                 problem=layer_problem(table, nodes, trained, downstream)
                 if trained
-                else f"'{name}' ({nodes[0].op_type}) has no trainable parameters",
+                else _no_parameters(name, nodes[0], computed if computed in folded else None),
                 out_axis=out_axis if weight else None,
                 folded_weight=computed if computed in folded and not weight else None,
             )
@@ -153,6 +158,8 @@ def layers_of(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> list[Layer
             free = params - set(claimed)
             for nodes, weight, bias, buffers, naming, out_axis in _groupings(node, own, free, producers, consumers, table, inits):
                 add(nodes, weight, bias, buffers, naming(taken), out_axis)
+        elif (slots := layer_slots(node)) and slots[0] is not None and node.input[slots[0]] in folded:
+            add([node], None, None, (), layer_name([node], [], taken), None)  # a layer whose weight the exporter folded
     for i, others in shared.items():  # a tied layer trains only if every use passes a gradient
         layer = layers[i]
         uses = [by_name[n] for n in layer.nodes] + others
@@ -248,6 +255,33 @@ def _bias_add(
     if len(other) != 1 or other[0] not in free or len(inits[other[0]].dims) != 1:
         return None
     return users[0], other[0]
+
+
+def _no_parameters(name: str, node: onnx.NodeProto, folded: str | None) -> str:
+    if folded:
+        return (
+            f"its weight '{folded}' is a constant the exporter computed from parameters (a parametrization, a "
+            "computed weight) and it has no bias: export with dynamo=False to train it"
+        )
+    return f"'{name}' ({node.op_type}) has no trainable parameters"
+
+
+def _exporter_constants(graph: onnx.GraphProto) -> set[str]:
+    """Initializers of a dynamo export that no reader computes a PyTorch parameter with: each node
+    records the FX node it came from and so the parameters it reads (`names.recorded_parameters`);
+    where every reader records one and none names a parameter, the tensor is the exporter's (the
+    ones and zeros of a norm without affine parameters, a buffer), never trained. A reader without
+    a record (another exporter, a node an optimizer made) decides nothing."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    found = set()
+    for t in graph.initializer:
+        users = readers.get(t.name, [])
+        if users and all(has_record(n) for n in users) and not any(recorded_parameters(n) for n in users):
+            found.add(t.name)
+    return found
 
 
 def _unit_affine(graph: onnx.GraphProto) -> set[str]:

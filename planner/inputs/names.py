@@ -101,6 +101,11 @@ def standalone_name(node: onnx.NodeProto, param: str, taken: set[str]) -> str:
 _FX_ARGUMENT = re.compile(r"%([A-Za-z_][\w]*)")
 
 
+def has_record(node: onnx.NodeProto) -> bool:
+    """Whether the node records the FX node it came from (the dynamo exporter's nodes do)."""
+    return any(p.key == "pkg.torch.onnx.fx_node" for p in node.metadata_props)
+
+
 def recorded_parameters(node: onnx.NodeProto) -> set[str]:
     """The PyTorch parameters a dynamo export's node says it computes with: the FX placeholders
     (`%p_layer_0_ffn_weight`) among the arguments of the FX node it came from (none for a node of

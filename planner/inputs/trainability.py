@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 
-from planner.inputs.operators import Node, gradient_problem
+from planner.inputs.operators import Node, gradient_problem, operator
 
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 
@@ -49,8 +49,9 @@ def blocking_nodes(graph: Graph, outputs: Sequence[str]) -> dict[str, str]:
     along float tensors the outputs depend on through float tensors: an integer or boolean tensor
     (an index, a mask) blocks nothing, and neither does a consumer whose outputs reach the outputs
     through such tensors only (a comparison, an argmax, or a ReduceMax whose result is only
-    compared). A node none of whose outputs reaches the outputs that way gets no gradient at all:
-    that is its problem (a parameter used only to build a mask would never move).
+    compared), nor a step function's (a Sign, a Floor: its gradient is zero, as PyTorch's). A
+    node none of whose outputs reaches the outputs otherwise gets no gradient at all: that is its
+    problem (a parameter used only to build a mask would never move).
     """
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in graph.nodes:
@@ -60,17 +61,20 @@ def blocking_nodes(graph: Graph, outputs: Sequence[str]) -> dict[str, str]:
     reached = set(filter(graph.carries_gradient, outputs))
     result: dict[str, str] = {}
     for node in reversed(graph.nodes):  # ONNX nodes are topologically sorted
-        problem, ends = "", []  # ends: consumers a gradient cannot come back from
+        problem, ends = "", []  # ends: why a gradient does not come back through a consumer
         for out in filter(graph.carries_gradient, node.output):
             for user, slot in consumers.get(out, []):
-                if any(name in reached for name in user.output):
+                row = operator(user)
+                if not any(name in reached for name in user.output):
+                    ends.append(f"passes node '{user.name}' ({user.op_type}), past which no float tensor reaches it")
+                elif row is not None and row.zero_gradient:  # a step function: nothing comes back, nothing is blocked
+                    ends.append(f"passes node '{user.name}' ({user.op_type}), whose gradient is zero")
+                else:
                     reached.add(out)
                     problem = problem or result[user.name] or (gradient_problem(graph.view(user), slot) or "")
-                elif user.output:
-                    ends.append(user)
         if not any(out in reached for out in node.output) and node.output:
-            path = next((f"passes node '{u.name}' ({u.op_type}), past which no float tensor reaches it" for u in ends), "")
-            problem = f"node '{node.name}' ({node.op_type}) gets no gradient: its path to the output {path or 'does not exist'}"
+            path = ends[0] if ends else "does not exist"
+            problem = f"node '{node.name}' ({node.op_type}) gets no gradient: its path to the output {path}"
         result[node.name] = problem
     return result
 

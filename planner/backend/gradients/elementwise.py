@@ -118,7 +118,44 @@ def _where_grad(orig_var, orig_call, output_grad, ctx):
     return [no_grad(cond), back(relax.op.where(cond, output_grad, zero), a), back(relax.op.where(cond, zero, output_grad), b)]
 
 
+def _zero_grad(orig_var, orig_call, output_grad, ctx):
+    """A step function (floor, ceil, round, sign): its derivative is zero wherever it exists, as
+    PyTorch's backward gives it."""
+    return [relax.op.zeros_like(orig_call.args[0])]
+
+
+def _mod_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x mod c (truncated or floored): dy/dx = 1 wherever y is continuous. The divisor gets
+    none: the operator table passes no gradient to it, so no trained tensor lies behind it."""
+    x, c = orig_call.args
+    return [output_grad, relax.op.zeros_like(c)]
+
+
+def _unary(derivative):
+    """The gradient of y = f(x) with f'(x) = `derivative(x, one)` (`one`: 1 in x's dtype)."""
+
+    def grad(orig_var, orig_call, output_grad, ctx):
+        x = orig_call.args[0]
+        return [output_grad * derivative(x, relax.const(1.0, x.ty.dtype))]
+
+    return grad
+
+
+_TRIGONOMETRY = {
+    "relax.tan": lambda x, one: one + relax.op.tan(x) * relax.op.tan(x),
+    "relax.atan": lambda x, one: one / (one + x * x),
+    "relax.asin": lambda x, one: one / relax.op.sqrt(one - x * x),
+    "relax.acos": lambda x, one: relax.op.negative(one / relax.op.sqrt(one - x * x)),
+    "relax.asinh": lambda x, one: one / relax.op.sqrt(x * x + one),
+    "relax.acosh": lambda x, one: one / relax.op.sqrt(x * x - one),
+    "relax.atanh": lambda x, one: one / (one - x * x),
+}
+
 GRADIENTS: Gradients = {
+    **{op: (_unary(derivative), False) for op, derivative in _TRIGONOMETRY.items()},
+    **{op: (_zero_grad, False) for op in ("relax.floor", "relax.ceil", "relax.round", "relax.sign")},
+    "relax.mod": (_mod_grad, False),
+    "relax.floor_mod": (_mod_grad, False),
     "relax.clip": (_clip_grad, False),
     "relax.erf": (_erf_grad, False),
     "relax.nn.gelu": (_gelu_grad, False),

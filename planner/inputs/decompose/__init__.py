@@ -22,7 +22,7 @@ import onnx
 
 from planner.inputs.decompose._einsum import einsum
 from planner.inputs.decompose._resize import resize
-from planner.inputs.decompose._shapes import auto_pad, celu, cumsum, dropout, pad, tile, topk
+from planner.inputs.decompose._shapes import auto_pad, celu, cumsum, dropout, hyperbolic, pad, power, tile, topk
 from planner.inputs.decompose._writer import Context, Shapes, Writer
 
 _REWRITES: dict[str, Callable[[onnx.NodeProto, Context, Writer], bool]] = {
@@ -34,6 +34,9 @@ _REWRITES: dict[str, Callable[[onnx.NodeProto, Context, Writer], bool]] = {
     "CumSum": cumsum,
     "TopK": topk,
     "Celu": celu,
+    "Pow": power,
+    "Sinh": hyperbolic,
+    "Cosh": hyperbolic,
     "Dropout": dropout,
     "Resize": resize,
     "Einsum": einsum,

@@ -13,8 +13,8 @@ from planner.inputs.decompose._writer import Context, Writer, attr
 
 
 def pad(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
-    """`Pad` (any mode) as slices and concatenations, one axis at a time (as numpy's pad, which
-    the reference runs, pads the corners)."""
+    """`Pad` (any mode; a negative width crops) as slices and concatenations, one axis at a time
+    (as numpy's pad, which the reference runs, pads the corners)."""
     shape = ctx.shape(node.input[0])
     pads = ctx.const(node, 1)
     if shape is None or pads is None or (len(node.input) > 2 and node.input[2] and ctx.const(node, 2) is None):
@@ -26,10 +26,12 @@ def pad(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
     value = ctx.const(node, 2)
     mode = attr(node, "mode", "constant")
     dtype = ctx.dtype(node.input[0])
-    if min(widths) < 0:  # a crop: left to the table
-        return False
     x, current = node.input[0], list(shape)
     for axis, before, after in zip(axes, widths[: len(axes)], widths[len(axes) :]):
+        if before < 0 or after < 0:  # a crop (`F.pad` with a negative width) first
+            x = w.slice(x, axis, max(-before, 0), current[axis] - max(-after, 0))
+            current[axis] -= max(-before, 0) + max(-after, 0)
+            before, after = max(before, 0), max(after, 0)
         if not before and not after:
             continue
         size = current[axis]
@@ -82,12 +84,11 @@ def tile(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
 
 def cumsum(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
     """A reversed or exclusive `CumSum` as the plain one (TVM writes the reversal as TIR): flips
-    around it, and the input subtracted for an exclusive sum."""
+    around it, and the input subtracted for an exclusive sum; its axis a scalar (the legacy
+    exporter writes `[1]`, which TVM refuses)."""
     reverse, exclusive = attr(node, "reverse", 0), attr(node, "exclusive", 0)
     shape, given = ctx.shape(node.input[0]), ctx.const(node, 1)
-    if not (reverse or exclusive):
-        return False
-    if shape is None or given is None:
+    if shape is None or given is None or not (reverse or exclusive or np.ndim(given)):
         return False
     axis = int(np.asarray(given).reshape(())) % len(shape)
     size = shape[axis]
@@ -96,7 +97,7 @@ def cumsum(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
         return w.slice(t, axis, size - 1, -size - 1, -1)
 
     x = flip(node.input[0]) if reverse else node.input[0]
-    total = w.op("CumSum", [x, node.input[1]])
+    total = w.op("CumSum", [x, w.const(np.array(axis, np.asarray(given).dtype), "axis")])
     if exclusive:
         total = w.op("Sub", [total, x])
     w.op("Identity", [flip(total) if reverse else total], node.output[0])
@@ -105,21 +106,34 @@ def cumsum(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
 
 def topk(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
     """`TopK`'s values as the input gathered at its indices: the indices carry no gradient, the
-    gather passes one back to exactly the elements picked."""
+    gather passes one back to exactly the elements picked. Sorted always (TVM imports no other
+    TopK), which an unsorted one may be."""
     if not node.output[0]:
         return False
     axis = attr(node, "axis", -1)
     indices = node.output[1] if len(node.output) > 1 and node.output[1] else w.fresh("indices")
-    w.nodes.append(
-        helper.make_node(
-            "TopK",
-            list(node.input),
-            [w.fresh("values"), indices],
-            name=w.fresh("topk"),
-            **{a.name: helper.get_attribute_value(a) for a in node.attribute},
-        )
-    )
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute} | {"sorted": 1}
+    w.nodes.append(helper.make_node("TopK", list(node.input), [w.fresh("values"), indices], name=w.fresh("topk"), **attrs))
     w.op("GatherElements", [node.input[0], indices], node.output[0], axis=axis)
+    return True
+
+
+def power(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
+    """`Pow` of a float by a constant integer exponent (`torch.linalg.vector_norm(x, 3)`, as the
+    dynamo exporter writes it) with the exponent in the base's type: TVM's import refuses the mix."""
+    exponent = ctx.const(node, 1)
+    if exponent is None or exponent.dtype.kind not in "iu" or ctx.dtype(node.input[0]).kind != "f":
+        return False
+    w.op("Pow", [node.input[0], w.const(exponent.astype(ctx.dtype(node.input[0])), "exponent")], node.output[0])
+    return True
+
+
+def hyperbolic(node: onnx.NodeProto, ctx: Context, w: Writer) -> bool:
+    """`Sinh` and `Cosh` as (e^x -+ e^-x) / 2: TVM 0.27 compiles neither for a CPU."""
+    x = node.input[0]
+    up, down = w.op("Exp", [x]), w.op("Exp", [w.op("Neg", [x])])
+    half = w.const(np.array(0.5, ctx.dtype(x)), "half")
+    w.op("Mul", [w.op("Sub" if node.op_type == "Sinh" else "Add", [up, down]), half], node.output[0])
     return True
 
 

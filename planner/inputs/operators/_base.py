@@ -72,6 +72,9 @@ class Operator:
     forms: tuple[Form, ...] = ()
     why: str = ""  # for a frozen-only or refused operator: why
     folded: bool = False  # computed once at import, from shapes and constants (it never reaches TVM)
+    # a step function: its gradient is zero wherever it exists (as PyTorch's), so a path through it
+    # teaches what is before it nothing — and blocks nothing
+    zero_gradient: bool = False
     section: str = ""  # set by the table: where docs list it
 
     def passes_to(self, slot: int) -> bool:
@@ -80,6 +83,10 @@ class Operator:
     def limits(self) -> list[str]:
         """What the row says beyond its support: why not further, each lesser form, which inputs a gradient reaches."""
         out = [self.why] if self.why else []
+        if self.zero_gradient:
+            out.append(
+                "its gradient is zero wherever it exists, as PyTorch's: a path through it teaches nothing and blocks nothing"
+            )
         out += [f"{f.what}: {f.support.value} ({f.why})" for f in self.forms]
         if self.grads is not None and self.support is Support.TRAINS:
             out.append(f"gradient to input{'s' if len(self.grads) > 1 else ''} {', '.join(map(str, self.grads))} only")

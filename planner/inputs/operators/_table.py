@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from planner.inputs.operators._base import Form, Node, Operator, Support
 
 # --- forms -------------------------------------------------------------------------------------
@@ -23,13 +21,8 @@ _THREE_D = Form(
 )
 
 
-def _negative_pads(node: Node) -> bool:
-    pads = node.const(1)
-    return pads is not None and bool((np.asarray(pads) < 0).any())
-
-
-def _computed_exponent(node: Node) -> bool:
-    return node.const(1) is None
+def _indices(node: Node) -> bool:
+    return len(node.proto.output) > 1 and bool(node.proto.output[1])
 
 
 def _batch_dims(node: Node) -> bool:
@@ -141,7 +134,15 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _f("LRN", "`nn.LocalResponseNorm`", "planner has no gradient for its 3-D pooling"),
     ),
     "Pooling and resampling": (
-        _t("MaxPool", "`nn.MaxPool1d`, `nn.MaxPool2d`: any stride, padding, dilation, ceil mode", forms=(_THREE_D,), grads=(0,)),
+        _t(
+            "MaxPool",
+            "`nn.MaxPool1d`, `nn.MaxPool2d`: any stride, padding, dilation, ceil mode",
+            forms=(
+                _THREE_D,
+                Form(Support.REFUSED, "with its indices output (`return_indices=True`)", "TVM 0.27 cannot import it", _indices),
+            ),
+            grads=(0,),
+        ),
         _t(
             "AveragePool",
             "`nn.AvgPool1d`, `nn.AvgPool2d`: any stride, padding, ceil mode, `count_include_pad`",
@@ -174,24 +175,21 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _t("Abs", "`torch.abs`"),
         _t("Reciprocal", "`1 / x`"),
         _t("Sqrt", "`torch.sqrt`"),
-        _t(
-            "Pow",
-            "`x ** e` with a constant exponent (RMSNorm's square, tanh-GELU's cube)",
-            grads=(0,),
-            forms=(
-                Form(
-                    Support.FROZEN,
-                    "a computed exponent",
-                    "planner differentiates `x ** constant` only: `e ** x` is `Exp` of a product",
-                    _computed_exponent,
-                ),
-            ),
-        ),
+        _t("Pow", "`x ** e` (RMSNorm's square, tanh-GELU's cube, `2 ** x`: d/de = x ** e ln x, NaN where x <= 0, as PyTorch's)"),
         _t("Exp", "`torch.exp`"),
         _t("Log", "`torch.log`, `nn.LogSigmoid`"),
         _t("Erf", "exact GELU as the legacy exporter writes it"),
         _t("Sin", "`torch.sin`"),
         _t("Cos", "`torch.cos`"),
+        _t("Tan", "`torch.tan`"),
+        _t("Asin", "`torch.asin`"),
+        _t("Acos", "`torch.acos`"),
+        _t("Atan", "`torch.atan`, `torch.atan2`"),
+        _t("Sinh", "`torch.sinh` (written with `Exp`)"),
+        _t("Cosh", "`torch.cosh` (written with `Exp`)"),
+        _t("Asinh", "`torch.asinh`"),
+        _t("Acosh", "`torch.acosh`"),
+        _t("Atanh", "`torch.atanh`"),
         _t("Max", "`torch.maximum`, `clamp` with tensor bounds"),
         _t("Min", "`torch.minimum`, `clamp` with tensor bounds"),
         _t("Sum", "a sum of several tensors"),
@@ -202,10 +200,10 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _t("CastLike", "dtype conversions as `Cast`"),
         _t("Identity", "a tensor passed on (a shared weight's second use is tied to the first, not copied)"),
         _t("Dropout", "`nn.Dropout` in eval mode: the identity", grads=(0,)),
-        _f("Floor", "`torch.floor`", _STEP),
-        _f("Ceil", "`torch.ceil`", _STEP),
-        _f("Round", "`torch.round`", _STEP),
-        _f("Sign", "`torch.sign`", _STEP),
+        _t("Floor", "`torch.floor`", zero_gradient=True),
+        _t("Ceil", "`torch.ceil`", zero_gradient=True),
+        _t("Round", "`torch.round`", zero_gradient=True),
+        _t("Sign", "`torch.sign`", zero_gradient=True),
     ),
     "Reductions and scans": (
         _t("ReduceMean", "`mean(dim)`, a global average pool"),
@@ -246,16 +244,8 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _t("Tile", "`repeat`", grads=(0,)),
         _t(
             "Pad",
-            "`F.pad`, `nn.*Pad*d`: constant, reflect, replicate (edge) and circular (wrap)",
+            "`F.pad`, `nn.*Pad*d`: constant, reflect, replicate (edge), circular (wrap); a negative width crops",
             grads=(0,),
-            forms=(
-                Form(
-                    Support.REFUSED,
-                    "negative pads (a crop)",
-                    "not checked against a reference: crop with a slice",
-                    _negative_pads,
-                ),
-            ),
         ),
         _t("Trilu", "`tril`, `triu`", grads=(0,)),
         _f("Equal", "`==`", _NOT_FLOAT),
@@ -269,7 +259,7 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _f("Not", "`~` of a mask", _NOT_FLOAT),
         _f("IsNaN", "`isnan`", _NOT_FLOAT),
         _f("IsInf", "`isinf`", _NOT_FLOAT),
-        _f("Mod", "`%` on indices", _NOT_FLOAT),
+        _t("Mod", "`%`, `torch.fmod`, `torch.remainder` (an index's, or a float's)", grads=(0,)),
         _f("OneHot", "`F.one_hot`", _NOT_FLOAT),
         _f("Shape", "`x.shape`", _FOLDED, folded=True),
         _f("Size", "`x.numel()`", _FOLDED, folded=True),
@@ -284,7 +274,7 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
     ),
     "Refused": (
         _r("Loop", "`nn.EmbeddingBag` (legacy exporter), scripted loops", _CONTROL),
-        _r("If", "scripted branches", _CONTROL),
+        _r("If", "scripted branches (one whose condition is a constant once shapes are fixed is its branch)", _CONTROL),
         _r("Scan", "scripted scans", _CONTROL),
         _r("SequenceConstruct", "lists of tensors", _CONTROL),
         _r("SequenceAt", "lists of tensors", _CONTROL),
@@ -305,6 +295,10 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _r("GridSample", "`F.grid_sample`", "not tested by planner"),
         _r("RoiAlign", "detection heads", "not tested by planner"),
         _r("MaxUnpool", "`nn.MaxUnpool*d`", "not tested by planner"),
+        _r("Col2Im", "`nn.Fold`, `F.fold`", "not supported: planner has not checked TVM's lowering of it"),
+        _r("AffineGrid", "`F.affine_grid`", "not tested by planner"),
+        _r("SequenceEmpty", "lists of tensors", _CONTROL),
+        _r("SequenceInsert", "lists of tensors", _CONTROL),
         _r("LpPool", "`nn.LPPool*d` written as one operator", "not tested by planner"),
         _r("MeanVarianceNormalization", "not written by PyTorch's exporters", "not tested by planner"),
         _r(
