@@ -22,7 +22,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
 from planner.backend.rewrites import for_training
-from planner.errors import BadInput, CandidateFailed, last_line
+from planner.errors import CandidateFailed, PlannerBug, last_line
 from planner.inputs.model import Model
 
 
@@ -54,7 +54,8 @@ _CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must re
 
 
 def check_importable(model: Model) -> None:
-    """Raise BadInput now, not in every trial, when TVM's ONNX frontend cannot read the model."""
+    """Raise now, not in every trial, when TVM's ONNX frontend cannot read the model: a planner
+    bug (`PlannerBug`), as `load_model` has refused every operator the table does not accept."""
     if model.unbound:  # a sequence length the data has not set yet: the ops TVM must read are the same at any
         model = model.bind([[d if isinstance(d, int) else _CHECK_BATCH for d in i.shape] for i in model.inputs], "a check")
     imported(model, model.fixed_batch or _CHECK_BATCH)
@@ -71,8 +72,8 @@ def imported(model: Model, batch: int) -> Imported:
             return _IMPORTED[key]
     try:
         result = to_relax(model.import_proto(batch))
-    except _FrontendError as exc:
-        raise BadInput(f"TVM cannot import {model.path.name}: {exc}") from None
+    except _FrontendError as exc:  # every operator of the model is one the operator table accepts
+        raise PlannerBug(f"TVM could not import {model.path.name}, whose every operator the operator table accepts", str(exc)) from None
     expected = len(model.inputs) + len(model.initializers)
     if len(result.func.params) != expected:  # the frontend keeps initializers in graph order
         raise CandidateFailed(f"ONNX import produced {len(result.func.params)} parameters, expected {expected}")
