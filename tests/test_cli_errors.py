@@ -166,7 +166,10 @@ def _(ctx):
 def _(ctx):
     blocked = tiny_cnn(ctx.tmp / "blocked.onnx", extra_op="Floor")
     space = ctx.yaml("c1.yaml", "name: c1\nlayers: [c1, fc]\n")
-    return Case(ctx.plan("--model", str(blocked), "--space", space), "cannot train layer 'c1': node 'blocker' (Floor)")
+    return Case(
+        ctx.plan("--model", str(blocked), "--space", space),
+        "cannot train layer 'c1': node 'c1' (Conv) gets no gradient: its path to the output passes node 'blocker' (Floor)",
+    )
 
 
 @case("no layer trainable")
@@ -177,7 +180,8 @@ def _(ctx):
     proto.graph.node.append(onnx.helper.make_node("Floor", ["pre"], ["logits"], name="floor"))
     onnx.save(proto, ctx.tmp / "floored.onnx")
     return Case(
-        ctx.plan("--model", str(ctx.tmp / "floored.onnx")), "no layer of floored.onnx can be trained: node 'floor' (Floor)"
+        ctx.plan("--model", str(ctx.tmp / "floored.onnx")),
+        "no layer of floored.onnx can be trained: node 'fc' (Gemm) gets no gradient: its path to the output passes node 'floor' (Floor)",
     )
 
 

@@ -163,8 +163,8 @@ def _rec(n, acc, mem, feasible):
 
 
 def test_layers_behind_an_op_without_gradient_stay_frozen_and_are_named(tiny_data, tmp_path):
-    """A model with an op planner cannot differentiate plans over the layers after it; the plan
-    and its report name each excluded layer and why."""
+    """A model with an op whose gradient is zero (a Floor) plans over the layers after it; the
+    plan and its report name each excluded layer and why."""
     blocked = tiny_cnn(tmp_path / "blocked.onnx", extra_op="Floor")
     result = api.plan(model=blocked, data=tiny_data, out=tmp_path / "p", trials=3, accuracy_steps=10, latency_repeats=2)
     assert result.plan.selection.layers_searched == ["fc"]
@@ -172,7 +172,7 @@ def test_layers_behind_an_op_without_gradient_stay_frozen_and_are_named(tiny_dat
     assert set(excluded) == {"c1", "bn", "c2"} and all("'blocker' (Floor)" in r for r in excluded.values())
     assert [t.layer for t in result.plan.choice.trainable] == ["fc"]
     report = (tmp_path / "p" / "report.md").read_text()
-    assert "not trainable: node 'blocker' (Floor) has no gradient in planner" in report
+    assert "its path to the output passes node 'blocker' (Floor), whose gradient is zero" in report
 
 
 def test_selection_policies_never_pick_an_over_budget_trial():

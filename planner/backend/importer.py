@@ -73,7 +73,9 @@ def imported(model: Model, batch: int) -> Imported:
     try:
         result = to_relax(model.import_proto(batch))
     except _FrontendError as exc:  # every operator of the model is one the operator table accepts
-        raise PlannerBug(f"TVM could not import {model.path.name}, whose every operator the operator table accepts", str(exc)) from None
+        raise PlannerBug(
+            f"TVM could not import {model.path.name}, whose every operator the operator table accepts", str(exc)
+        ) from None
     expected = len(model.inputs) + len(model.initializers)
     if len(result.func.params) != expected:  # the frontend keeps initializers in graph order
         raise CandidateFailed(f"ONNX import produced {len(result.func.params)} parameters, expected {expected}")

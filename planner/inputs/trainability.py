@@ -60,21 +60,25 @@ def blocking_nodes(graph: Graph, outputs: Sequence[str]) -> dict[str, str]:
     # the float tensors a gradient reaches, grown backwards from the outputs
     reached = set(filter(graph.carries_gradient, outputs))
     result: dict[str, str] = {}
+    dead: dict[str, str] = {}  # a node no gradient reaches -> where its paths end, as its problem says
     for node in reversed(graph.nodes):  # ONNX nodes are topologically sorted
         problem, ends = "", []  # ends: why a gradient does not come back through a consumer
         for out in filter(graph.carries_gradient, node.output):
             for user, slot in consumers.get(out, []):
                 row = operator(user)
                 if not any(name in reached for name in user.output):
-                    ends.append(f"passes node '{user.name}' ({user.op_type}), past which no float tensor reaches it")
+                    ends.append(
+                        dead.get(user.name)
+                        or f"passes node '{user.name}' ({user.op_type}), past which no float tensor reaches it"
+                    )
                 elif row is not None and row.zero_gradient:  # a step function: nothing comes back, nothing is blocked
                     ends.append(f"passes node '{user.name}' ({user.op_type}), whose gradient is zero")
                 else:
                     reached.add(out)
                     problem = problem or result[user.name] or (gradient_problem(graph.view(user), slot) or "")
         if not any(out in reached for out in node.output) and node.output:
-            path = ends[0] if ends else "does not exist"
-            problem = f"node '{node.name}' ({node.op_type}) gets no gradient: its path to the output {path}"
+            dead[node.name] = ends[0] if ends else "does not exist"
+            problem = f"node '{node.name}' ({node.op_type}) gets no gradient: its path to the output {dead[node.name]}"
         result[node.name] = problem
     return result
 
