@@ -424,9 +424,9 @@ def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-
 
 def form_support(case: Case) -> str:
     """What the table says of this form of the node ("trains", "frozen only" or "refused")."""
-    from planner.inputs.fixups import constant_values, tensor_ranks
+    from planner.inputs.fixups import constant_values, tensor_info
     from planner.inputs.operators import Node, support
 
     model = node_model(case, double=False)
     node = next(n for n in model.graph.node if n.name == "op")
-    return support(Node(node, constant_values(model.graph), tensor_ranks(model)))[0].value
+    return support(Node(node, constant_values(model.graph), tensor_info(model)[1]))[0].value

@@ -13,6 +13,8 @@ in what they write (ALBERT's shared weights, weight norm), a test says what each
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -23,6 +25,7 @@ from test_pytorch_families import _check_layers, _check_one_step  # noqa: E402
 
 import torch_families as tf  # noqa: E402
 from planner import api  # noqa: E402
+from processes import planner  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +148,27 @@ def test_albert_dynamo_export_copies_some_shared_weights_and_planner_ties_them()
     assert not {w for m in ("ffn", "ffn_output") for w in holders[f"{_SHARED}{m}.weight"][1:]} & set(model.parameters)
     with pytest.raises(ValueError, match=r"ffn\.weight' is also in"):
         tf.parameter_map("albert", path)  # the file itself, every initializer named: two copies of one tensor
+
+
+def test_copies_nothing_ties_are_said_by_inspect(tmp_path):
+    """ALBERT's dynamo export without the records that tie its per-use copies (another tool's
+    file, say): planner cannot know they are one tensor, trains them apart, and `inspect` says so
+    — in its table's notes and in `--json`'s `copies`."""
+    proto = onnx.load(str(tf.export("albert", "dynamo")))
+    for node in proto.graph.node:
+        kept = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.fx_node"]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+    onnx.save(proto, str(tmp_path / "albert.onnx"))
+    model = api.inspect(tmp_path / "albert.onnx")
+    copies = {frozenset(group) for group in model.copies}
+    ffn = next(frozenset(g) for g in copies if len(g) == 3)
+    assert all(name in model.parameters for name in ffn)
+    res = planner("inspect", str(tmp_path / "albert.onnx"), "--json")
+    assert res.returncode == 0, res.stderr
+    assert {frozenset(g) for g in json.loads(res.stdout)["copies"]} == copies
+    res = planner("inspect", str(tmp_path / "albert.onnx"))
+    assert res.returncode == 0 and "hold equal values and nothing in the file ties them" in res.stdout, res.stdout[-500:]
 
 
 def test_parameter_map_refuses_two_initializers_of_one_tensor(tmp_path):

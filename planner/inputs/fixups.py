@@ -101,7 +101,7 @@ def equal_initializers(graph: onnx.GraphProto) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def tie_copies(graph: onnx.GraphProto) -> None:
+def tie_copies(graph: onnx.GraphProto) -> list[list[str]]:
     """Bitwise-equal initializers that the dynamo exporter wrote for one PyTorch parameter read
     as the first of them.
 
@@ -109,8 +109,8 @@ def tie_copies(graph: onnx.GraphProto) -> None:
     (ALBERT's feed-forward weights, three copies for three layers), and each copy would train by
     its own use's gradient only. Each node records the FX node it came from, and so the
     parameters it computes with (`names.recorded_parameters`): copies whose readers all name a
-    parameter in common are that parameter. Equal tensors with no such record are left apart
-    (`planner inspect` says which)."""
+    parameter in common are that parameter. Equal tensors with no such record are left apart:
+    returned, so that `planner inspect` can say which."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -121,15 +121,17 @@ def tie_copies(graph: onnx.GraphProto) -> None:
         return set.intersection(*found) if found else set()
 
     tied: dict[str, str] = {}
+    apart = []
     for names in equal_initializers(graph):
-        common = set.intersection(*(recorded(n) for n in names))
-        if common:
+        if set.intersection(*(recorded(n) for n in names)):
             tied.update({n: names[0] for n in names[1:]})
-    if not tied:
-        return
-    _rename_reads(graph, tied)
-    for tensor in [t for t in graph.initializer if t.name in tied]:
-        graph.initializer.remove(tensor)
+        else:
+            apart.append(names)
+    if tied:
+        _rename_reads(graph, tied)
+        for tensor in [t for t in graph.initializer if t.name in tied]:
+            graph.initializer.remove(tensor)
+    return apart
 
 
 def _rename_reads(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:
@@ -159,20 +161,17 @@ def _static_shapes(proto: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], 
     return shapes, types
 
 
-def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
-    """The element type (`onnx.TensorProto.FLOAT`, …) of every tensor shape inference can type."""
-    return _static_shapes(proto)[1]
-
-
-def tensor_ranks(proto: onnx.ModelProto) -> dict[str, int]:
-    """The rank of every tensor shape inference knows the shape of (its sizes fixed or not)."""
-    inferred = onnx.shape_inference.infer_shapes(proto)
-    g = inferred.graph
+def tensor_info(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
+    """The element type (`onnx.TensorProto.FLOAT`, …) of every tensor shape inference can type,
+    and the rank of every tensor it knows the shape of (its sizes fixed or not): one inference."""
+    g = onnx.shape_inference.infer_shapes(proto).graph
+    types = {t.name: t.data_type for t in g.initializer}
     ranks = {t.name: len(t.dims) for t in g.initializer}
     for vi in [*g.input, *g.value_info, *g.output]:
+        types[vi.name] = vi.type.tensor_type.elem_type
         if vi.type.tensor_type.HasField("shape"):
             ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
-    return ranks
+    return types, ranks
 
 
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:

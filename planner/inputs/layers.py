@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from planner import modes
 from planner.errors import BadInput, UnsupportedOp, first_line
-from planner.inputs.fixups import constant_values, for_import, tensor_ranks, tensor_types
+from planner.inputs.fixups import constant_values, for_import, tensor_info
 from planner.inputs.names import folded_values, has_record, layer_name, recorded_parameters, standalone_name
 from planner.inputs.operators import layer_slots, operator, refused
 from planner.inputs.trainability import Graph, blocking_nodes, layer_problem
@@ -213,8 +213,7 @@ def _analyse(proto: onnx.ModelProto, parameters: tuple[str, ...]) -> tuple[onnx.
         init_names = {t.name for t in proto.graph.initializer}
         dynamic = {d.dim_param for i in proto.graph.input if i.name not in init_names for d in i.type.tensor_type.shape.dim[1:]}
         analysed = for_import(proto, _ANALYSIS_BATCH, set(parameters), dict.fromkeys(dynamic - {""}, _ANALYSIS_LENGTH))
-        types = tensor_types(analysed)
-        ranks = tensor_ranks(analysed)
+        types, ranks = tensor_info(analysed)
     except BadInput:  # a fix-up's own refusal (a GRU with partial sequence lengths) says what it is
         raise
     except Exception as exc:  # onnx's shape inference and reference ops raise assorted types

@@ -19,7 +19,7 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from planner.errors import BadInput, first_line
-from planner.inputs.fixups import equal_initializers, for_import, name_nodes, tie_copies, tie_identities
+from planner.inputs.fixups import for_import, name_nodes, tie_copies, tie_identities
 from planner.inputs.layers import Layer, layers_of, parameters_of
 from planner.types import ModelInput
 
@@ -159,7 +159,7 @@ def load_model(path: str | Path) -> Model:
         raise BadInput(f"{path} is not a valid ONNX model: {first_line(exc)}") from None
     name_nodes(proto.graph)
     tie_identities(proto.graph)
-    tie_copies(proto.graph)
+    apart = tie_copies(proto.graph)
     graph = proto.graph
     init_names = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in init_names]
@@ -184,7 +184,7 @@ def load_model(path: str | Path) -> Model:
         n_classes=out_dims[1].dim_value,
         parameters=parameters,
         layers=layers_of(proto, parameters),
-        copies=tuple(tuple(g) for g in equal_initializers(graph) if all(n in parameters for n in g)),
+        copies=tuple(tuple(g) for g in apart if all(n in parameters for n in g)),
     )
 
 
