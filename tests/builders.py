@@ -12,6 +12,7 @@ import onnx
 import tvm
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
 from onnx.reference.ops._op import OpRunUnaryNum
 from onnx.reference.ops.op_conv_transpose import ConvTranspose as _ConvTranspose
 from onnx.reference.ops.op_pad import Pad_18 as _Pad
@@ -600,8 +601,18 @@ class RNN(RNN_14):
         return super().choose_act(name, alpha, beta)
 
 
+class GlobalMaxPool(OpRun):
+    """ONNX's GlobalMaxPool over every spatial axis: the reference reduces axes (d, d + 1) for d
+    spatial axes, right for 2-D only (`nn.AdaptiveMaxPool1d(1)` exports the 1-D form)."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+
 # ONNX's reference runtime where onnx 1.23's is wrong or lacking: every reference here runs with these
-REFERENCE_OPS = [Erf, Gelu, Pad, ConvTranspose, RNN]
+REFERENCE_OPS = [Erf, Gelu, Pad, ConvTranspose, RNN, GlobalMaxPool]
 
 
 def float64_loss(proto: onnx.ModelProto, weights: dict, x: np.ndarray, y: np.ndarray) -> float:

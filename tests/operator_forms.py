@@ -4,6 +4,8 @@ PyTorch's exporters write for `torch.nn`'s layers and functional ops."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from operator_cases import Case, Const, Data, Param
 
@@ -400,4 +402,70 @@ RECURRENT = [
     ),
 ]
 
-CASES: list[Case] = [*CONVOLUTIONS, *ACTIVATIONS, *NORMALIZATIONS, *POOLS, *ELEMENTWISE, *REDUCTIONS, *SHAPES, *RECURRENT]
+RECURRENT += [
+    Case(
+        "GRU",
+        "bidirectional",
+        (Data((2, 3, 3)), Param((2, 12, 3)), Param((2, 12, 4)), Param((2, 24))),
+        {"hidden_size": 4, "layout": 1, "direction": "bidirectional"},
+    ),
+    Case(
+        "LSTM",
+        "bidirectional",
+        (Data((2, 4, 2)), Param((2, 12, 2)), Param((2, 12, 3)), Param((2, 24))),
+        {"hidden_size": 3, "layout": 1, "direction": "bidirectional"},
+    ),
+    Case(
+        "RNN",
+        "Relu activation",
+        (Data((2, 4, 3)), Param((1, 4, 3)), Param((1, 4, 4)), Param((1, 8))),
+        {"hidden_size": 4, "layout": 1, "activations": ["Relu"]},
+    ),
+]
+
+# A second shape for each elementwise operator proven in one: rank 4, odd sizes, the same range.
+_ELEMENTWISE_OPS = (
+    "Abs Acos Acosh Asin Asinh Atan Atanh Ceil Celu Cos Dropout Elu Erf Exp HardSigmoid HardSwish Identity Log Mish Neg "
+    "Reciprocal Relu Round Selu Sigmoid Sign Sin Sinh Cosh Softplus Softsign Sqrt Tan Tanh ThresholdedRelu"
+).split()
+_FIRST = {c.op: c for c in reversed([*ACTIVATIONS, *ELEMENTWISE])}
+SECOND_SHAPES = [
+    replace(_FIRST[op], form="4-D odd sizes", inputs=(replace(_FIRST[op].inputs[0], shape=(3, 2, 3, 5)), *_FIRST[op].inputs[1:]))
+    for op in _ELEMENTWISE_OPS
+]
+MORE_FORMS = [
+    Case("CastLike", "like a double", (Data((3, 2, 5)), Const(np.array(0.0, np.float64)))),
+    Case("Flatten", "negative axis", (Data((2, 3, 4, 2)),), {"axis": -3}),
+    Case("GatherND", "whole rows, reordered", (Data((2, 4, 3)), Const(np.array([[1], [0]], I64)))),
+    Case("GlobalMaxPool", "1-D", (Data((2, 3, 7)),)),
+    Case("LogSoftmax", "axis 1", (Data((2, 4, 3)),), {"axis": 1}),
+    Case("Mean", "three inputs", (Data((2, 5)), Data((2, 5)), Param((5,)))),
+    Case("Min", "broadcast weight", (Data((2, 3, 4)), Param((3, 1)))),
+    Case("Sub", "data minus broadcast data", (Data((2, 3, 4)), Data((2, 1, 4)))),
+    Case("Sum", "two inputs broadcast", (Data((2, 3, 4)), Param((4,)))),
+    Case("RMSNormalization", "two trailing axes", (Data((2, 3, 4, 5)), Param((4, 5))), {"axis": -2}, opset=23),
+    Case("ReduceL1", "last axis kept", (Data((2, 4, 3)), ints(-1)), {"keepdims": 1}),
+    Case("ReduceL2", "two axes", (Data((2, 3, 4, 2)), ints(1, 3)), {"keepdims": 0}),
+    Case("ReduceLogSum", "axis 1", (Data((2, 3, 5), **POSITIVE), ints(1)), {"keepdims": 0}),
+    Case("ReduceLogSumExp", "two axes kept", (Data((2, 3, 4, 2)), ints(2, 3)), {"keepdims": 1}),
+    Case("ReduceMin", "axis 1 kept", (Data((2, 4, 3)), ints(1)), {"keepdims": 1}),
+    Case("ReduceSumSquare", "last two axes", (Data((2, 3, 4, 2)), ints(-2, -1)), {"keepdims": 1}),
+    Case("Reshape", "to 4-D", (Data((2, 6, 4)), ints(0, 2, 3, -1))),
+    Case("SpaceToDepth", "block 3", (Data((2, 1, 6, 3)),), {"blocksize": 3}),
+    Case("Squeeze", "negative axis", (Data((2, 3, 1)), ints(-1))),
+    Case("Transpose", "3-D", (Data((2, 3, 4)),), {"perm": [0, 2, 1]}),
+    Case("Unsqueeze", "a middle axis", (Data((2, 3, 4)), ints(2))),
+]
+
+CASES: list[Case] = [
+    *CONVOLUTIONS,
+    *ACTIVATIONS,
+    *NORMALIZATIONS,
+    *POOLS,
+    *ELEMENTWISE,
+    *REDUCTIONS,
+    *SHAPES,
+    *RECURRENT,
+    *SECOND_SHAPES,
+    *MORE_FORMS,
+]

@@ -67,10 +67,8 @@ def blocking_nodes(graph: Graph, outputs: Sequence[str]) -> dict[str, str]:
             for user, slot in consumers.get(out, []):
                 row = operator(user)
                 if not any(name in reached for name in user.output):
-                    ends.append(
-                        dead.get(user.name)
-                        or f"passes node '{user.name}' ({user.op_type}), past which no float tensor reaches it"
-                    )
+                    past = f"passes node '{user.name}' ({user.op_type}), past which no float tensor reaches it"
+                    ends.append(dead.get(user.name, past) if any(map(graph.carries_gradient, user.output)) else past)
                 elif row is not None and row.zero_gradient:  # a step function: nothing comes back, nothing is blocked
                     ends.append(f"passes node '{user.name}' ({user.op_type}), whose gradient is zero")
                 else:
