@@ -43,6 +43,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip i
 import torch_layers as tl  # noqa: E402
 
 from builders import REFERENCE_OPS  # noqa: E402
+from torch_families import ExportFailed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -209,7 +210,7 @@ def survey(name: str, exporter: str, check_step: bool = True) -> Survey:
     start = time.perf_counter()
     try:
         path = tl.export(name, exporter)
-    except tl.ExportFailed as exc:
+    except ExportFailed as exc:
         s.export_error = str(exc)
         return s
     s.seconds["export"] = time.perf_counter() - start

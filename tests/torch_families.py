@@ -55,7 +55,7 @@ import tempfile
 import types
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -771,11 +771,15 @@ def default_export_dir() -> Path:
     return root / f"torch-{torch.__version__}-tv-{_torchvision_version()}"
 
 
+class ExportFailed(Exception):
+    """The exporter refused the model (cached: the message of its first failure)."""
+
+
 @functools.cache
-def _recipe() -> str:
-    """A digest of everything else an export depends on: this file (families, sizes, weights)
-    and the ONNX packages the dynamo exporter writes and optimizes with."""
-    digest = hashlib.sha256(Path(__file__).read_bytes())
+def recipe(source: str) -> str:
+    """A digest of everything else an export depends on: the module `source` that builds the
+    models (sizes, weights) and the ONNX packages the dynamo exporter writes and optimizes with."""
+    digest = hashlib.sha256(Path(source).read_bytes())
     for package in ("onnx", "onnxscript", "onnx-ir"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             digest.update(f"{package}={importlib.metadata.version(package)}".encode())
@@ -783,7 +787,7 @@ def _recipe() -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Swallow the exporters' progress lines, warnings and C++ messages (file descriptors 1 and
     2 included); if the block raises, their tail is attached to the exception."""
     with tempfile.TemporaryFile(mode="w+") as log:
@@ -809,38 +813,87 @@ def _quiet() -> Iterator[None]:
             os.close(saved[1])
 
 
-def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None, dynamic_length: bool) -> None:
-    model = torch_module(family)
-    names = _family(family).input_names
-    args = tuple(_tensors(sample_batch(family, 2, seed=1)[0], torch.float32))  # batch 2: a batch of 1 would be specialized
-    batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence", max=_family(family).input_shape[0])
-    dims = {0: batch, 1: length} if dynamic_length else {0: batch}
-    axes = {0: "batch", 1: "sequence"} if dynamic_length else {0: "batch"}
-    with _quiet():
+def torch_export(
+    model: nn.Module,
+    args: tuple,
+    path: Path,
+    *,
+    names: Sequence[str],
+    exporter: Exporter,
+    opset: int | None = None,
+    max_length: int | None = None,
+) -> None:
+    """`model` on `args` (inputs `names`, output `logits`) written to `path` by `exporter`, the batch
+    dynamic (and with `max_length`, axis 1 too: a sequence up to that long); dynamo's weights in
+    `<path>.data` beside it."""
+    batch = torch.export.Dim("batch")
+    dims = {0: batch} if max_length is None else {0: batch, 1: torch.export.Dim("sequence", max=max_length)}
+    axes = {0: "batch"} if max_length is None else {0: "batch", 1: "sequence"}
+    common = dict(input_names=list(names), output_names=["logits"], opset_version=opset)
+    with quiet():
         if exporter == "dynamo":
             torch.onnx.export(
                 model,
                 args,
                 str(path),
-                input_names=list(names),
-                output_names=["logits"],
                 dynamo=True,
-                opset_version=opset,
                 dynamic_shapes=tuple(dims for _ in names),
                 external_data=True,
                 verbose=False,
+                **common,
             )
         else:
             torch.onnx.export(
-                model,
-                args,
-                str(path),
-                input_names=list(names),
-                output_names=["logits"],
-                dynamo=False,
-                opset_version=opset,
-                dynamic_axes={**{n: axes for n in names}, "logits": {0: "batch"}},
+                model, args, str(path), dynamo=False, dynamic_axes={**{n: axes for n in names}, "logits": {0: "batch"}}, **common
             )
+
+
+def cached_export(entry: Path, filename: str, write: Callable[[Path], None], *, keep_failure: bool = False) -> Path:
+    """`entry/filename`, made by `write(path)` unless it is there. Written to a temporary folder
+    first and renamed into place as a whole, so a concurrent reader (another test worker) sees
+    the complete files or nothing; if two workers export at once, the first rename wins and the
+    other's copy is discarded. `keep_failure`: an exporter's refusal is cached too, and raised as
+    `ExportFailed` with its message (here and on every later call)."""
+    path, failed = entry / filename, entry / "export-failed.txt"
+    if path.exists():
+        return path
+    if failed.exists():
+        raise ExportFailed(failed.read_text())
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    try:
+        try:
+            write(staging / filename)
+        except Exception as exc:  # the exporters raise assorted types; the first line says why
+            if not keep_failure:
+                raise
+            for leftover in staging.iterdir():
+                leftover.unlink()
+            (staging / failed.name).write_text(_why(exc))
+        try:
+            staging.rename(entry)
+        except OSError:
+            if not entry.exists():  # not "another worker was first"
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return cached_export(entry, filename, write, keep_failure=keep_failure)
+
+
+def _why(exc: Exception) -> str:
+    """An exporter's failure in a line: the dynamo exporter's own summary names the exception inside."""
+    text = str(exc)
+    lines = [line.strip() for line in text.split("## Exception summary", 1)[-1].splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:1000]
+
+
+def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None, dynamic_length: bool) -> None:
+    args = tuple(_tensors(sample_batch(family, 2, seed=1)[0], torch.float32))  # batch 2: a batch of 1 would be specialized
+    length = _family(family).input_shape[0] if dynamic_length else None
+    torch_export(
+        torch_module(family), args, path, names=_family(family).input_names, exporter=exporter, opset=opset, max_length=length
+    )
 
 
 def export(
@@ -853,33 +906,18 @@ def export(
 
     Cached in `directory` (default: `default_export_dir()`) under `<family>-<exporter>-<recipe>/`,
     the recipe a digest of this file and the ONNX packages' versions, so an edit here never reads
-    a stale export. Written to a temporary folder first and renamed into place as a whole, so a
-    concurrent reader (another test worker) sees the complete pair of files or nothing; if two
-    workers export at once, the first rename wins and the other's copy is discarded.
+    a stale export (see `cached_export`).
     """
     _family(family)
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     root = Path(directory) if directory is not None else default_export_dir()
-    entry = (
-        root / f"{family}-{exporter}{'' if opset is None else f'-opset{opset}'}{'-dynlen' if dynamic_length else ''}-{_recipe()}"
+    variant = f"{'' if opset is None else f'-opset{opset}'}{'-dynlen' if dynamic_length else ''}"
+    return cached_export(
+        root / f"{family}-{exporter}{variant}-{recipe(__file__)}",
+        f"{family}.onnx",
+        lambda path: _export_to(family, exporter, path, opset, dynamic_length),
     )
-    path = entry / f"{family}.onnx"
-    if path.exists():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
-    staging.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-    try:
-        _export_to(family, exporter, staging / path.name, opset, dynamic_length)
-        try:
-            staging.rename(entry)
-        except OSError:
-            if not path.exists():  # not "another worker was first"
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return path
 
 
 # ------------------------------------------------------------------------ initializer <-> tensor

@@ -16,7 +16,7 @@ attention mask).
   `dynamic_axes`) or dynamo (`dynamic_shapes`, external data), each exporter's default opset;
   cached under `$PLANNER_TORCH_EXPORTS/torch-<version>-layers/<name>-<exporter>-<recipe>/`, the
   recipe a digest of this file and the ONNX packages, as `torch_families.export` caches (an export
-  the exporter refuses is cached too, as `ExportFailed` and its message).
+  the exporter refuses is cached too, as `torch_families.ExportFailed` and its message).
 - `torch_module(name)`: the eval-mode model exported, with the same (seeded) weights.
 - `sample_inputs(name, batch)`: a batch of inputs for it (one array per input).
 
@@ -27,18 +27,12 @@ all-zero biases. BatchNorm statistics are random (variances in [0.5, 1.5]).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import importlib.metadata
 import os
-import shutil
 import sys
-import tempfile
 import types
-import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_families import Exporter, cached_export, recipe, torch_export
+
 # torchvision (installed for the families) is built against CUDA torch: its C-op registrations
 # would fail to load if the dynamo exporter imported it (see `torch_families.torchvision`).
 for _name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
@@ -54,7 +50,7 @@ for _name in ("torchvision._meta_registrations", "torchvision._autograd_registra
 
 torch.set_num_threads(1)
 
-EXPORTERS = ("legacy", "dynamo")
+EXPORTERS: tuple[Exporter, ...] = ("legacy", "dynamo")
 N_CLASSES = 3
 SEED = 20250101
 
@@ -694,119 +690,31 @@ def torch_module(name: str) -> nn.Module:
 # ------------------------------------------------------------------------------------- exporting
 
 
-class ExportFailed(Exception):
-    """The exporter refused the model (cached: the message of its first failure)."""
-
-
 def default_export_dir() -> Path:
     env = os.environ.get("PLANNER_TORCH_EXPORTS")
     root = Path(env) if env else Path(os.environ.get("PLANNER_CACHE_DIR", Path.home() / ".cache" / "planner")) / "torch-exports"
     return root / f"torch-{torch.__version__}-layers"
 
 
-@functools.cache
-def _recipe() -> str:
-    digest = hashlib.sha256(Path(__file__).read_bytes())
-    for package in ("onnx", "onnxscript", "onnx-ir"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            digest.update(f"{package}={importlib.metadata.version(package)}".encode())
-    return digest.hexdigest()[:10]
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[list[str]]:
-    """Swallow the exporters' output (file descriptors included); its tail is yielded's to read on failure."""
-    tail: list[str] = []
-    with tempfile.TemporaryFile(mode="w+") as log:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        try:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                yield tail
-        finally:
-            log.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-            log.seek(0)
-            tail.append(log.read()[-2000:])
-
-
-def _export_to(name: str, exporter: str, path: Path) -> None:
+def _export_to(name: str, exporter: Exporter, path: Path) -> None:
     entry = _entry(name)
-    model = torch_module(name)
     args = tuple(example_inputs(entry, 2))  # batch 2: a batch of 1 would be specialized
-    names = list(entry.input_names)
-    if exporter == "dynamo":
-        batch = torch.export.Dim("batch")
-        torch.onnx.export(
-            model,
-            args,
-            str(path),
-            input_names=names,
-            output_names=["logits"],
-            dynamo=True,
-            dynamic_shapes=tuple({0: batch} for _ in names),
-            external_data=True,
-            verbose=False,
-        )
-    else:
-        torch.onnx.export(
-            model,
-            args,
-            str(path),
-            input_names=names,
-            output_names=["logits"],
-            dynamo=False,
-            dynamic_axes={**{n: {0: "batch"} for n in names}, "logits": {0: "batch"}},
-        )
+    torch_export(torch_module(name), args, path, names=entry.input_names, exporter=exporter)
 
 
-def _why(exc: Exception) -> str:
-    """An exporter's failure in a line: the dynamo exporter's own summary names the exception inside."""
-    text = str(exc)
-    lines = [line.strip() for line in text.split("## Exception summary", 1)[-1].splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:1000]
-
-
-def export(name: str, exporter: str, directory: Path | None = None) -> Path:
+def export(name: str, exporter: Exporter, directory: Path | None = None) -> Path:
     """Entry `name` exported by `exporter` ("legacy" or "dynamo"): the .onnx path, cached (see the
     module docstring); ExportFailed, with the exporter's message, when it cannot export it."""
     _entry(name)
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     root = Path(directory) if directory is not None else default_export_dir()
-    entry = root / f"{name}-{exporter}-{_recipe()}"
-    path, failed = entry / f"{name}.onnx", entry / "export-failed.txt"
-    if path.exists():
-        return path
-    if failed.exists():
-        raise ExportFailed(failed.read_text())
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
-    staging.chmod(0o755)
-    try:
-        try:
-            with _quiet():
-                _export_to(name, exporter, staging / path.name)
-        except Exception as exc:  # the exporters raise assorted types; the first line says why
-            for leftover in staging.iterdir():
-                leftover.unlink()
-            message = _why(exc)
-            (staging / failed.name).write_text(message)
-        try:
-            staging.rename(entry)
-        except OSError:
-            if not entry.exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return export(name, exporter, directory)
+    return cached_export(
+        root / f"{name}-{exporter}-{recipe(__file__)}",
+        f"{name}.onnx",
+        lambda path: _export_to(name, exporter, path),
+        keep_failure=True,
+    )
 
 
 # The entries the suite steps by default: every (exporter, operator, attribute form, rank) the
