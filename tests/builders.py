@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 from collections.abc import Callable
@@ -102,6 +103,14 @@ def blobs(path: Path, n: int = 240, n_classes: int = 3, seed: int = 0, shape=(1,
     arrays.update(overrides)
     np.savez(path, **arrays)
     return path
+
+
+def write_plan_json(plan_dir: Path, raw: dict) -> None:
+    """`raw` as the plan's plan.json, its own sha256 made to agree: a hand edit by someone who knows
+    the format (planner refuses any other), for tests of what is checked beyond it."""
+    from planner.plans.schema import content_sha256
+
+    (plan_dir / "plan.json").write_text(json.dumps({**raw, "sha256": content_sha256(raw)}))
 
 
 # --- text: a token model, texts whose class a keyword gives, a tokenizer trained on them -------

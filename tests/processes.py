@@ -23,6 +23,10 @@ from pathlib import Path
 from builders import free_port
 from planner.measurement.board import key_status
 
+# the exit codes of a `planner plan` that wrote its plan: 0, or 4 when the plan learned nothing
+# (a test's few fine-tuning steps on a tiny model may not beat its start; README's exit codes)
+PLANNED = (0, 4)
+
 
 def planner(
     *args: str | Path,

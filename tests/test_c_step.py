@@ -10,6 +10,8 @@ momentum and Adam, micro-batches, recomputation, updates by copy.
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from planner.backend.ckernels import kernels_source
+from planner.backend.ckernels import include_dirs, kernels_source
 from planner.backend.compile import BuildOptions, compile_candidate, lower_step
 from planner.backend.cstep import ALIGN, compile_host, emit
 from planner.backend.graph import build_training_module
@@ -157,3 +159,29 @@ def test_each_kernel_gets_its_own_exact_constants_when_two_print_alike():
     bodies = source.split("__tvm_ffi_scale_up(void* self_handle, void* args, int32_t num_args, void* result) {")
     assert "0x1.5555540000000p-3f" in bodies[0] and "0x1.5555560000000p-3f" in bodies[1]
     assert "1.666667e-01f" not in source
+
+
+@T.prim_func
+def _specials(a: T.Buffer((4,), "float32"), b: T.Buffer((4,), "float32"), c: T.Buffer((4,), "float64")):
+    for i in range(4):
+        b[i] = T.max(a[i], T.float32(float("-inf"))) + T.float32(float("nan")) + T.float32(float("inf"))
+        c[i] = T.float64(float("nan"))
+
+
+@pytest.mark.parametrize("compiler", ["cc", "arm-none-eabi-gcc"])
+def test_infinities_and_nans_are_c99_that_any_compiler_takes(compiler, tmp_path):
+    """An attention mask's -inf: TVM prints `-inff` (and `nanf`, `nan`), which no C compiler
+    declares; every transformer planned for a microcontroller failed on it."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} on PATH")
+    source = kernels_source(tvm.IRModule({"specials": _specials}))
+    assert "-INFINITY" in source and "NAN" in source and "inff" not in source and "nanf" not in source
+    (tmp_path / "k.c").write_text(source)
+    includes = [f"-I{d}" for d in include_dirs()]
+    res = subprocess.run(
+        [compiler, "-std=gnu11", "-Werror", "-Wno-unused", "-c", "k.c", "-o", "k.o", *includes],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]

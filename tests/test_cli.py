@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from planner.plans.directory import read_plan
-from processes import planner
+from processes import PLANNED, planner
 
 
 def test_plan_and_run_json(tiny_model, tiny_data, tmp_path):
@@ -54,7 +54,7 @@ def test_a_step_slower_than_planned_is_a_one_line_warning_beside_the_figures(tin
     `PLANNER_DELAY_AT`): the run measures it and says so in one line."""
     out = tmp_path / "p"
     res = planner("plan", "--model", tiny_model, "--data", tiny_data, "--out", out, "--trials", "1", "--accuracy-steps", "20")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode in PLANNED, res.stderr
     res = planner("run", out, "--steps", "20", "--out", tmp_path / "ft", env={"PLANNER_DELAY_AT": "step:3"})
     assert res.returncode == 0, res.stderr
     (warning,) = [line for line in res.stderr.splitlines() if line.startswith("warning: the step took")]

@@ -238,3 +238,31 @@ def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_s
     firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path)
     _close(got, expected)
     assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total
+
+
+@pytest.mark.slow
+def test_a_transformer_with_an_attention_mask_is_measured_on_the_emulated_board(tmp_path):
+    """A BERT's mask is -inf in places: its C (constants and kernels alike) spells it C99's way."""
+    pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
+    import torch_families as tf
+    from builders import keyword_texts, word_tokenizer
+
+    model = tf.export("bert", "legacy")
+    head = load_model(model).layers[-1].name
+    texts = tmp_path / "texts.csv"
+    texts.write_text("text,label\n" + "".join(f"{t},{c}\n" for t, c in keyword_texts(60)))
+    tokenizer = word_tokenizer(tmp_path / "tok.json", [t for t, _ in keyword_texts(60)])
+    scheme = tmp_path / "head.yaml"
+    scheme.write_text(f"trainable:\n  - {{layer: {head}, mode: full}}\nbatch_size: 4\noptimizer: {{name: adam, lr: 0.001}}\n")
+    result = api.measure(
+        model,
+        scheme=scheme,
+        data=texts,
+        tokenizer=tokenizer,
+        target="cortex-m4-qemu",
+        out=tmp_path / "m",
+        accuracy_steps=5,
+        latency_repeats=2,
+    )
+    assert result.plan.metrics.step_latency_ms.median > 0 and result.plan.target.name == "cortex-m4-qemu"
+    assert "inff" not in (tmp_path / "m" / "train_step.c").read_text()

@@ -20,6 +20,7 @@ from planner import api
 from planner.backend.compile import BuildOptions, compile_candidate
 from planner.inputs.model import load_model
 from planner.plans.directory import read_plan
+from planner.plans.schema import SCHEMA_VERSION
 from planner.plans.select import select
 from planner.types import AccuracyResult, Candidate, Latency, MemoryBreakdown, TrialRecord
 
@@ -44,7 +45,7 @@ def test_plan_dir_is_complete_and_self_describing(tiny_plan, tiny_model):
     for name in ("plan.json", "train_step.so", "weights.npz", "report.md", "model.onnx", "study.db"):
         assert (out / name).is_file(), name
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema_version"] == 6
+    assert plan["schema_version"] == SCHEMA_VERSION
     # the step is the VM back end's artifact: one library, named with its kind
     assert plan["step"]["kind"] == "relax-vm" and plan["step"]["files"] == ["train_step.so"]
     assert plan["target"]["backend"] == "vm"

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from builders import write_plan_json
 from planner import api
 from planner.backend import BACKENDS
 from planner.backend.vm import VmBackend
@@ -113,6 +114,6 @@ def test_a_plan_whose_step_is_of_an_unknown_kind_is_refused_before_loading(tiny_
     api.measure(tiny_model, scheme=scheme, data=tiny_data, out=tmp_path / "m", accuracy_steps=10)
     raw = json.loads((tmp_path / "m" / "plan.json").read_text())
     raw["step"]["kind"] = "c-sources"
-    (tmp_path / "m" / "plan.json").write_text(json.dumps(raw))
+    write_plan_json(tmp_path / "m", raw)
     with pytest.raises(BadInput, match="the plan's step is a 'c-sources', which this planner cannot run"):
         api.run(tmp_path / "m", data=tiny_data, steps=1, out=tmp_path / "r")

@@ -22,6 +22,7 @@ def test_last_k_trains_exactly_the_last_k_layers(tiny_model):
             "batch_size": 8,
             "optimizer": "sgd",
             "lr": 0.01,
+            "lr_position": 0.0,
             "precision": "fp32",
             "grad_accum": 1,
             "frozen_weights": "fp32",
@@ -42,6 +43,7 @@ def test_bias_only_trains_every_bias_and_no_weight(tiny_model):
                 "batch_size": 8,
                 "optimizer": "sgd",
                 "lr": 0.01,
+                "lr_position": 0.0,
                 "precision": "fp32",
                 "grad_accum": 1,
                 "frozen_weights": "fp32",
@@ -63,6 +65,7 @@ def test_full_trains_everything(tiny_model):
                 "batch_size": 8,
                 "optimizer": "adam",
                 "lr": 0.01,
+                "lr_position": 0.0,
                 "precision": "fp32",
                 "grad_accum": 1,
                 "frozen_weights": "fp32",
@@ -83,7 +86,8 @@ def test_every_shipped_space_samples_valid_candidates(name, tiny_model):
     for _ in range(30):
         cand = space.sample(study.ask(), model)
         assert cand.batch_size in space.batch_size and cand.optimizer in space.optimizer
-        assert space.lr.low <= cand.lr <= space.lr.high
+        lr = space.lr_range(cand.optimizer)  # the range of the optimizer drawn
+        assert lr.low <= cand.lr <= lr.high * (1 + 1e-12)
         assert all(mode.kind in space.modes for _, mode in cand.trainable)
         assert all(mode.value in space.arguments["ratio"] for _, mode in cand.trainable if mode.kind == "ratio")
         # channel ratios only where a weight has output channels (never on BatchNormalization)
@@ -115,6 +119,7 @@ def test_sparse_strategy_only_trains_within_the_drawn_depth(tiny_model):
         "batch_size": 4,
         "optimizer": "sgd",
         "lr": 0.01,
+        "lr_position": 0.0,
         "precision": "fp32",
         "grad_accum": 1,
         "frozen_weights": "fp32",
@@ -145,7 +150,7 @@ def test_a_precision_the_target_does_not_list_is_never_proposed(tiny_model):
     assert proposed == {"fp32", "bf16"}
 
 
-COMMON = {"optimizer": "sgd", "lr": 0.01, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}
+COMMON = {"optimizer": "sgd", "lr": 0.01, "lr_position": 0.0, "precision": "fp32", "grad_accum": 1, "frozen_weights": "fp32"}
 COMMON |= {"updates": "in-place", "recompute": "none", "batch_size": 8}
 
 

@@ -91,7 +91,7 @@ def test_the_wheel_carries_targets_spaces_and_the_example_and_plans_from_anywher
     res = _run(
         planner, "plan", "--trials", "2", "--accuracy-steps", "10", "--space", "bias-only", "--out", out, "--json", cwd=elsewhere
     )
-    assert res.returncode == 0, res.stderr
+    assert res.returncode in (0, 4), res.stderr  # a plan written (4: it learned nothing in ten steps)
     plan = json.loads(res.stdout)
     assert Path(plan["model"]["path"]).parent.parent.name == "examples"  # the bundled example, from the wheel
     assert not Path(plan["model"]["path"]).is_relative_to(ROOT)

@@ -57,6 +57,7 @@ def measure(
     if profile and not runner.runs_here:
         raise BadInput(f"`profile` times kernels on this machine; target {hw.name} is measured on {runner.device}")
     candidate = load_scheme(scheme).candidate(m)
+    loaded.dataset.check_batch(candidate.batch_size * candidate.grad_accum, f"scheme {Path(scheme).name}")
     if candidate.precision not in hw.precisions:
         raise BadInput(
             f"scheme {Path(scheme).name} trains in {candidate.precision}; target {hw.name} supports only "
@@ -67,7 +68,7 @@ def measure(
     attrs: dict = {}
     evaluator = Evaluator(m, loaded.dataset, hw, _evaluation(loaded, settings.model_copy(update={"screen_steps": 0})))
     try:
-        constraints = evaluator.evaluate(candidate, attrs.__setitem__)
+        constraints = evaluator.evaluate(candidate, attrs.__setitem__, estimate=False)  # measured, even over budget
     except CandidateFailed as exc:
         raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
     rec = TrialRecord.from_attrs(0, TrialState.COMPLETE, attrs, constraints)

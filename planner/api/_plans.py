@@ -21,6 +21,7 @@ from planner.reports import content as report_content
 from planner.reports import html as report_html
 from planner.reports import markdown
 from planner.types import RunResult
+from planner.units import kib
 
 
 def inspect(model: str | Path) -> Model:
@@ -58,9 +59,10 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
 
         planner.compile("plan", target="raspberry-pi-4", out="plan-pi4")
 
-    The new plan keeps the choice and the metrics measured for the original target (their
-    `device` says where; `measurement.retargeted_from` says so); its memory is re-planned for
-    the new build.
+    The new plan keeps the choice, and the latency and accuracy measured for the original target
+    (their `device` says where; `measurement.retargeted_from` names it, and the report leads
+    with it); its memory is re-planned for the new build and held to the new target's budgets:
+    a step over its RAM (or flash) budget is refused (BadInput) before anything is written.
     """
     from planner.backend import backend_for
     from planner.backend.compile import check_cache_dir
@@ -76,6 +78,21 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     prepare_out_dir(out, create=False)
     backend = backend_for(hw, cache_dir=cache, tune_trials=tune_trials)
     compiled = backend.build(m, original.candidate)
+    over = [
+        f"{what} {kib(needs)}, over its {kib(budget)} budget"
+        for what, needs, budget in (
+            ("RAM", compiled.memory.total, hw.ram_budget_bytes),
+            ("flash", compiled.stored_bytes, hw.flash_budget_bytes),
+        )
+        if budget is not None and needs > budget
+    ]
+    if over:
+        raise BadInput(
+            f"the plan's step does not fit {hw.name}: it needs {' and '.join(over)}; "
+            f"plan for it instead (planner plan --target {target})"
+        )
+    provenance = backend.provenance(compiled)
+    lat = original.metrics.step_latency_ms
     retargeted = original.model_copy(
         update={
             "target": target_record(hw, runner_for(hw)),
@@ -87,8 +104,14 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
             ),
             "measurement": original.measurement.model_copy(
                 update={
-                    "retargeted_from": f"{original.target.name}: latency and accuracy were measured there; re-plan "
-                    f"for {hw.name} to measure on this target"
+                    "latency": f"not measured on {hw.name}: measured on {original.target.name} ({lat.device}), "
+                    + original.measurement.latency,
+                    "memory": provenance.memory,
+                    "schedules": provenance.schedules,
+                    "ram_budget_bytes": hw.ram_budget_bytes,
+                    "latency_budget_ms": hw.latency_budget_ms,
+                    "flash_budget_bytes": hw.flash_budget_bytes,
+                    "retargeted_from": original.target.name,
                 }
             ),
             "step": step_record(compiled, tune_trials),

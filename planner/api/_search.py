@@ -25,7 +25,7 @@ from planner.inputs.spaces import SearchSpace, load_space
 from planner.inputs.targets import HardwareTarget, budget_label, parse_bytes
 from planner.plans.directory import data_files, locked, prepare_out_dir, study_storage_writes
 from planner.plans.schema import Plan
-from planner.plans.select import Context, assemble, select
+from planner.plans.select import Context, assemble, learned, select
 from planner.search.urls import redact
 from planner.types import StepProfile, TrialRecord
 
@@ -122,7 +122,12 @@ def plan(
     if family:  # the study keeps what fits the largest; each budget picks among those
         hw = hw.model_copy(update={"ram_budget_bytes": family[-1]})
         loaded = replace(loaded, target=hw)
-    sp = load_space(str(inputs.space) if inputs.space else None).for_target(hw.precisions).for_model(m)
+    sp = (
+        load_space(str(inputs.space) if inputs.space else None)
+        .for_target(hw.precisions)
+        .for_model(m)
+        .for_data(len(dataset.train), dataset.source.name)
+    )
     sp.layer_names(m)  # a space listing a layer that cannot train fails now, not in the first trial
     loaded.runner.capacity()  # an unreachable tracker or a key without boards fails here (exit 3)
 
@@ -236,7 +241,9 @@ def _write_plans(
 
     def one(where: Path, within: HardwareTarget, judged: list[TrialRecord], picked: TrialRecord, extra: dict) -> Plan:
         compiled = backend.build(m, picked.measured().candidate)
-        context = Context({**selection, **extra}, study_info, settings.seed, backend, loaded.runner)
+        did, noise = learned(picked, len(loaded.dataset.val))
+        judged_learning = {"learned": did, "accuracy_noise": noise}
+        context = Context({**selection, **extra, **judged_learning}, study_info, settings.seed, backend, loaded.runner)
         written = assemble(m, loaded.dataset, within, judged, picked, pareto, compiled, context)
         return write(where, written, compiled, m, judged, data_files(loaded.dataset))
 

@@ -4,7 +4,8 @@ TVM writes every kernel (PrimFunc) of a module as one C file that calls them thr
 C calling convention; it needs each function given its `global_symbol`, no runtime argument
 checks (the driver passes what the step was compiled for) and no vector types (not C). What it
 prints is fixed here: its float constants, seven digits where float32 needs nine, made exact
-(`_exact_literals`); and read here: the scratch each kernel takes (`workspace_bytes`), which the
+(`_exact_literals`), and its infinities and NaNs, words no C compiler knows (`_portable_specials`);
+and read here: the scratch each kernel takes (`workspace_bytes`), which the
 driver (`planner.backend.cstep`) sizes its pool by.
 """
 
@@ -78,9 +79,21 @@ def _exact_literals(source: str, funcs: dict[str, tirx.PrimFunc]) -> str:
     return "".join(out)
 
 
+# how TVM's C code generator prints float32 and float64 infinities and NaNs (`-inff`, `nan`): no C
+# compiler knows them; <math.h>'s macros, which the kernels include, are C99's
+_SPECIALS = re.compile(r"(?<![\w.])(inff|nanf|inf|nan)(?![\w(\[])")
+_SPELLED = {"inff": "INFINITY", "nanf": "NAN", "inf": "((double)INFINITY)", "nan": "((double)NAN)"}
+
+
+def _portable_specials(source: str) -> str:
+    """`source` with the infinities and NaNs TVM prints as words (masks of attention: `-inff`)
+    written as C99's `INFINITY` and `NAN`."""
+    return _SPECIALS.sub(lambda m: _SPELLED[m.group(1)], source)
+
+
 def kernels_source(lowered: tvm.IRModule) -> str:
     """Every kernel (PrimFunc) of `lowered` as one C file, by TVM's C code generator, its float
-    constants exact (`_exact_literals`)."""
+    constants exact (`_exact_literals`) and its infinities C99's (`_portable_specials`)."""
     funcs = {
         gv.name_hint: f.with_attr("global_symbol", gv.name_hint)
         for gv, f in lowered.functions_items()
@@ -88,7 +101,7 @@ def kernels_source(lowered: tvm.IRModule) -> str:
     }
     with tvm.transform.PassContext(config=C_PASS_CONFIG):
         lib = tvm.tirx.build(tvm.IRModule(funcs), target=tvm.target.Target(C_TARGET))
-    return _one_gemm_prototype(_exact_literals(lib.inspect_source(), funcs))
+    return _one_gemm_prototype(_portable_specials(_exact_literals(lib.inspect_source(), funcs)))
 
 
 _GEMM_DECLARATION = re.compile(rf"^TVM_DLL int32_t {GEMM}\(.*\);$", re.MULTILINE)

@@ -13,14 +13,26 @@ import typer
 # keeps it out; a script that imports planner as a library is not affected.
 sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
 
-app = typer.Typer(
-    help="Plan on-device training: which layers to update, in what precision, with what batch size — "
-    "measured with TVM on the target, searched with Optuna.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from planner import __version__
+
+        print(f"planner {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print planner's version and exit")
+    ] = False,
+) -> None:
+    """Plan on-device training: which layers to update, in what precision, with what batch size —
+    measured with TVM on the target, searched with Optuna."""
+
 
 TrackerOpt = Annotated[
     str | None, typer.Option(help="HOST:PORT of a TVM RPC tracker: measure on its boards instead of the target's runner")

@@ -42,6 +42,7 @@ FLAGS = {
 }
 _PARAM = re.compile(r"`([a-z_]+)`")
 INTERRUPTED = 130
+LEARNED_NOTHING = 4  # a plan was written, but its fine-tune did not beat the model's start
 
 
 def as_flags(message: str) -> str:

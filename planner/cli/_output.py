@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from planner.units import kib
+
 stderr = Console(stderr=True)
 stdout = Console()
 
@@ -19,10 +21,6 @@ def note(text: str) -> None:
     stderr.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def kib(n: float) -> str:
-    return f"{n / 1024:,.1f} KiB"
-
-
 def measured_line(check) -> str:
     """`planner run`'s figures beside the plan's (a `RunCheck`)."""
     step = (
@@ -33,6 +31,16 @@ def measured_line(check) -> str:
     )
     memory = f"memory {kib(check.memory_bytes)} measured" if check.memory_bytes is not None else "memory not measured"
     return f"{step} vs {check.planned_step_ms:.3f} ms planned; {memory} vs {kib(check.planned_memory_bytes)} planned"
+
+
+def learned_nothing(plan) -> str:
+    """The line a plan that learned nothing ends with (exit 4), and what to try."""
+    acc, sel = plan.metrics.accuracy, plan.selection
+    return (
+        f"warning: the plan learned nothing: val accuracy {acc.before:.3f} → {acc.after:.3f} after {acc.steps} steps is "
+        f"within the val split's noise (±{sel.accuracy_noise:.3f}); try more --accuracy-steps or --trials, "
+        "or a space that trains more layers (--space full)"
+    )
 
 
 def plan_summary(result) -> None:
@@ -49,4 +57,7 @@ def plan_summary(result) -> None:
         where = f"{result.out}/{b.directory}/: trial {b.trial}" if b.trial is not None else "no trial fits"
         say(f"  within {kib(b.budget_bytes)}: {where}")
     if p.selection.feasible is False:
-        note(f"warning: the scheme is infeasible here (over budget or diverged): {', '.join(p.selection.over_budget)}")
+        broken = [k.replace("_", " ") for k in p.selection.over_budget if k != "diverged"]
+        diverged = " and diverged while fine-tuning" if "diverged" in p.selection.over_budget else ""
+        what = f"over budget: it breaks the target's {', '.join(broken)}" if broken else "infeasible"
+        note(f"warning: the scheme is {what}{diverged}; its measured figures are in {result.out}/plan.json")

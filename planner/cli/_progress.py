@@ -62,7 +62,8 @@ def trial_line(rec: TrialRecord, done: int, total: int) -> str:
         )
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
-    flag = "ok  " if rec.feasible else "over"
+    # screened out: within budget, only beaten at its short fine-tune ("over" would read as over budget)
+    flag = "ok  " if rec.feasible else "screened" if rec.screened_out else "over"
     measured = rec.measured()
     cand = measured.candidate
     trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)

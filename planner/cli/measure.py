@@ -13,6 +13,7 @@ from rich.table import Table
 from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, TokenizerOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import guard
 from planner.cli._output import note, plan_summary, stderr, stdout
+from planner.errors import NoFeasiblePlan
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET
 
 
@@ -65,11 +66,15 @@ def measure(
             profile=profile,
         )
     )
+    assert result.plan is not None, "`measure` always writes a plan"
     if json_out:
-        assert result.plan is not None, "`measure` always writes a plan"
         print(json.dumps(result.plan.model_dump(mode="json"), indent=2))
+    else:
+        plan_summary(result)
+    if result.plan.selection.feasible is False:  # written, measured, and not deployable as it is
+        raise typer.Exit(NoFeasiblePlan.exit_code)
+    if json_out:
         return
-    plan_summary(result)
     if result.profile is not None:
         _print_profile(result.profile)
     elif verbose:

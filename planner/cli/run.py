@@ -12,6 +12,7 @@ from planner.cli._app import KeyOpt, TrackerOpt, TuneOpt, VerboseOpt, app
 from planner.cli._errors import guard
 from planner.cli._output import measured_line, note, say, stderr, stdout
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
+from planner.units import kib
 
 
 @app.command()
@@ -91,5 +92,9 @@ def compile_(
         print(json.dumps(result.model_dump(mode="json"), indent=2))
         return
     stdout.print(
-        f"compiled the plan's step for {result.target.name} into {out_dir}/", markup=False, highlight=False, soft_wrap=True
+        f"compiled the plan's step for {result.target.name} into {out_dir}/: peak {kib(result.metrics.peak_memory_bytes.total)} "
+        f"planned; latency and accuracy not measured there (measured on {result.measurement.retargeted_from})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
     )

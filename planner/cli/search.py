@@ -21,8 +21,8 @@ from planner.cli._app import (
     VerboseOpt,
     app,
 )
-from planner.cli._errors import INTERRUPTED, guard
-from planner.cli._output import note, plan_summary, stderr, stdout
+from planner.cli._errors import INTERRUPTED, LEARNED_NOTHING, guard
+from planner.cli._output import learned_nothing, note, plan_summary, stderr, stdout
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
 from planner.search.samplers import DEFAULT_SAMPLER, SAMPLERS
 
@@ -143,11 +143,14 @@ def plan(
                 f"interrupted: plan written to {result.out}/ from the {result.finished} finished trials; rerun the same command to resume"
             )
         raise typer.Exit(INTERRUPTED)
+    assert result.plan is not None, "only an interrupted search ends without a plan"
     if json_out:
-        assert result.plan is not None, "only an interrupted search ends without a plan"
         print(json.dumps(result.plan.model_dump(mode="json"), indent=2))
-        return
-    plan_summary(result)
+    else:
+        plan_summary(result)
+    if result.plan.selection.learned is False:
+        note(learned_nothing(result.plan))
+        raise typer.Exit(LEARNED_NOTHING)
 
 
 @app.command()

@@ -47,6 +47,12 @@ class LrRange(_Strict):
     high: float = Field(gt=0)
     log: bool = True
 
+    @model_validator(mode="after")
+    def _ordered(self) -> LrRange:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low:g}) is above high ({self.high:g})")
+        return self
+
 
 class SearchSpace(_Strict):
     """What the study may vary. Layers default to every layer with parameters, in model order.
@@ -77,7 +83,9 @@ class SearchSpace(_Strict):
     batch_size: list[int] = [8, 16, 32]
     grad_accum: list[int] = [1]
     optimizer: list[Optimizer] = [Optimizer.SGD]
-    lr: LrRange = LrRange(low=0.01, high=0.1)
+    # one range for every optimizer, or one per optimizer: Adam's steps are normalised, so the
+    # rates that train with it (1e-4..1e-2) are a decade or two below plain SGD's
+    lr: LrRange | dict[Optimizer, LrRange] = LrRange(low=0.01, high=0.1)
     precision: list[Precision] = [Precision.FP32]
     frozen_weights: list[FrozenWeights] = [FrozenWeights.FP32]
     updates: list[Updates] = [Updates.IN_PLACE]
@@ -111,6 +119,42 @@ class SearchSpace(_Strict):
                 f"proposes batch {', '.join(map(str, self.batch_size))}: {FIXED_BATCH_HINT}"
             )
         return self.model_copy(update={"batch_size": [model.fixed_batch]})
+
+    @model_validator(mode="after")
+    def _a_range_per_optimizer(self) -> SearchSpace:
+        if not self.optimizer:
+            raise ValueError("optimizer: must list at least one value")
+        if isinstance(self.lr, dict) and (missing := [str(o) for o in self.optimizer if o not in self.lr]):
+            raise ValueError(f"lr: no range for optimizer {', '.join(missing)} (give one per optimizer listed)")
+        return self
+
+    def lr_range(self, optimizer: Optimizer) -> LrRange:
+        """The learning rates `optimizer` is tried at."""
+        return self.lr[optimizer] if isinstance(self.lr, dict) else self.lr
+
+    def _lr(self, trial: Suggester, optimizer: Optimizer) -> float:
+        """The learning rate: drawn in the optimizer's own range. With a range per optimizer, the
+        parameter is the rate's place in its range (`lr_position`, 0 the low end, 1 the high), not
+        the rate: the same parameter whatever optimizer a trial draws, so a sampler models the
+        space jointly (a parameter per optimizer would make it conditional, and multivariate
+        TPE, GP and NSGA-II fall back to independent draws)."""
+        lr = self.lr_range(optimizer)
+        if not isinstance(self.lr, dict):
+            return float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log))
+        u = float(trial.suggest_float("lr_position", 0.0, 1.0))
+        return float(lr.low * (lr.high / lr.low) ** u if lr.log else lr.low + (lr.high - lr.low) * u)
+
+    def for_data(self, n_train: int, source: str) -> SearchSpace:
+        """This space restricted to the batch sizes the train split can fill: a larger batch
+        cannot be drawn from it (see `Dataset.check_batch`)."""
+        fits = [b for b in self.batch_size if b * max(self.grad_accum) <= n_train]  # an update's whole batch
+        if not fits:
+            raise BadInput(
+                f"the train split of {source} holds {n_train} samples, fewer than every batch size search space "
+                f"'{self.name}' proposes ({', '.join(str(b * max(self.grad_accum)) for b in self.batch_size)} per update): add data, or a "
+                "space with a smaller batch_size"
+            )
+        return self.model_copy(update={"batch_size": fits})
 
     @field_validator("batch_size", "grad_accum")
     @classmethod
@@ -336,12 +380,13 @@ class SearchSpace(_Strict):
             modes = {n: mode for n in names[len(names) - k :]}
         # a layer without the parameters of its mode (bias-only of a bias-free conv) stays frozen
         trainable = tuple((n, Mode.parse(m)) for n, m in modes.items() if m != FROZEN and model.layer(n).params_for(m))
-        lr = self.lr
+        batch_size = int(trial.suggest_categorical("batch_size", list(self.batch_size)))
+        optimizer = Optimizer(trial.suggest_categorical("optimizer", [str(v) for v in self.optimizer]))
         return Candidate(
             trainable=trainable,
-            batch_size=int(trial.suggest_categorical("batch_size", list(self.batch_size))),
-            optimizer=Optimizer(trial.suggest_categorical("optimizer", [str(v) for v in self.optimizer])),
-            lr=float(trial.suggest_float("lr", lr.low, lr.high, log=lr.log)),
+            batch_size=batch_size,
+            optimizer=optimizer,
+            lr=self._lr(trial, optimizer),
             precision=Precision(trial.suggest_categorical("precision", [str(v) for v in self.precision])),
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
             frozen_weights=FrozenWeights(trial.suggest_categorical("frozen_weights", [str(v) for v in self.frozen_weights])),

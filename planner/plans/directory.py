@@ -40,7 +40,7 @@ from planner.digest import file_sha256
 from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
-from planner.plans.schema import READS, Plan
+from planner.plans.schema import READS, Plan, content_sha256
 from planner.search.urls import redact
 
 # The plan directory's files: every module names them through these
@@ -417,7 +417,9 @@ def write_plan_dir(out: Path, plan: Plan, files: dict[str, Path], weights: dict[
         for name, text in texts.items():
             (staged / name).write_text(text)
         loaded = [*files, WEIGHTS_FILE]  # what `run` and `compile` load: verified before use
-        written = plan.model_copy(update={"files": {name: file_sha256(staged / name) for name in loaded}})
+        hashed = plan.model_copy(update={"files": {name: file_sha256(staged / name) for name in loaded}, "sha256": None})
+        raw = json.loads(json.dumps(hashed.model_dump()))  # as read back: JSON's types
+        written = hashed.model_copy(update={"sha256": content_sha256(raw)})
         (staged / PLAN_FILE).write_text(json.dumps(written.model_dump(), indent=2) + "\n")
 
     try:
@@ -463,6 +465,11 @@ def _read_plan(plan_dir: Path, verify: bool) -> Plan:
         raise BadInput(
             f"{path} has schema version {version}; this planner reads {', '.join(map(str, READS))} "
             "(re-create the plan with `planner plan`)"
+        )
+    if version >= 7 and raw.get("sha256") != content_sha256(raw):
+        raise BadInput(
+            f"{path} was changed since it was written (its content no longer matches its sha256): a plan is "
+            "what was measured, so edit the scheme and `planner measure` it instead — or restore the plan"
         )
     try:
         plan = Plan.model_validate(raw)

@@ -85,6 +85,7 @@ def run_plan(
         # the lengths the plan was measured at (a sequence length): its step takes no other
         model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
         dataset = _dataset(plan_dir, plan, Path(data or plan.dataset.source), model)
+        dataset.check_batch(plan.signature.batch_size, "the plan")
         weights = _weights(plan_dir / WEIGHTS_FILE, model)
         out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)
         order_seed = seed if shuffle else None

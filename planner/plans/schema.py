@@ -8,6 +8,7 @@ a plan, reporting it or scripting over it loads no compiler.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Final, Literal
 
@@ -22,10 +23,10 @@ from planner.types import LEGACY_UPDATES, Candidate, FrozenWeights, Mode, Optimi
 # 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing; 4: text data's
 # tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`); 6: a layer's mode
 # as one text (`ratio:0.25`, `lora:4`), as every mode writes itself (`planner.modes`)
-SCHEMA_VERSION: Final = 6
+SCHEMA_VERSION: Final = 7
 # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer, a version-4 plan one
 # whose step is the VM back end's library (`Step._migrate`); a plan before version 6 is migrated by `Plan._migrate`
-READS: Final = (2, 3, 4, 5, 6)
+READS: Final = (2, 3, 4, 5, 6, 7)
 MODE_TEXTS: Final = ", ".join(
     m.text(None) if m.argument is None else f"{m.name}:R (R {m.argument.bounds}: {m.argument.name})"
     for m in MODES.values()
@@ -267,6 +268,14 @@ class Selection(_Part):
     feasible: bool | None = Field(default=None, description="policy scheme: whether it fits the budgets")
     over_budget: dict[str, float] = Field(default={}, description="policy scheme: budget -> how far over")
     budgets: list[BudgetPlan] = Field(default=[], description="a plan per RAM budget, chosen from the same trials")
+    learned: bool | None = Field(
+        default=None,
+        description="whether the fine-tune beat the model's starting val accuracy by more than `accuracy_noise` "
+        "(None: a plan from before planner judged it)",
+    )
+    accuracy_noise: float | None = Field(
+        default=None, description="two standard errors of the starting val accuracy on the val split's samples"
+    )
 
 
 class Step(_Part):
@@ -298,10 +307,18 @@ class StudyInfo(_Part):
     n_failed: int = 0
 
 
+def content_sha256(raw: dict) -> str:
+    """The digest plan.json records of itself: of its JSON content without the `sha256` field,
+    keys sorted, so a hand edit of any value (a learning rate, a trainable layer) shows, while
+    the file's layout (indentation, key order) does not matter."""
+    content = {k: v for k, v in raw.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2, 3, 4, 5, 6]
+    schema_version: Literal[2, 3, 4, 5, 6, 7]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo
@@ -314,6 +331,10 @@ class Plan(_Part):
     versions: dict[str, str]
     study: StudyInfo
     files: dict[str, str] = Field(default={}, description="name -> sha256 of each file `run` and `compile` load")
+    sha256: str | None = Field(
+        default=None,
+        description="from version 7: the sha256 of this plan's own content, every field but this one (`content_sha256`)",
+    )
 
     @model_validator(mode="before")
     @classmethod

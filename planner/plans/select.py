@@ -8,6 +8,7 @@ or the least median step latency (`latency`). `accuracy` takes the most accurate
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -70,6 +71,21 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
     if policy == "latency":
         return min(good, key=lambda t: (t.measured().latency.median, t.measured().memory.total, t.number))
     return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
+
+
+def noise_margin(accuracy: float, n: int) -> float:
+    """How far a val accuracy measured on `n` samples must move to say anything: two standard
+    errors of a binomial proportion at `accuracy`, and never less than one sample."""
+    return max(2 * math.sqrt(accuracy * (1 - accuracy) / max(n, 1)), 1 / max(n, 1))
+
+
+def learned(chosen: TrialRecord, n_val: int) -> tuple[bool, float]:
+    """Whether the chosen trial's fine-tune beat the model's starting val accuracy by more than
+    the split's noise (`noise_margin`), and that margin. A plan that learned nothing is still
+    a plan (its latency and memory hold) but must say so: it would fine-tune for nothing."""
+    acc = chosen.measured().accuracy
+    margin = noise_margin(acc.before, n_val)
+    return acc.after - acc.before > margin, margin
 
 
 def choice_json(model: Model, cand: Candidate) -> dict:

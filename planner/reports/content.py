@@ -47,6 +47,27 @@ class ReportContent:
         return [] if self.plan is None else [b.model_dump() for b in self.plan.selection.budgets]
 
     @property
+    def warnings(self) -> list[str]:
+        """What a reader must know before any figure, in the words the report leads with."""
+        if self.plan is None:
+            return []
+        found = []
+        sel, acc = self.plan.selection, self.plan.metrics.accuracy
+        if sel.learned is False:
+            found.append(
+                f"This plan learned nothing: val accuracy {acc.before:.3f} → {acc.after:.3f} is within the val "
+                f"split's noise (±{sel.accuracy_noise:.3f}). Fine-tuning with it would not improve the model."
+            )
+        origin = self.plan.measurement.retargeted_from
+        if origin is not None:
+            found.append(
+                f"Compiled for {self.plan.target.name} from a plan made on {origin}: its step latency and accuracy "
+                f"were measured there, not on {self.plan.target.name} (its memory was planned for this build). "
+                f"Plan with --target {self.plan.target.name} to measure here."
+            )
+        return found
+
+    @property
     def counts(self) -> dict[str, int]:
         c = Counter(
             "feasible"
@@ -69,6 +90,7 @@ class ReportContent:
             "metrics": self.metrics,
             "pareto": self.pareto,
             "counts": self.counts,
+            "warnings": self.warnings,
             "layers": self.layers,
             "provenance": self.provenance,
             "trials": [t.to_json() for t in self.trials],

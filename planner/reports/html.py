@@ -342,6 +342,7 @@ table.kv th{color:#555;font-weight:600} table.layers tr:nth-child(even){backgrou
 table.layers td:last-child{position:relative;min-width:160px}
 .bar{position:absolute;left:0;top:3px;bottom:3px;background:#dbe9f6;z-index:-1}
 .mode{border-radius:3px;padding:1px 6px} code{background:#f2f2f2;padding:0 3px}
+.warning{background:#fdecea;border-left:4px solid #d62728;padding:8px 12px}
 """
 
 
@@ -357,6 +358,7 @@ def render(content: ReportContent) -> str:
 <style>{STYLE}</style><script type="text/javascript">{get_plotlyjs()}</script></head>
 <body>
 <h1>{escape(content.title)}</h1>
+{"".join(f'<p class="warning"><b>Warning:</b> {escape(w)}</p>' for w in content.warnings)}
 <p>Target <b>{escape(target["name"])}</b> ({escape(str(target.get("device") or ""))}).</p>
 {_summary(content)}
 <h2>Pareto front</h2>

@@ -6,10 +6,7 @@ from collections import Counter
 
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
 from planner.types import Mode, TrialState
-
-
-def _kib(n: float) -> str:
-    return f"{n / 1024:,.1f} KiB"
+from planner.units import kib
 
 
 def _origin(content: ReportContent) -> str:
@@ -41,11 +38,11 @@ def _budget_table(content: ReportContent) -> list[str]:
     by_number = {t.number: t for t in content.trials}
     for b in content.budgets:
         if b["trial"] is None:
-            lines.append(f"| {_kib(b['budget_bytes'])} | — | no trial fits | | | |")
+            lines.append(f"| {kib(b['budget_bytes'])} | — | no trial fits | | | |")
             continue
         measured = by_number[b["trial"]].measured()
         lines.append(
-            f"| {_kib(b['budget_bytes'])} | `{b['directory']}/` | {b['trial']} | {_kib(measured.memory.total)} | "
+            f"| {kib(b['budget_bytes'])} | `{b['directory']}/` | {b['trial']} | {kib(measured.memory.total)} | "
             f"{measured.accuracy.after:.3f} | {measured.latency.median:.2f} |"
         )
     return lines
@@ -53,6 +50,7 @@ def _budget_table(content: ReportContent) -> list[str]:
 
 def render(content: ReportContent) -> str:
     lines = [f"# {content.title}", ""]
+    lines += [line for warning in content.warnings for line in (f"> **Warning:** {warning}", "")]
     c, m = content.choice, content.metrics
     if c is None or m is None:
         lines += [f"{len(content.trials)} trials, none feasible yet.", ""]
@@ -72,7 +70,7 @@ def render(content: ReportContent) -> str:
             f"| updates | {c['updates']} |",
             f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
             f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms |",
-            f"| peak memory | {_kib(mem['total'])}" + (f" (budget {_kib(budget)})" if budget else "") + " |",
+            f"| peak memory | {kib(mem['total'])}" + (f" (budget {kib(budget)})" if budget else "") + " |",
         ]
     if content.layers:
         lines += [
@@ -106,7 +104,7 @@ def render(content: ReportContent) -> str:
         cand, lat = measured.candidate, measured.latency
         lines.append(
             f"| {t.number}{mark} | {', '.join(f'{n}:{md}' for n, md in cand.trainable) or '—'} | {cand.batch_size} | "
-            f"{cand.lr:.3g} | {measured.accuracy.after:.3f} | {lat.median:.2f} / {lat.p90:.2f} | {_kib(measured.memory.total)} |"
+            f"{cand.lr:.3g} | {measured.accuracy.after:.3f} | {lat.median:.2f} / {lat.p90:.2f} | {kib(measured.memory.total)} |"
         )
     reasons = Counter((t.fail_reason or "unknown").split(":")[0] for t in content.trials if t.state is TrialState.FAIL)
     if reasons:

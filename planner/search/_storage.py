@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Container, Iterator, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -75,6 +76,8 @@ def open_storage(url: str | None) -> BaseStorage:
     """
     if url is None:
         return optuna.storages.InMemoryStorage()
+    if _sqlite_file(url):  # `--storage plan/study.db`: the path of an SQLite database, not a journal
+        url = f"sqlite:///{Path(url).resolve()}"
     if url.startswith(("sqlite:", "postgresql", "mysql")):
         interval, grace = _env_seconds(HEARTBEAT_ENV, HEARTBEAT_S), grace_seconds()
         if grace <= interval:
@@ -82,6 +85,21 @@ def open_storage(url: str | None) -> BaseStorage:
         with experimental():
             return optuna.storages.RDBStorage(url, heartbeat_interval=interval, grace_period=grace)
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
+
+
+SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
+def _sqlite_file(path: str) -> bool:
+    """Whether a storage given as a path names an SQLite database: a file that is one (its magic
+    header), or a new file with an SQLite suffix. Read as a journal, its bytes would not decode."""
+    if "://" in path:
+        return False
+    file = Path(path)
+    if file.is_file():
+        with open(file, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    return file.suffix in SQLITE_SUFFIXES
 
 
 Listener = Callable[[int], None]

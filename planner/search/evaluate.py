@@ -82,11 +82,14 @@ class Evaluator:
             build = self.backend.host_build if host else self.backend.build
             return build(self.model, candidate)
 
-    def evaluate(self, candidate: Candidate, record: Callable[[str, object], None], hooks: Hooks = Hooks()) -> dict[str, float]:
+    def evaluate(
+        self, candidate: Candidate, record: Callable[[str, object], None], hooks: Hooks = Hooks(), *, estimate: bool = True
+    ) -> dict[str, float]:
         """Measure `candidate`; returns its constraints (feasible when all are <= 0): the target's
         budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`).
         A candidate estimated over the RAM budget returns that constraint alone, its memory
-        recorded as estimated (`memory_estimated`) and nothing else measured.
+        recorded as estimated (`memory_estimated`) and nothing else measured — unless not to
+        `estimate` (`planner measure`: the scheme asked for is measured, over budget or not).
 
         Raises CandidateFailed (with the reason also recorded) when it cannot be built or run,
         KeyboardInterrupt when `hooks.interrupted()` turns true mid fine-tune.
@@ -94,7 +97,7 @@ class Evaluator:
         settings = self.settings
         record("candidate", candidate.to_json())
         try:
-            over = self._over_budget(candidate, record)
+            over = self._over_budget(candidate, record) if estimate else None
             if over is not None:
                 return over
             compiled = self._compile(candidate, record)

@@ -141,6 +141,15 @@ class Dataset:
     split: str = ""  # how train and val were drawn
     tokenizer: Tokenization | None = None  # text only: how a text becomes the model's token ids
 
+    def check_batch(self, batch_size: int, whose: str) -> None:
+        """Refuse a batch larger than the train split: its first step would hold fewer samples
+        than the compiled step takes (and a batch of repeats is not the batch that was planned)."""
+        if batch_size > len(self.train):
+            raise BadInput(
+                f"{whose} trains on batches of {batch_size}, but the train split of {self.source.name} holds "
+                f"{len(self.train)} samples: add data, or use a batch of at most {len(self.train)}"
+            )
+
     def to_json(self) -> dict:
         return {
             "source": str(self.source),
