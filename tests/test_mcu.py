@@ -33,6 +33,7 @@ from planner.measurement.qemu import QemuSession
 from planner.types import Candidate
 
 DIGITS = shipped("examples") / "digits"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -266,3 +267,46 @@ def test_a_transformer_with_an_attention_mask_is_measured_on_the_emulated_board(
     )
     assert result.plan.metrics.step_latency_ms.median > 0 and result.plan.target.name == "cortex-m4-qemu"
     assert "inff" not in (tmp_path / "m" / "train_step.c").read_text()
+
+
+def test_the_firmware_builds_from_the_plan_directory_alone_as_the_docs_say(tmp_path):
+    """docs/microcontrollers.md's command and main, on a copy of the files `train_step.mk` lists
+    and the headers beside them: no Python package's include directory, nothing else installed."""
+    plan = tmp_path / "m4"
+    api.measure(
+        DIGITS / "model.onnx",
+        scheme=DIGITS / "head-only.yaml",
+        data=DIGITS / "digits.npz",
+        target="cortex-m4-qemu",
+        out=plan,
+        accuracy_steps=2,
+        latency_repeats=1,
+    )
+    make = dict(line.split(" = ", 1) for line in (plan / "train_step.mk").read_text().splitlines() if line.startswith("PLANNER_"))
+    sources = make["PLANNER_SOURCES"].split()
+    project = tmp_path / "firmware"
+    project.mkdir()
+    for name in [*sources, "train_step.h", "train_step.tvm.h", "train_step.weights.bin"]:
+        shutil.copyfile(plan / name, project / name)
+    docs = (ROOT / "docs" / "microcontrollers.md").read_text()
+    snippet = docs.split("```c\n", 1)[1].split("```", 1)[0]
+    include, body = snippet.split("\n", 1)
+    (project / "main.c").write_text(
+        f"#include <string.h>\n{include}\n"
+        "static float batch[PLANNER_BATCH * 64];\nstatic int64_t labels[PLANNER_BATCH];\n"
+        f"int main(void) {{\n{body}return 0;\n}}\n"
+    )
+    command = docs.split("```sh\narm-none-eabi-gcc ", 1)[1].split("#", 1)[0].split()
+    argv = ["arm-none-eabi-gcc"]
+    for word in command:
+        argv += make[word[2:-1]].split() if word.startswith("$(") else [word]
+    # the SDK's start-up and linker script: newlib's stubs and its default layout stand in for them
+    done = subprocess.run([*argv, "--specs=nosys.specs"], cwd=project, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (project / "firmware.elf").stat().st_size > 0
+    header = (plan / "train_step.h").read_text()
+    assert "0: image, float32 [PLANNER_BATCH, 1, 8, 8]" in header
+    # the report shows the flash the step takes and says the latency is an instruction count
+    report = (plan / "report.md").read_text()
+    assert "| flash | " in report and "(budget 2,048.0 KiB)" in report
+    assert "an estimate: instructions counted on the emulated core" in report

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import optuna
@@ -181,6 +182,18 @@ def test_selection_policies_never_pick_an_over_budget_trial():
     assert select(trials, "memory", 0.01).number == 2
     assert select(trials, "accuracy").number == 1
     assert select(trials, "memory", 0.0).number == 1
+
+
+def test_the_latency_policy_does_not_choose_on_timing_noise():
+    """Two trials as accurate, 0.59 ms and 0.62 ms median, the faster's own spread reaching 0.8 ms:
+    they are as fast, and the one of less memory is the plan; a trial slower than that spread is not."""
+
+    def timed(n: int, median: float, p90: float, mem: int) -> TrialRecord:
+        return replace(_rec(n, 0.9, mem, True), latency=Latency(median, p90, median * 0.9, p90 * 1.1, 5, 1, "local"))
+
+    trials = [timed(0, 0.59, 0.80, 900), timed(1, 0.62, 0.70, 300)]
+    assert select(trials, "latency", 0.01).number == 1
+    assert select([timed(0, 0.59, 0.60, 900), timed(1, 0.62, 0.70, 300)], "latency", 0.01).number == 0
 
 
 def test_over_budget_candidates_are_infeasible_and_never_chosen(tiny_model, tiny_data, tmp_path):

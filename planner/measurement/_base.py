@@ -56,6 +56,8 @@ class Runner(abc.ABC):
     name: ClassVar[str]  # as a target's `runner:` names it
     kinds: ClassVar[frozenset[ArtifactKind]]  # the artifacts it can execute
     runs_here: ClassVar[bool]  # in this process: a build for the target runs the fine-tune as is
+    # its milliseconds are computed from a count (instructions at a clock), not timed: reports say so
+    latency_estimated: ClassVar[bool] = False
 
     def __init__(self, target: HardwareTarget) -> None:
         self.target = target

@@ -238,6 +238,7 @@ class QemuSession:
 
 class QemuRunner(Runner):
     name = "qemu"
+    latency_estimated = True  # an instruction count at one per cycle (see `latency_method`)
     kinds = frozenset({C_FIRMWARE})
     runs_here = False  # the fine-tune that measures accuracy runs on the host's VM build
 

@@ -83,8 +83,11 @@ def check(
             f"the step held {memory / 1024:,.1f} KiB, {_pct(memory, planned_memory_bytes)} the plan's "
             f"{planned_memory_bytes / 1024:,.1f} KiB"
         )
-    how = f"step time: the compiled step's call timed on {device}, median and p10-p90 over the run's steps; " + (
-        MEMORY_HOW if memory is not None else "memory: not measured here (no glibc mallinfo2)"
+    how = (
+        f"step time: the compiled step's call timed on {device}, median and p10-p90 over the run's steps; "
+        + (MEMORY_HOW if memory is not None else "memory: not measured here (no glibc mallinfo2)")
+        + f"; a warning when either is over {TOLERANCE:.0%} off the plan's and by more than "
+        f"{RESOLUTION_MS} ms or {RESOLUTION_BYTES // 1024} KiB (what a run can tell apart)"
     )
     return RunCheck(
         step_ms=step_ms,

@@ -228,6 +228,9 @@ class Measurement(_Part):
     memory: str
     schedules: str
     accuracy: str
+    latency_estimated: bool = Field(
+        default=False, description="the step's milliseconds are computed from an instruction count, not timed"
+    )
     ram_budget_bytes: int | None = None
     latency_budget_ms: float | None = None
     flash_budget_bytes: int | None = None

@@ -3,7 +3,8 @@
 Selection: among *feasible* completed trials, find the best val accuracy; every trial within
 `accuracy_tolerance` of it is "as good"; of those take the least peak memory (`memory`, default)
 or the least median step latency (`latency`). `accuracy` takes the most accurate trial outright
-(ties: least memory).
+(ties: least memory). Under `latency`, trials whose median is within the fastest one's spread
+(its p90) are as fast: timing noise does not choose, memory does.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
         return min(feasible, key=lambda t: (-t.measured().accuracy.after, t.measured().memory.total, t.number))
     good = [t for t in feasible if t.measured().accuracy.after >= best - accuracy_tolerance]
     if policy == "latency":
-        return min(good, key=lambda t: (t.measured().latency.median, t.measured().memory.total, t.number))
+        # as fast: within the fastest's own spread (its p90): a median below it by less than
+        # the timing's noise is no faster, and the least memory among them decides
+        fastest = min(good, key=lambda t: t.measured().latency.median).measured().latency
+        good = [t for t in good if t.measured().latency.median <= max(fastest.p90, fastest.median)]
+        return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
     return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
 
 
@@ -184,6 +189,7 @@ def assemble(
         metrics=Metrics.model_validate(metrics_json(chosen)),
         measurement=Measurement(
             latency=runner.latency_method(measured.latency),
+            latency_estimated=runner.latency_estimated,
             memory=provenance.memory,
             schedules=provenance.schedules,
             accuracy=f"fine-tuned on the planning host for {measured.accuracy.steps} steps (seed "

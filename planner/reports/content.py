@@ -47,6 +47,24 @@ class ReportContent:
         return [] if self.plan is None else [b.model_dump() for b in self.plan.selection.budgets]
 
     @property
+    def latency_note(self) -> str:
+        """What the headline latency is, where it is not a timing on the target."""
+        if self.plan is None:
+            return ""
+        if self.plan.measurement.retargeted_from is not None:
+            return f" (measured on {self.plan.measurement.retargeted_from}, not on this target)"
+        if self.plan.measurement.latency_estimated:
+            return " (an estimate: instructions counted on the emulated core, at one per cycle)"
+        return ""
+
+    @property
+    def flash(self) -> tuple[int, int] | None:
+        """(bytes the step stores, the target's flash budget), for a target with a flash budget."""
+        if self.plan is None or self.plan.measurement.flash_budget_bytes is None or self.plan.metrics.library_bytes is None:
+            return None
+        return self.plan.metrics.library_bytes, self.plan.measurement.flash_budget_bytes
+
+    @property
     def warnings(self) -> list[str]:
         """What a reader must know before any figure, in the words the report leads with."""
         if self.plan is None:

@@ -299,8 +299,13 @@ def _summary(content: ReportContent) -> str:
                 escape(f"{c['precision']}; frozen weights stored {c.get('frozen_weights', 'fp32')}; updates {c['updates']}"),
             ),
             ("val accuracy", f"{acc['before']:.3f} → <b>{acc['after']:.3f}</b> after {acc['steps']} steps"),
-            ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms"),
+            ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms{escape(content.latency_note)}"),
             ("peak memory", f"<b>{mem['total'] / KIB:,.1f} KiB</b>" + (f" of a {ram / KIB:,.0f} KiB budget" if ram else "")),
+            *(
+                [("flash", f"<b>{content.flash[0] / KIB:,.1f} KiB</b> of a {content.flash[1] / KIB:,.0f} KiB budget")]
+                if content.flash is not None
+                else []
+            ),
             *(
                 [("recomputation", escape(recompute_note(c, mem, content.plan.signature.kept if content.plan else ())))]
                 if c.get("recompute", "none") != "none"

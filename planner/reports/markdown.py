@@ -69,9 +69,11 @@ def render(content: ReportContent) -> str:
             f"| frozen weights stored | {c.get('frozen_weights', 'fp32')} |",
             f"| updates | {c['updates']} |",
             f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
-            f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms |",
+            f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms{content.latency_note} |",
             f"| peak memory | {kib(mem['total'])}" + (f" (budget {kib(budget)})" if budget else "") + " |",
         ]
+        if content.flash is not None:
+            lines.append(f"| flash | {kib(content.flash[0])} (budget {kib(content.flash[1])}) |")
     if content.layers:
         lines += [
             "",
