@@ -446,8 +446,13 @@ def test_a_resume_with_another_seed_records_each_trials_own_seed(tiny_model, tin
     assert planner(*plan_args(tiny_model, tiny_data, out, "--trials", "2", "--seed", "0")).returncode in PLANNED
     res = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "3", "--seed", "7"))
     assert res.returncode in PLANNED, res.stderr
+    assert "warning: resuming study 'planner' (begun with seed 0): its 2 finished trials keep their seeds" in res.stderr
     trials = json.loads((out / "trials.json").read_text())
     assert [t["seed"] for t in trials] == [0, 0, 7]
+    # a study that already holds its trials runs none: the seed would change nothing, and it says so
+    again = planner(*plan_args(tiny_model, tiny_data, out, "--trials", "3", "--seed", "9"))
+    assert again.returncode in PLANNED, again.stderr
+    assert "seed 9 changes nothing; raise --trials to run more with it" in again.stderr
     plan = read_plan(out)
     assert f"(seed {trials[plan.selection.trial]['seed']})" in plan.measurement.accuracy
 

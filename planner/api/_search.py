@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from planner.plans.select import Context, assemble, learned, select
 from planner.search.urls import redact
 from planner.types import StepProfile, TrialRecord
 
+log = logging.getLogger(__name__)
 Progress = Callable[[TrialRecord, int, int], None]
 _PLAN_OPTIONS = INPUT_FIELDS - {"classes"} | SETTING_FIELDS
 
@@ -145,6 +147,7 @@ def plan(
                 anchors,
                 _record(inputs, loaded, settings),
             )
+            _say_how_a_resume_seeds(st, study, settings)
             records = run_study(
                 st,
                 m,
@@ -165,6 +168,32 @@ def plan(
             raise
         written = _write_plans(out, loaded, sp, settings, records, chosen, family, storage, study, st)
         return PlanResult(written, out, records, interrupted)
+
+
+def _say_how_a_resume_seeds(st, study: str, settings: Settings) -> None:
+    """A resumed study run with another seed than it began with: its finished trials keep theirs,
+    and a study that already holds its trials runs none, so the seed would change nothing."""
+    finished = sum(t.state.is_finished() for t in st.get_trials(deepcopy=False))
+    began = (st.user_attrs.get("inputs") or {}).get("seed")
+    if not finished or began is None or began == settings.seed:
+        return
+    if finished >= settings.trials:
+        log.warning(
+            "study '%s' already holds %d finished trials (begun with seed %d): seed %d changes nothing; "
+            "raise `trials` to run more with it",
+            study,
+            finished,
+            began,
+            settings.seed,
+        )
+    else:
+        log.warning(
+            "resuming study '%s' (begun with seed %d): its %d finished trials keep their seeds, the new ones use %d",
+            study,
+            began,
+            finished,
+            settings.seed,
+        )
 
 
 def _evaluation(loaded: Loaded, settings: Settings):

@@ -28,6 +28,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from planner.cli._errors import as_flags
 from planner.types import Measured, TrialRecord, TrialState
 
 
@@ -43,13 +44,26 @@ class _ConsoleHandler(logging.Handler):
         self.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
 
 
+class _NoteHandler(logging.Handler):
+    """planner's warnings without -v: a line each, as `note` prints them (`warning: ...`)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.console.print(f"warning: {as_flags(record.getMessage())}", markup=False, highlight=False, soft_wrap=True)
+
+
 def configure_logging(console: Console, verbose: bool) -> None:
-    """-v: planner's debug log on stderr (TVM and Optuna stay at warnings)."""
+    """-v: planner's debug log on stderr (TVM and Optuna stay at warnings); without, its warnings
+    alone, one line each."""
+    logger = logging.getLogger("planner")
     if verbose:
-        handler = _ConsoleHandler(console)
-        logger = logging.getLogger("planner")
-        logger.addHandler(handler)
+        logger.addHandler(_ConsoleHandler(console))
         logger.setLevel(logging.DEBUG)
+    else:
+        logger.addHandler(_NoteHandler(console))
 
 
 def trial_line(rec: TrialRecord, done: int, total: int) -> str:
