@@ -293,7 +293,7 @@ def test_the_firmware_builds_from_the_plan_directory_alone_as_the_docs_say(tmp_p
     include, body = snippet.split("\n", 1)
     (project / "main.c").write_text(
         f"#include <string.h>\n{include}\n"
-        "static float batch[PLANNER_BATCH * 64];\nstatic int64_t labels[PLANNER_BATCH];\n"
+        "static float batch[PLANNER_BATCH * 64];\nstatic planner_label_t labels[PLANNER_BATCH];\n"
         f"int main(void) {{\n{body}return 0;\n}}\n"
     )
     command = docs.split("```sh\narm-none-eabi-gcc ", 1)[1].split("#", 1)[0].split()
@@ -306,6 +306,7 @@ def test_the_firmware_builds_from_the_plan_directory_alone_as_the_docs_say(tmp_p
     assert (project / "firmware.elf").stat().st_size > 0
     header = (plan / "train_step.h").read_text()
     assert "0: image, float32 [PLANNER_BATCH, 1, 8, 8]" in header
+    assert "typedef uint8_t planner_label_t;" in header  # ten classes: a byte a label
     # the report shows the flash the step takes and says the latency is an instruction count
     report = (plan / "report.md").read_text()
     assert "| flash | " in report and "(budget 2,048.0 KiB)" in report

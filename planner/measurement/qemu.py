@@ -26,6 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from planner.backend._base import Artifact
+from planner.backend.cstep import label_dtype
 from planner.backend.mcu import C_FIRMWARE
 from planner.backend.session import Inputs, example_batch, score
 from planner.backend.weights import from_step, to_step
@@ -184,7 +185,7 @@ class QemuSession:
         return [np.ascontiguousarray(np.asarray(a).astype(i.dtype, copy=False)) for a, i in zip(arrays, self.sig.inputs)]
 
     def step(self, x: Inputs, y: np.ndarray) -> float:
-        self.board.write(b"S", *self._inputs(x), np.ascontiguousarray(y, dtype=np.int64))
+        self.board.write(b"S", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig.n_classes)))
         rc, loss, ticks = struct.unpack("<ifQ", self.board.read(16))
         if rc != 0:
             raise CandidateFailed(f"the step failed on the emulated board (code {rc}: its scratch pool ran out?)")
@@ -193,7 +194,7 @@ class QemuSession:
 
     def profile(self, x: Inputs, y: np.ndarray, calls: int) -> list[int]:
         """One step on a batch, the instructions of each of its `calls` kernel calls, in order."""
-        self.board.write(b"K", *self._inputs(x), np.ascontiguousarray(y, dtype=np.int64))
+        self.board.write(b"K", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig.n_classes)))
         ticks = np.frombuffer(self.board.read(4 * calls), np.uint32)
         rc, _, _ = struct.unpack("<ifQ", self.board.read(16))
         if rc != 0:

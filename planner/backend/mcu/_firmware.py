@@ -23,7 +23,7 @@ import numpy as np
 
 from planner.backend._base import ARTIFACT_STEM
 from planner.backend.ckernels import include_dirs
-from planner.backend.cstep import CStep, _ctype, _literal, write_sources
+from planner.backend.cstep import CStep, _ctype, _literal, label_dtype, write_sources
 from planner.backend.gemm_kernels import GEMM
 from planner.backend.weights import to_step
 from planner.errors import CandidateFailed, EnvironmentFailure
@@ -96,7 +96,8 @@ def _model_source(sig: StepSignature, offsets: dict[str, int], weights: dict[str
         f"void* const planner_inputs[{n_in}] = {{{', '.join(f'input{k}' for k in range(len(sample))) or '0'}}};",
         f"const uint32_t planner_input_bytes[{n_in}] = {{{', '.join(str(B * n) for n in sample) or '0'}}};",
         f"const uint32_t planner_predict_bytes[{n_in}] = {{{', '.join(str(P * n) for n in sample) or '0'}}};",
-        f"int64_t planner_labels[{B}];",
+        f"planner_label_t planner_labels[{B}];",
+        f"static int64_t labels[{B}];  /* the step's own labels: int64, as ONNX's loss takes them */",
         f"float planner_logits[{P * sig.n_classes}];",
     ]
     stored = to_step(weights, sig.layouts, sig.quantized)
@@ -127,7 +128,10 @@ def _model_source(sig: StepSignature, offsets: dict[str, int], weights: dict[str
     lines += [
         "}",
         "",
-        "int32_t planner_train(float* loss) { return planner_step(planner_inputs, params, planner_labels, loss); }",
+        "int32_t planner_train(float* loss) {",
+        f"  for (uint32_t i = 0; i < {B}u; ++i) labels[i] = planner_labels[i];",
+        "  return planner_step(planner_inputs, params, labels, loss);",
+        "}",
         "",
         "int32_t planner_predict(void) { return planner_logits_of(planner_inputs, params, planner_logits); }",
         "",
@@ -264,7 +268,7 @@ def plan_sram(step: CStep, sig: StepSignature, weights: dict[str, np.ndarray]) -
     stored = to_step(weights, sig.layouts, sig.quantized)
     return SramPlan(
         arena=step.arena_bytes,
-        batch=sig.batch_size * (sample + 8) + 4 * sig.micro_batch * sig.n_classes,
+        batch=sig.batch_size * (sample + 8 + np.dtype(label_dtype(sig.n_classes)).itemsize) + 4 * sig.micro_batch * sig.n_classes,
         trainable=sum(stored[n].nbytes for n in sig.trainable),
         optimizer=sum(int(np.prod(s, dtype=np.int64)) * np.dtype(t).itemsize for s, t, _ in sig.optim_states),
         scratch=step.workspace_bytes + DLTENSOR_BYTES * step.tensors + STACK_BYTES,
