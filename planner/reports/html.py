@@ -156,11 +156,22 @@ def pareto_figure(content: ReportContent) -> go.Figure:
     return fig
 
 
+# a budget's line and its label: the label upright along the line, at its foot, so neither the
+# subplot titles above nor a neighbouring budget's label is written over
+BUDGET_LINE = {
+    "line_dash": "dash",
+    "line_color": "#d62728",
+    "annotation_position": "bottom left",
+    "annotation_textangle": -90,
+    "annotation_font": {"size": 11, "color": "#d62728"},
+}
+
+
 def _add_budgets(fig: go.Figure, content: ReportContent) -> None:
     """Draw the target's budgets (a budget family's lines and frontier) on `fig`: `pareto_figure`'s overlay."""
     budget = content.target.get("latency_budget_ms")
     if budget:
-        fig.add_vline(x=budget, line_dash="dash", line_color="#d62728", annotation_text="latency budget", row=1, col=1)
+        fig.add_vline(x=budget, **BUDGET_LINE, annotation_text="latency budget", row=1, col=1)
     ram = content.target.get("ram_budget_bytes")
     mems = [t.memory.total for t in content.trials if t.memory]
     family = content.budgets
@@ -180,9 +191,9 @@ def _add_budgets(fig: go.Figure, content: ReportContent) -> None:
         )
         for b in family:
             text = f"{b['directory']}: trial {b['trial']}" if b["trial"] is not None else f"{b['directory']}: none fits"
-            fig.add_vline(x=b["budget_bytes"] / KIB, line_dash="dash", line_color="#d62728", annotation_text=text, row=1, col=2)
+            fig.add_vline(x=b["budget_bytes"] / KIB, **BUDGET_LINE, annotation_text=text, row=1, col=2)
     elif ram and mems and ram <= 1.5 * max(mems):  # a budget far off the chart would squash the points
-        fig.add_vline(x=ram / KIB, line_dash="dash", line_color="#d62728", annotation_text="RAM budget", row=1, col=2)
+        fig.add_vline(x=ram / KIB, **BUDGET_LINE, annotation_text="RAM budget", row=1, col=2)
 
 
 def _frontier(measured: list[Measured]) -> list[Measured]:
