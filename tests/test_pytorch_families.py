@@ -27,7 +27,7 @@ from planner.backend.session import TrainingSession  # noqa: E402
 from planner.errors import BadInput  # noqa: E402
 from planner.inputs.model import load_model  # noqa: E402
 from planner.types import Candidate  # noqa: E402
-from processes import planner  # noqa: E402
+from processes import PLANNED, planner  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -329,7 +329,7 @@ def test_a_dynamo_export_plans_and_runs_from_anywhere(tmp_path):
         str(tmp_path / "plan"),
         cwd=elsewhere,
     )
-    assert res.returncode == 0, res.stderr
+    assert res.returncode in PLANNED, res.stderr  # a plan written (four steps may learn nothing)
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "plan", moved)
     assert (moved / f"{source.name}.data").is_file()

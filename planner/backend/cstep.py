@@ -22,7 +22,6 @@ the trainable weights and the states are updated where they are.
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import tvm
 from tvm import relax
 
 from planner.backend.ckernels import include_dirs, kernels_source, workspace_bytes
+from planner.backend.cvalues import ctype, label_dtype, literal
 from planner.backend.graph import PREDICT_FUNC, STEP_FUNC
 from planner.errors import CandidateFailed
 from planner.types import StepSignature
@@ -134,9 +134,9 @@ class _Driver:
         if isinstance(arg, tvm.ir.Constant):
             value = arg.value.numpy()
             name = f"{self.prefix}c{len(self.constants)}"
-            ctype = _ctype(str(value.dtype))
-            items = ", ".join(_literal(v, str(value.dtype)) for v in value.ravel().tolist()) or "0"
-            self.constants.append(f"static const {ctype} {name}_data[{max(1, value.size)}] = {{{items}}};")
+            c = ctype(str(value.dtype))
+            items = ", ".join(literal(v, str(value.dtype)) for v in value.ravel().tolist()) or "0"
+            self.constants.append(f"static const {c} {name}_data[{max(1, value.size)}] = {{{items}}};")
             t = _Tensor(name, tuple(value.shape), str(value.dtype), f"(void*){name}_data")
             self.tensors[relax.Var(name, arg.ty)] = t
             return t
@@ -238,38 +238,6 @@ def _pack(blocks: list[_Block]) -> int:
         for t in (block.tensor, *block.views):
             t.data = f"arena + {offset}"
     return arena
-
-
-def _ctype(dtype: str) -> str:
-    return {
-        "float32": "float",
-        "float64": "double",
-        "int64": "int64_t",
-        "int32": "int32_t",
-        "int8": "int8_t",
-        "uint8": "uint8_t",
-        "uint16": "uint16_t",
-        "uint32": "uint32_t",
-        "bool": "uint8_t",
-    }[dtype]
-
-
-def label_dtype(n_classes: int) -> str:
-    """The smallest unsigned type that holds a class index: what a board's label buffer is (a
-    label of 8 bytes would cost a batch of them 8x the SRAM for nothing)."""
-    return "uint8" if n_classes <= 2**8 else "uint16" if n_classes <= 2**16 else "uint32"
-
-
-def _literal(v: float | int, dtype: str) -> str:
-    """A constant's element as C writes it exactly: a float in hexadecimal, an infinity or NaN
-    (an attention mask's -inf) as C99's <math.h> macros: Python's `-inf` is no C."""
-    if dtype.startswith("float"):
-        x = float(v)
-        if not math.isfinite(x):
-            word = "NAN" if math.isnan(x) else "-INFINITY" if x < 0 else "INFINITY"
-            return word if dtype == "float32" else f"((double){word})"
-        return x.hex() + ("f" if dtype == "float32" else "")
-    return str(int(v))
 
 
 def _dl_dtype(dtype: str) -> str:
@@ -464,7 +432,7 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
         predict_batch=sig.micro_batch,
         n_inputs=n_inputs,
         n_classes=sig.n_classes,
-        label_type=_ctype(label_dtype(sig.n_classes)),
+        label_type=ctype(label_dtype(sig.n_classes)),
         n_params=_n_params(sig),
         n_frozen=len(sig.frozen),
         n_state=_n_params(sig) - len(sig.frozen),

@@ -26,7 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from planner.backend._base import Artifact
-from planner.backend.cstep import label_dtype
+from planner.backend.cvalues import label_dtype
 from planner.backend.mcu import C_FIRMWARE
 from planner.backend.session import Inputs, example_batch, score
 from planner.backend.weights import from_step, to_step

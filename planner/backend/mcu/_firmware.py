@@ -23,7 +23,8 @@ import numpy as np
 
 from planner.backend._base import ARTIFACT_STEM
 from planner.backend.ckernels import include_dirs
-from planner.backend.cstep import CStep, _ctype, _literal, label_dtype, write_sources
+from planner.backend.cstep import CStep, write_sources
+from planner.backend.cvalues import ctype, label_dtype, literal
 from planner.backend.gemm_kernels import GEMM
 from planner.backend.weights import to_step
 from planner.errors import CandidateFailed, EnvironmentFailure
@@ -123,8 +124,8 @@ def _model_source(sig: StepSignature, offsets: dict[str, int], weights: dict[str
     for k, name in enumerate(sig.trainable):
         lines.append(f"  memcpy(state{k}, planner_weights + {offsets[name]}, {stored[name].nbytes});")
     for k, (shape, dtype, fill) in enumerate(sig.optim_states, start=len(sig.trainable)):
-        n, ctype = int(np.prod(shape, dtype=np.int64)), _ctype(dtype)
-        lines.append(f"  for (uint32_t i = 0; i < {n}u; ++i) (({ctype}*)state{k})[i] = ({ctype}){_literal(fill, dtype)};")
+        n, c = int(np.prod(shape, dtype=np.int64)), ctype(dtype)
+        lines.append(f"  for (uint32_t i = 0; i < {n}u; ++i) (({c}*)state{k})[i] = ({c}){literal(fill, dtype)};")
     lines += [
         "}",
         "",
