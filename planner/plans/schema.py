@@ -277,7 +277,7 @@ class Selection(_Part):
         "(None: a plan from before planner judged it)",
     )
     accuracy_noise: float | None = Field(
-        default=None, description="two standard errors of the starting val accuracy on the val split's samples"
+        default=None, description="two standard errors of a val accuracy on the val split (at 0.5, the widest)"
     )
 
 

@@ -9,7 +9,6 @@ or the least median step latency (`latency`). `accuracy` takes the most accurate
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from planner.plans.schema import (
     StudyInfo,
     TargetInfo,
 )
+from planner.search.fidelity import margin
 from planner.types import Candidate, TrialRecord, TrialState
 
 if TYPE_CHECKING:
@@ -74,23 +74,16 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
         # the timing's noise is no faster, and the least memory among them decides
         fastest = min(good, key=lambda t: t.measured().latency.median).measured().latency
         good = [t for t in good if t.measured().latency.median <= max(fastest.p90, fastest.median)]
-        return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
     return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
-
-
-def noise_margin(accuracy: float, n: int) -> float:
-    """How far a val accuracy measured on `n` samples must move to say anything: two standard
-    errors of a binomial proportion at `accuracy`, and never less than one sample."""
-    return max(2 * math.sqrt(accuracy * (1 - accuracy) / max(n, 1)), 1 / max(n, 1))
 
 
 def learned(chosen: TrialRecord, n_val: int) -> tuple[bool, float]:
     """Whether the chosen trial's fine-tune beat the model's starting val accuracy by more than
-    the split's noise (`noise_margin`), and that margin. A plan that learned nothing is still
-    a plan (its latency and memory hold) but must say so: it would fine-tune for nothing."""
-    acc = chosen.measured().accuracy
-    margin = noise_margin(acc.before, n_val)
-    return acc.after - acc.before > margin, margin
+    the split's noise — two of the standard errors screening judges by (`fidelity.margin`) — and
+    that margin. A plan that learned nothing is still a plan (its latency and memory hold) but
+    must say so: it would fine-tune for nothing."""
+    acc, noise = chosen.measured().accuracy, 2 * margin(n_val)
+    return acc.after - acc.before > noise, noise
 
 
 def choice_json(model: Model, cand: Candidate) -> dict:
