@@ -132,7 +132,7 @@ def test_a_candidate_estimated_over_the_ram_budget_is_infeasible_and_never_compi
     assert skipped and len(skipped) < len(result.trials)
     for t in result.trials:
         if t in skipped:
-            assert t.over_budget_estimated and not t.feasible and "ram_budget" in t.over_budget
+            assert t.ended_over_budget and t.memory_estimated and not t.feasible and "ram_budget" in t.over_budget
             assert t.latency is None and t.accuracy is None and int(t.memory.total * LOW) == floors[t.number]
             assert not in_cache(load_model(tiny_model), t.candidate, build), "an estimated-over candidate was compiled"
         else:

@@ -24,13 +24,16 @@ from planner import api
 from planner.backend import backend_for
 from planner.backend.session import TrainingSession, example_batch
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
+from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
 from planner.inputs.targets import load_target
 from planner.measurement import runner_for
 from planner.measurement.qemu import QemuSession
-from planner.types import Candidate
+from planner.search.evaluate import EvalSettings, Evaluator
+from planner.types import Candidate, TrialRecord, TrialState
+from processes import planner
 
 DIGITS = shipped("examples") / "digits"
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,3 +314,47 @@ def test_the_firmware_builds_from_the_plan_directory_alone_as_the_docs_say(tmp_p
     report = (plan / "report.md").read_text()
     assert "| flash | " in report and "(budget 2,048.0 KiB)" in report
     assert "an estimate: instructions counted on the emulated core" in report
+
+
+def test_a_step_the_board_cannot_link_is_over_budget_not_a_failed_trial(tmp_path):
+    """A board whose SRAM is smaller than the target's budget (the estimate lets the candidate
+    through): the linker's refusal is an infeasible trial with the memory it needed, so the
+    search ranks it by how far over it is, and `planner measure` of it says so in one line."""
+    target = tmp_path / "tiny-board.yaml"
+    text = (shipped("hw_targets") / "cortex-m4-qemu.yaml").read_text()
+    old = "sram: {origin: 0x20000000, bytes: 4MiB}"
+    assert old in text
+    target.write_text(text.replace(old, "sram: {origin: 0x20000000, bytes: 12KiB}"))
+    out = tmp_path / "plan"
+    res = planner("plan", "--target", target, "--trials", "2", "--accuracy-steps", "5", "--out", out, "-v")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "FAIL" not in res.stderr and res.stderr.count("over linked") == 2, res.stderr
+    assert "beyond the board's RAM: not run" in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no feasible plan: 0 of 2 trials completed; 2 too large for the board to link"), last
+
+    attrs: dict = {}
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / "head-only.yaml")).candidate(model)
+    settings = EvalSettings(cache_dir=tmp_path / "cache", seed=0, accuracy_steps=5, latency_repeats=1)
+    evaluator = Evaluator(model, load_dataset(DIGITS / "digits.npz", model), load_target(str(target)), settings)
+    constraints = evaluator.evaluate(candidate, attrs.__setitem__)
+    record = TrialRecord.from_attrs(0, TrialState.COMPLETE, attrs, constraints)
+    assert record.ended_over_budget and not record.memory_estimated and record.fail_reason is None
+    assert record.memory is not None and record.memory.total > 12 * 1024
+    assert 0 < constraints["ram_budget"] and not record.feasible
+
+    measured = planner(
+        "measure",
+        DIGITS / "model.onnx",
+        "--data",
+        DIGITS / "digits.npz",
+        "--scheme",
+        DIGITS / "head-only.yaml",
+        "--target",
+        target,
+        "--out",
+        tmp_path / "m",
+    )
+    assert measured.returncode == 1 and "Traceback" not in measured.stderr, measured.stderr
+    assert "region `RAM' overflowed by" in measured.stderr.strip().splitlines()[-1]

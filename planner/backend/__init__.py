@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.backend._base import ARTIFACT_STEM, Artifact, ArtifactKind, Backend, BuiltArtifact, Provenance
+from planner.backend._base import ARTIFACT_STEM, Artifact, ArtifactKind, Backend, BuiltArtifact, DoesNotFit, Provenance
 from planner.errors import BadInput
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ __all__ = [
     "ArtifactKind",
     "Backend",
     "BuiltArtifact",
+    "DoesNotFit",
     "Provenance",
     "backend_class",
     "backend_for",

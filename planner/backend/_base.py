@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, NewType
 
+from planner.errors import CandidateFailed
 from planner.types import MemoryBreakdown, StepSignature
 
 if TYPE_CHECKING:
@@ -76,6 +77,18 @@ class MemoryEstimate:
 
     memory: MemoryBreakdown
     at_least: int
+
+
+class DoesNotFit(CandidateFailed):
+    """A step the board's toolchain refused because it overflows the board's memory: not a
+    failure of the candidate but a candidate over budget, which a search ranks as infeasible by
+    how far it is over (a memory estimate can miss by more than its error on a board whose own
+    regions are the bound). `memory` and `flash_bytes` are what the step would need (None: not
+    known), `overflow` the bytes the board lacks ("ram", "flash": a target's budgets by name)."""
+
+    def __init__(self, message: str, *, memory: MemoryBreakdown, flash_bytes: int | None, overflow: dict[str, int]) -> None:
+        super().__init__(message)
+        self.memory, self.flash_bytes, self.overflow = memory, flash_bytes, overflow
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,12 @@ def configure_logging(console: Console, verbose: bool) -> None:
 def trial_line(rec: TrialRecord, done: int, total: int) -> str:
     if rec.state is TrialState.PRUNED:
         return f"trial {rec.number:>3} ({done}/{total}) cut short: {rec.fail_reason or 'interrupted; queued again'}"
-    if rec.over_budget_estimated and rec.memory is not None:
-        return (
-            f"trial {rec.number:>3} ({done}/{total}) over estimated {rec.memory.total / 1024:>10,.1f} KiB, "
-            "beyond the RAM budget: not compiled"
-        )
+    if rec.ended_over_budget and rec.memory is not None:
+        kib = rec.memory.total / 1024
+        if rec.memory_estimated:
+            return f"trial {rec.number:>3} ({done}/{total}) over estimated {kib:>10,.1f} KiB, beyond the RAM budget: not compiled"
+        over = " and ".join({"ram_budget": "RAM", "flash_budget": "flash"}.get(b, b) for b in rec.over_budget)
+        return f"trial {rec.number:>3} ({done}/{total}) over linked {kib:>10,.1f} KiB, beyond the board's {over}: not run"
     if not rec.complete:
         return f"trial {rec.number:>3} ({done}/{total}) FAIL {rec.fail_reason}"
     # screened out: within budget, only beaten at its short fine-tune ("over" would read as over budget)

@@ -50,12 +50,16 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
     if not feasible:
         finished = [t for t in trials if t.state.finished]
         n_complete = sum(t.complete for t in finished)
-        estimated = [t for t in finished if t.over_budget_estimated]
-        failed = [t.fail_reason or "no reason recorded" for t in finished if not t.complete and t not in estimated]
+        ended = [t for t in finished if t.ended_over_budget]
+        failed = [t.fail_reason or "no reason recorded" for t in finished if not t.complete and t not in ended]
         parts = [f"{n_complete} of {len(finished)} trials completed"]
-        if estimated:
-            least = min(t.memory.total for t in estimated if t.memory is not None)
-            parts.append(f"{len(estimated)} estimated over the RAM budget before compiling (the least at {least:,} bytes)")
+        for what, these in (
+            ("estimated over the RAM budget before compiling", [t for t in ended if t.memory_estimated]),
+            ("too large for the board to link", [t for t in ended if not t.memory_estimated]),
+        ):
+            if these:
+                least = min(t.memory.total for t in these if t.memory is not None)
+                parts.append(f"{len(these)} {what} (the least at {least:,} bytes)")
         if n_complete:
             n_diverged = sum(t.complete and "diverged" in t.over_budget for t in finished)
             why = f" ({n_diverged} of them diverged while fine-tuning: lower the space's lr)" if n_diverged else ""

@@ -93,7 +93,7 @@ class ReportContent:
             else "screened"
             if t.screened_out
             else "infeasible"
-            if t.complete or t.over_budget_estimated
+            if t.complete or t.ended_over_budget
             else t.state.lower()
             for t in self.trials
         )

@@ -47,8 +47,10 @@ def _hover(t: TrialRecord) -> str:
     if t.latency:
         lines.append(f"step {t.latency.median:.2f} ms (p90 {t.latency.p90:.2f})")
     if t.memory:
-        estimated = " estimated from the training graph: not compiled" if t.over_budget_estimated else ""
-        lines.append(f"peak {t.memory.total / KIB:,.1f} KiB{estimated}")
+        how = ""
+        if t.ended_over_budget:
+            how = " estimated from the training graph: not compiled" if t.memory_estimated else " as linked: too large to run"
+        lines.append(f"peak {t.memory.total / KIB:,.1f} KiB{how}")
     if t.over_budget and not t.screened_out:
         lines.append("infeasible: " + ", ".join(t.over_budget))
     if t.state is TrialState.PRUNED:
@@ -71,7 +73,7 @@ def _category(t: TrialRecord, content: ReportContent) -> str:
         return "chosen"
     if t.feasible:
         return "pareto" if t.number in content.pareto else "feasible"
-    return "screened" if t.screened_out else "infeasible" if t.complete or t.over_budget_estimated else "fail"
+    return "screened" if t.screened_out else "infeasible" if t.complete or t.ended_over_budget else "fail"
 
 
 LABELS = {

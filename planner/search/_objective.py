@@ -114,8 +114,8 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
         for key, value in constraints.items():
             trial.set_constraint(key, value)
         attrs = trial.user_attrs
-        if "accuracy" not in attrs:  # estimated over the RAM budget: infeasible, never run (samplers rank
-            return 0.0, math.inf, float(attrs["memory"]["total"])  # an infeasible trial by its violation alone)
+        if "accuracy" not in attrs:  # over budget by its estimate or the linker: infeasible, never run
+            return 0.0, math.inf, float(attrs["memory"]["total"])  # (samplers rank it by its violation alone)
         return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
 
     return objective

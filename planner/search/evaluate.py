@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner import faults
-from planner.backend import Backend, BuiltArtifact, backend_for
+from planner.backend import Backend, BuiltArtifact, DoesNotFit, backend_for
 from planner.backend.threads import use_threads
 from planner.errors import CandidateFailed, EnvironmentFailure, NotTheCandidates, disk_problem, last_line
 from planner.inputs.data import Dataset
@@ -89,7 +89,8 @@ class Evaluator:
         budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`).
         A candidate estimated over the RAM budget returns that constraint alone, its memory
         recorded as estimated (`memory_estimated`) and nothing else measured — unless not to
-        `estimate` (`planner measure`: the scheme asked for is measured, over budget or not).
+        `estimate` (`planner measure`: the scheme asked for is measured, over budget or not); one
+        the board's linker refuses (`DoesNotFit`) returns its budgets' with its memory as linked.
 
         Raises CandidateFailed (with the reason also recorded) when it cannot be built or run,
         KeyboardInterrupt when `hooks.interrupted()` turns true mid fine-tune.
@@ -100,7 +101,12 @@ class Evaluator:
             over = self._over_budget(candidate, record) if estimate else None
             if over is not None:
                 return over
-            compiled = self._compile(candidate, record)
+            try:
+                compiled = self._compile(candidate, record)
+            except DoesNotFit as exc:  # the board's linker refused it: over budget, not failed ...
+                if not estimate:  # ... but a scheme to measure cannot be
+                    raise
+                return self._does_not_fit(candidate, exc, record)
             measured = self._measure(candidate, compiled, record, hooks)
             faults.point("trial-accuracy")
             # accuracy does not depend on the board: a board build may not even run here
@@ -117,7 +123,7 @@ class Evaluator:
                 hooks.interrupted,
                 (lambda: 1) if one else hooks.fine_tune_threads,
             )
-            budgets = self._budgets(compiled, measured.latency.median)
+            budgets = self._budgets(compiled.memory.total, compiled.stored_bytes, measured.latency.median)
             fidelity = None
             if settings.screen_steps:
                 fidelity = self._screen(
@@ -172,6 +178,18 @@ class Evaluator:
         log.debug("%s: estimated at %d bytes or more, over the RAM budget: not compiled", _label(candidate), estimate.at_least)
         return {"ram_budget": float(estimate.at_least - self.target.ram_budget_bytes)}
 
+    def _does_not_fit(self, candidate: Candidate, exc: DoesNotFit, record: Callable[[str, object], None]) -> dict[str, float]:
+        """The constraints of a candidate too large for the board to link: how far over each
+        budget what it needs is, and at least what the board lacks (a target may set a budget
+        beyond its board's memory)."""
+        record("memory", exc.memory.to_json())
+        log.debug("%s: does not fit the board: %s", _label(candidate), exc)
+        budgets = self._budgets(exc.memory.total, exc.flash_bytes, None)
+        for region, by in exc.overflow.items():
+            key = f"{region}_budget"
+            budgets[key] = max(budgets.get(key, 0.0), float(by))
+        return budgets
+
     def _compile(self, candidate: Candidate, record: Callable[[str, object], None]) -> BuiltArtifact:
         """Build `candidate` and record what the build cost, apart so `evaluate` stays readable."""
         faults.point("trial-compile")
@@ -212,14 +230,15 @@ class Evaluator:
         log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
         return measured
 
-    def _budgets(self, compiled: BuiltArtifact, latency_ms: float) -> dict[str, float]:
-        """How far over each of the target's budgets the candidate is (<= 0: within)."""
+    def _budgets(self, ram: int, stored: int | None, latency_ms: float | None) -> dict[str, float]:
+        """How far over each of the target's budgets a step of `ram` peak bytes, `stored` bytes on
+        the board and `latency_ms` is (<= 0: within; a figure not known is not judged)."""
         target = self.target
-        budgets = {"ram_budget": float(compiled.memory.total - target.ram_budget_bytes)}
-        if target.latency_budget_ms is not None:
+        budgets = {"ram_budget": float(ram - target.ram_budget_bytes)}
+        if target.latency_budget_ms is not None and latency_ms is not None:
             budgets["latency_budget"] = latency_ms - target.latency_budget_ms
-        if target.flash_budget_bytes is not None:
-            budgets["flash_budget"] = float(compiled.stored_bytes - target.flash_budget_bytes)
+        if target.flash_budget_bytes is not None and stored is not None:
+            budgets["flash_budget"] = float(stored - target.flash_budget_bytes)
         return budgets
 
     def _screen(

@@ -171,9 +171,10 @@ class TrialRecord:
         return self.state is TrialState.COMPLETE and self.accuracy is not None
 
     @property
-    def over_budget_estimated(self) -> bool:
-        """Ended by its memory estimate: over the RAM budget before anything was built."""
-        return self.state is TrialState.COMPLETE and self.memory_estimated and self.accuracy is None
+    def ended_over_budget(self) -> bool:
+        """Ended by its memory before it was measured: its estimate put it over the RAM budget
+        (`memory_estimated`: nothing was built) or the board's linker refused its image."""
+        return self.state is TrialState.COMPLETE and self.accuracy is None and self.memory is not None
 
     @property
     def screened_out(self) -> bool:

@@ -11,12 +11,12 @@ from pathlib import Path
 import tvm
 
 from planner import __version__, cachefile
-from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, Provenance
+from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, DoesNotFit, Provenance
 from planner.backend.compile import BuildOptions, cached_build, code_id, compile_candidate, lower_step
 from planner.backend.cstep import emit
 from planner.backend.gemm_kernels import FLOPS
 from planner.backend.graph import build_training_module
-from planner.backend.mcu._firmware import build_firmware
+from planner.backend.mcu._firmware import Overflowed, SramPlan, build_firmware
 from planner.backend.trainer import update_lr
 from planner.backend.vm import HOST_TARGET
 from planner.errors import BadInput, CandidateFailed, last_line
@@ -99,24 +99,25 @@ class CBackend(Backend):
             raise
         except Exception as exc:
             raise CandidateFailed(f"TVM compile failed: {last_line(exc)}") from None
-        firmware = build_firmware(step, sig, model.initializers, board, self.target.toolchain or DEFAULT_COMPILER, tmp)
-        plan = firmware.planned
-        memory = MemoryBreakdown(
-            total=firmware.sram_bytes,
-            activations=plan.arena + plan.batch,
-            trainable_params=plan.trainable,
-            gradients=0,  # in the arena, among the activations
-            optimizer_state=plan.optimizer,
-            frozen_params=0,  # in flash
-            scratch=firmware.sram_bytes - plan.arena - plan.batch - plan.trainable - plan.optimizer,
-        )
+        try:
+            firmware = build_firmware(step, sig, model.initializers, board, self.target.toolchain or DEFAULT_COMPILER, tmp)
+        except Overflowed as exc:  # over the board's regions: what it would need is the region and more
+            ram, flash = exc.regions.get("RAM"), exc.regions.get("FLASH")
+            sram = board.sram.bytes + ram if ram is not None else exc.planned.total
+            raise DoesNotFit(
+                str(exc),
+                memory=_memory(sram, exc.planned),
+                flash_bytes=board.flash.bytes + flash if flash is not None else None,
+                overflow={region: n for region, n in (("ram", ram), ("flash", flash)) if n is not None},
+            ) from None
+        memory = _memory(firmware.sram_bytes, firmware.planned)
         return {
             "files": {f.name: cachefile.digest(f) for f in firmware.files},
             "order": [f.name for f in firmware.files],
             "signature": sig.to_json(),
             "memory": memory.to_json(),
             "flash_bytes": firmware.flash_bytes,
-            "planned_sram_bytes": plan.total,
+            "planned_sram_bytes": firmware.planned.total,
             "compile_seconds": time.perf_counter() - t0,
             "kernels": lowered.kernels,
             "in_place_updates": lowered.in_place,
@@ -153,6 +154,19 @@ def _load(entry: Path, meta: dict, cached: bool) -> CFirmware:
         flash_bytes=int(meta["flash_bytes"]),
         planned_sram_bytes=int(meta["planned_sram_bytes"]),
         calls=tuple((str(name), int(flops)) for name, flops in meta["calls"]),
+    )
+
+
+def _memory(sram: int, plan: SramPlan) -> MemoryBreakdown:
+    """The SRAM an image takes (`sram`: linked, or what ld said it needed), split as `plan` does."""
+    return MemoryBreakdown(
+        total=sram,
+        activations=plan.arena + plan.batch,
+        trainable_params=plan.trainable,
+        gradients=0,  # in the arena, among the activations
+        optimizer_state=plan.optimizer,
+        frozen_params=0,  # in flash
+        scratch=sram - plan.arena - plan.batch - plan.trainable - plan.optimizer,
     )
 
 

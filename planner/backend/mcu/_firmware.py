@@ -215,6 +215,18 @@ def _linker_script(board: Mcu) -> str:
     )
 
 
+class Overflowed(CandidateFailed):
+    """ld refused the image: it overflows the board's memory regions (`regions`: the linker
+    script's region name, "RAM" or "FLASH", to the bytes it is over by)."""
+
+    def __init__(self, message: str, *, regions: dict[str, int], planned: SramPlan) -> None:
+        super().__init__(message)
+        self.regions, self.planned = regions, planned
+
+
+_OVERFLOW = re.compile(r"region `(\w+)' overflowed by (\d+) bytes")
+
+
 def _run(argv: list[str], cwd: Path, what: str) -> str:
     if shutil.which(argv[0]) is None:
         raise EnvironmentFailure(f"{what}: {argv[0]} is not installed ({INSTALL_HINT})")
@@ -222,10 +234,25 @@ def _run(argv: list[str], cwd: Path, what: str) -> str:
     if done.returncode != 0:
         lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         # a step too large for the board: ld says by how much before collect2's "ld returned 1"
-        said = [line for line in lines if "overflowed by" in line] or [line for line in lines if "error" in line.lower()]
+        # (one line per region: RAM and FLASH can both overflow)
+        overflows = [m.group(0) for line in lines if (m := _OVERFLOW.search(line))]
+        if overflows:
+            raise CandidateFailed(f"{what} failed: {'; '.join(overflows)}")
+        said = [line for line in lines if "error" in line.lower()]
         tail = (said or lines or [f"exit {done.returncode}"])[0]
         raise CandidateFailed(f"{what} failed: {tail.strip()}")
     return done.stdout
+
+
+def _link(argv: list[str], cwd: Path, what: str, planned: SramPlan) -> None:
+    """`_run` of the linker, which raises `Overflowed` for an image too large for the board."""
+    try:
+        _run(argv, cwd, what)
+    except CandidateFailed as exc:
+        regions = {name: int(n) for name, n in _OVERFLOW.findall(str(exc))}
+        if not regions:
+            raise
+        raise Overflowed(str(exc), regions=regions, planned=planned) from None
 
 
 def _sections(elf: Path, board: Mcu) -> tuple[int, int]:
@@ -294,7 +321,8 @@ def build_firmware(
     c_files = [*(s.name for s in sources if s.suffix == ".c"), MODEL_C, SGEMM_C, BLOB_S]
     runtime = [str(RUNTIME / "startup.c"), str(RUNTIME / "main.c")]
     argv = [compiler, *board.cflags, *CFLAGS, "-I.", "-T", LINKER]  # the directory's own headers only
-    _run([*argv, "-o", ELF, *c_files, *runtime, *LDFLAGS], directory, f"{compiler} linking the step")
+    planned = plan_sram(step, sig, weights)
+    _link([*argv, "-o", ELF, *c_files, *runtime, *LDFLAGS], directory, f"{compiler} linking the step", planned)
     sram, flash = _sections(directory / ELF, board)
     files = (directory / ELF, *sources, *(directory / n for n in (TVM_H, MODEL_C, SGEMM_C, BLOB_S, BLOB, LINKER, MAKEFILE)))
-    return Firmware(files, sram, flash, plan_sram(step, sig, weights))
+    return Firmware(files, sram, flash, planned)
