@@ -6,7 +6,7 @@
 For each dense 3×3 convolution of torchvision's resnet18 at 64×64 (the issue-16 yardstick; or of
 the CIFAR ResNet-8, whose 16- and 32-channel layers are the thinnest products) and
 each batch: the three kernels planner compiles for it with `kernels: openblas` — forward, weight
-gradient, input gradient (`planner/backend/gemm_kernels.py`) — each timed by TVM's time evaluator
+gradient, input gradient (`planner/backend/sgemm/gemm_kernels.py`) — each timed by TVM's time evaluator
 (best of 5 rounds) and given as GFLOP/s and as a share of numpy's float32 1024³ matmul, measured right
 before and after each kernel (the higher of the two: this shared host drifts). Printed as a
 Markdown table. (The pause after each numpy product matters: numpy's OpenBLAS threads spin
@@ -66,9 +66,9 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     import tvm
 
-    from planner.backend import gemm_kernels
-    from planner.backend.im2col import Conv
-    from planner.backend.libraries import load_openblas
+    from planner.backend.sgemm import gemm_kernels
+    from planner.backend.sgemm.im2col import Conv
+    from planner.runtime.libraries import load_openblas
 
     load_openblas()
     target = tvm.target.Target({"kind": "llvm", "num-cores": args.threads})

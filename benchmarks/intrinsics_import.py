@@ -18,7 +18,7 @@ import sys
 PROBE = """
 import sys, time
 import tvm
-from planner.backend import tune
+from planner.backend.lower import tune
 def call(depth):
     if depth:
         return call(depth - 1)

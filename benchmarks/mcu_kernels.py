@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from planner.backend import backend_for
-from planner.backend.session import example_batch
 from planner.inputs.model import load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
 from planner.inputs.targets import load_target
 from planner.measurement.qemu import QemuSession
+from planner.runtime.session import example_batch
 from planner.types import Kernels
 
 DIGITS = shipped("examples") / "digits"

@@ -4,10 +4,10 @@
     python benchmarks/memory_estimate.py [--exporter dynamo] [--batches 2 8] [--families mobilenet_v2 vit]
 
 For every PyTorch family of tests/torch_families.py, three schemes (every layer in full, every
-bias, the last layer) at each batch size: the peak `planner.backend.estimate` tells from the
-training graph before compiling, the peak the compiled step plans (`planner.backend.memory`),
+bias, the last layer) at each batch size: the peak `planner.backend.graph.estimate` tells from the
+training graph before compiling, the peak the compiled step plans (`planner.backend.graph.memory`),
 and their ratio. Prints a row per case, then the range per family and overall, the figures
-behind `LOW`, `HIGH` and `SLACK` in planner/backend/estimate.py.
+behind `LOW`, `HIGH` and `SLACK` in planner/backend/graph/estimate.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torch_families as tf  # noqa: E402
-from planner.backend.compile import BuildOptions, compile_candidate, training_module  # noqa: E402
-from planner.backend.estimate import HIGH, LOW, SLACK, estimate  # noqa: E402
+from planner.backend.graph.estimate import HIGH, LOW, SLACK, estimate  # noqa: E402
+from planner.backend.lower.pipeline import BuildOptions, training_module  # noqa: E402
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model  # noqa: E402
 from planner.inputs.targets import load_target  # noqa: E402
 from planner.types import Candidate  # noqa: E402

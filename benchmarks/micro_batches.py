@@ -35,10 +35,11 @@ def main() -> None:
     import tvm
 
     import zoo
-    from planner.backend.compile import BuildOptions, compile_candidate
-    from planner.backend.session import TrainingSession
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step
+    from planner.runtime.session import TrainingSession
     from planner.types import Candidate
 
     build = BuildOptions(tvm.target.Target({"kind": "llvm"}))

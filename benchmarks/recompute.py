@@ -29,9 +29,9 @@ def main() -> None:
     args = parser.parse_args()
     env = on_threads(args.threads)
     import zoo
-    from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step
+    from planner.runtime.session import TrainingSession
 
     print(f"every layer trained, plain SGD, {args.threads} threads\n")
     print("| model | batch | planned MiB none → auto | measured MiB none → auto | step ms none → auto | kept (auto) |")

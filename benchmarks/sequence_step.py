@@ -155,9 +155,10 @@ def LoRALinear(linear):  # noqa: N802  (a module factory, named as the module it
 def planner_session(path: Path, update: str, batch: int):
     import tvm
 
-    from planner.backend.compile import BuildOptions, compile_candidate
-    from planner.backend.session import TrainingSession
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
     from planner.inputs.model import load_model
+    from planner.runtime.session import TrainingSession
     from planner.types import Candidate
 
     model = load_model(path)

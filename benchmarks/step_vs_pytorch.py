@@ -225,7 +225,8 @@ def planner_step(
 ):
     import tvm
 
-    from planner.backend.compile import BuildOptions, compile_candidate
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
     from planner.inputs.model import load_model
     from planner.types import Candidate
 
@@ -246,7 +247,7 @@ def probe(spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
         step = torch_step_setup(proto, spec["params"], spec["batch"], spec.get("native"), spec.get("layers", ()))
     else:
-        from planner.backend.session import TrainingSession
+        from planner.runtime.session import TrainingSession
 
         model, compiled = planner_step(
             Path(spec["model"]),
@@ -336,9 +337,9 @@ def main() -> None:
     import torch
 
     import zoo
-    from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step
+    from planner.runtime.session import TrainingSession
 
     torch.set_num_threads(args.threads)
     peak_blas = numpy_gflops()

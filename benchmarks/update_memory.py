@@ -30,9 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     env = on_threads(args.threads)
     import zoo
-    from planner.backend.session import TrainingSession
     from planner.inputs.model import load_model
     from planner.measurement.latency import time_step
+    from planner.runtime.session import TrainingSession
 
     print(f"batch {args.batch}, every layer trained, {args.threads} threads\n")
     print(

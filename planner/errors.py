@@ -28,6 +28,11 @@ class OutputUnwritable(BadInput):
     cannot hold the result; nothing half-written is left in it."""
 
 
+class StepNotLoadable(BadInput):
+    """A compiled step this machine cannot load: built for another one (`planner run` of a plan
+    made for a board, without the board's target)."""
+
+
 class NoFeasiblePlan(PlannerError):
     """The study finished, but no candidate met the target's budgets."""
 

@@ -19,9 +19,10 @@ from onnx.reference.ops.op_conv_transpose import ConvTranspose as _ConvTranspose
 from onnx.reference.ops.op_pad import Pad_18 as _Pad
 from onnx.reference.ops.op_rnn import RNN_14
 
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import Model, load_model
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate, StepSignature
 
 

@@ -228,9 +228,9 @@ def planner_gradients(case: Case, arrays: Sequence[np.ndarray], cotangent: np.nd
     planner's import and gradients give them (the float32 graph planner imports, computed in
     float64: `_float64`; float32 where TVM has the op in float32 only, `Case.float32`), built by
     TVM's default lowering."""
-    from planner.backend import gradients
-    from planner.backend.graph import inference_form
-    from planner.backend.importer import to_relax
+    from planner.backend.graph import gradients
+    from planner.backend.graph.importer import to_relax
+    from planner.backend.graph.training import inference_form
     from planner.inputs.fixups import for_import
 
     model = node_model(case, double=False)
@@ -373,9 +373,10 @@ def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-
     errors of the logits and the loss against the reference, and of each trained tensor's
     gradient against central differences (float64 reference, float32 step). `frozen`: only the
     head trained, the node in the frozen part, whatever the table says of it."""
-    from planner.backend.compile import BuildOptions, compile_candidate
-    from planner.backend.session import TrainingSession
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
     from planner.inputs.model import load_model
+    from planner.runtime.session import TrainingSession
     from planner.types import Candidate
 
     path, xs = classifier(case, directory / "model.onnx")

@@ -8,9 +8,10 @@ import tvm
 
 import zoo
 from builders import gradient_errors
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 pytestmark = pytest.mark.slow  # edge families compiled in fp32 and bf16, gradients by finite differences: minutes

@@ -1,4 +1,4 @@
-"""Row bands (planner.backend.bands): the frozen first layers computed a band of rows at a time
+"""Row bands (planner.backend.graph.bands): the frozen first layers computed a band of rows at a time
 give the tensor the unbanded function gives, as TVM computes it, for every cut and band count."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import tvm_ffi
 from tvm import relax
 
 import zoo
-from planner.backend import bands
-from planner.backend.graph import PREDICT_FUNC, STEP_FUNC, build_training_module
+from planner.backend.graph import bands
+from planner.backend.graph.training import build_training_module
 from planner.inputs.model import load_model
+from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC
 from planner.types import Candidate
 
 

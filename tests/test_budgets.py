@@ -112,8 +112,9 @@ def test_a_candidate_estimated_over_the_ram_budget_is_infeasible_and_never_compi
     """The training graph's memory estimate screens a candidate before its compile: one clearly
     over the RAM budget ends as an infeasible trial, its memory recorded as estimated, and its step
     is never built; the others are compiled and measured as ever."""
-    from planner.backend.compile import BuildOptions, in_cache, training_module
-    from planner.backend.estimate import LOW, estimate
+    from planner.backend.graph.estimate import LOW, estimate
+    from planner.backend.lower.pipeline import BuildOptions, training_module
+    from planner.backend.vm.compile import in_cache
     from planner.inputs.model import load_model
 
     first = _plan(tiny_model, tiny_data, tmp_path / "a", ["1GiB"])

@@ -1,4 +1,4 @@
-"""A step as C (`planner.backend.cstep`): every kernel TVM's C code generator writes, and a driver
+"""A step as C (`planner.backend.mcu.cstep`): every kernel TVM's C code generator writes, and a driver
 that calls them in the planned order with every tensor at a fixed offset in one static arena.
 
 Built for this machine with gcc and no floating-point contraction, the C step is the VM's step
@@ -19,15 +19,16 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from planner.backend.ckernels import include_dirs, kernels_source
-from planner.backend.compile import BuildOptions, compile_candidate, lower_step
-from planner.backend.cstep import ALIGN, compile_host, emit
-from planner.backend.graph import build_training_module
-from planner.backend.session import TrainingSession
-from planner.backend.weights import from_step, to_step
+from planner.backend.graph.training import build_training_module
+from planner.backend.lower.pipeline import BuildOptions, lower_step
+from planner.backend.mcu.ckernels import include_dirs, kernels_source
+from planner.backend.mcu.cstep import ALIGN, compile_host, emit
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
+from planner.runtime.session import TrainingSession
+from planner.runtime.weights import from_step, to_step
 from planner.types import Candidate, Kernels, StepSignature
 
 # one core, no FMA: the VM's kernels multiply and add as C without contraction does

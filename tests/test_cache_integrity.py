@@ -23,13 +23,16 @@ import pytest
 import tvm
 
 from planner import cachefile
-from planner.backend import gemm, gemm_kernels, kernels, link
-from planner.backend.compile import LIB_NAME, META_NAME, BuildOptions, check_cache_dir, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.cache import META_NAME, check_cache_dir
+from planner.backend.lower import kernels, link
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.sgemm import gemm, gemm_kernels
+from planner.backend.vm.compile import LIB_NAME, compile_candidate
 from planner.errors import EnvironmentFailure
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
 from planner.measurement.accuracy import measure_accuracy
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})
@@ -346,7 +349,7 @@ def test_check_cache_dir_refuses_a_full_disk(tmpfs):
 
 _PROBE_READ_ONLY = """
 import sys
-from planner.backend.compile import check_cache_dir
+from planner.backend.cache import check_cache_dir
 from planner.errors import EnvironmentFailure
 try:
     check_cache_dir(sys.argv[1])
@@ -387,7 +390,8 @@ _COMPILE = """
 import json, sys
 from pathlib import Path
 import tvm
-from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.errors import CandidateFailed, EnvironmentFailure
 from planner.inputs.model import load_model
 from planner.types import Candidate

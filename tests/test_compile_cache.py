@@ -10,11 +10,14 @@ import pytest
 import tvm
 from tvm import relax
 
-from planner.backend import compile, link
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.graph import PREDICT_FUNC, STEP_FUNC, build_training_module
-from planner.backend.session import TrainingSession
+from planner.backend.graph.training import build_training_module
+from planner.backend.lower import link
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.lower import pipeline
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
+from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate, Kernels
 
 HOST = tvm.target.Target({"kind": "llvm"})
@@ -100,5 +103,5 @@ def test_evaluating_a_candidate_needs_no_kernel_of_its_own(tiny_model, trained):
     names = [layer.name for layer in model.layers if layer.weight or layer.bias]
     candidate = Candidate(trainable=tuple((n, "full") for n in names[-trained:]), batch_size=4, optimizer="sgd", lr=0.05)
     mod, _ = build_training_module(model, candidate)
-    scheduled = compile._schedule(compile._fuse(mod, HOST, Kernels.OPENBLAS, None), HOST)
+    scheduled = pipeline._schedule(pipeline._fuse(mod, HOST, Kernels.OPENBLAS, None), HOST)
     assert _kernels_called(scheduled, PREDICT_FUNC) <= _kernels_called(scheduled, STEP_FUNC)

@@ -15,8 +15,9 @@ import tvm
 torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
 import torch_families as tf  # noqa: E402
 from planner import api  # noqa: E402
-from planner.backend.compile import BuildOptions, compile_candidate  # noqa: E402
-from planner.backend.session import TrainingSession  # noqa: E402
+from planner.backend.lower.pipeline import BuildOptions  # noqa: E402
+from planner.backend.vm.compile import compile_candidate  # noqa: E402
+from planner.runtime.session import TrainingSession  # noqa: E402
 from planner.types import Candidate  # noqa: E402
 
 HOST = tvm.target.Target({"kind": "llvm"})

@@ -12,7 +12,8 @@ import tvm
 
 from builders import blobs
 from planner import api
-from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.errors import BadInput
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model

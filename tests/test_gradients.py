@@ -14,10 +14,11 @@ from onnx import helper, numpy_helper
 from tvm import relax
 
 from builders import OP_PATTERNS, TRAINABLE_OP, gradient_errors, op_pattern_model, step_gradients, tiny_cnn
-from planner.backend import gradients
-from planner.backend.graph import STEP_FUNC, build_training_module
+from planner.backend.graph import gradients
+from planner.backend.graph.training import build_training_module
 from planner.errors import CandidateFailed
 from planner.inputs.model import load_model
+from planner.runtime.convention import STEP_FUNC
 from planner.types import Candidate
 
 

@@ -27,7 +27,7 @@ print(sorted(op for op, g in gradients.items() if not (g is None is gradients_af
 
 
 def test_importing_every_module_changes_no_environment_warning_filter_or_gradient():
-    """No TVM_NUM_THREADS written (a step's session claims the cores, `planner.backend.threads`),
+    """No TVM_NUM_THREADS written (a step's session claims the cores, `planner.runtime.threads`),
     no warning filter added (Optuna's ExperimentalWarning is silenced around the calls that raise
     it), and TVM's gradients as TVM registered them (planner's are set while it differentiates)."""
     env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}  # (conftest sets it: planner would not)

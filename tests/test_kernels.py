@@ -10,11 +10,12 @@ import pytest
 import tvm
 from tvm import relax
 
-from planner.backend import gemm, gemm_kernels, gradients
-from planner.backend.im2col import Conv
-from planner.backend.kernels import legalize
-from planner.backend.libraries import load_openblas
-from planner.backend.schedule import default_schedule
+from planner.backend.graph import gradients
+from planner.backend.lower.kernels import legalize
+from planner.backend.lower.schedule import default_schedule
+from planner.backend.sgemm import gemm, gemm_kernels
+from planner.backend.sgemm.im2col import Conv
+from planner.runtime.libraries import load_openblas
 from planner.types import Kernels
 
 HOST = tvm.target.Target({"kind": "llvm"})

@@ -7,10 +7,11 @@ import pytest
 import tvm
 
 import zoo
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
 from planner.modes.lora import adapter_delta, adapter_shapes, lora_a, lora_b
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 HOST = BuildOptions(tvm.target.Target({"kind": "llvm"}))

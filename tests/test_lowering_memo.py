@@ -1,5 +1,5 @@
 """A study lowers the same ops for candidate after candidate, so `legalize` remembers each op's
-lowering (`planner.backend.kernels._Remembered`). A remembered lowering must be exactly the one a
+lowering (`planner.backend.lower.kernels._Remembered`). A remembered lowering must be exactly the one a
 fresh lowering would give — the same kernels, called on the same operands — whatever came before
 it in the process: other batch sizes, other trainable sets, other kernel libraries, other tiles."""
 
@@ -10,9 +10,10 @@ import tvm
 from tvm import relax
 
 import zoo
-from planner.backend import gemm_kernels, kernels
-from planner.backend.graph import build_training_module
-from planner.backend.kernels import legalize
+from planner.backend.graph.training import build_training_module
+from planner.backend.lower import kernels
+from planner.backend.lower.kernels import legalize
+from planner.backend.sgemm import gemm_kernels
 from planner.inputs.model import load_model
 from planner.types import Candidate, Kernels
 

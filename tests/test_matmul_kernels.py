@@ -1,4 +1,4 @@
-"""Matrix products through OpenBLAS (`planner.backend.matmul`) compute what TVM's own unscheduled
+"""Matrix products through OpenBLAS (`planner.backend.sgemm.matmul`) compute what TVM's own unscheduled
 lowering computes: 2-D, batched × 2-D (flattened into one product), batched × batched with the
 same or broadcast batch dims, every transpose folded into sgemm's flags, batched weight
 gradients as one product, the einsums that are one product; odd and even sizes, 1-sized dims,
@@ -13,10 +13,12 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from planner.backend import gradients, kernels, matmul
-from planner.backend.kernels import legalize
-from planner.backend.libraries import load_openblas
-from planner.backend.schedule import default_schedule
+from planner.backend.graph import gradients
+from planner.backend.lower import kernels
+from planner.backend.lower.kernels import legalize
+from planner.backend.lower.schedule import default_schedule
+from planner.backend.sgemm import matmul
+from planner.runtime.libraries import load_openblas
 from planner.types import Kernels
 
 

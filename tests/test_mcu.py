@@ -22,7 +22,6 @@ import pytest
 
 from planner import api
 from planner.backend import backend_for
-from planner.backend.session import TrainingSession, example_batch
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
@@ -31,6 +30,7 @@ from planner.inputs.schemes import load_scheme
 from planner.inputs.targets import load_target
 from planner.measurement import runner_for
 from planner.measurement.qemu import QemuSession
+from planner.runtime.session import TrainingSession, example_batch
 from planner.search.evaluate import EvalSettings, Evaluator
 from planner.types import Candidate, TrialRecord, TrialState
 from processes import planner
@@ -226,8 +226,8 @@ def test_dense_convolutions_take_at_most_4_instructions_per_mac_on_the_cortex_m4
 def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_start, tmp_path):
     """MobileNetV2's blocks (BatchNorm and ReLU6 after each im2col convolution, residual adds) on
     the board: its elementwise kernels write over activations nothing reads afterwards
-    (`planner.backend.activations`), and the weights after 10 steps are still the VM's. With its
-    first layers frozen, the board computes them in row bands (`planner.backend.bands`) and the
+    (`planner.backend.lower.activations`), and the weights after 10 steps are still the VM's. With its
+    first layers frozen, the board computes them in row bands (`planner.backend.graph.bands`) and the
     classifier's product through sgemm beside the convolutions', the VM neither."""
     sys.path.insert(0, str(Path(__file__).parent))
     import zoo

@@ -11,9 +11,10 @@ import pytest
 import tvm
 
 import zoo
-from planner.backend import gemm_kernels
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.memory import PAGE
+from planner.backend.graph.memory import PAGE
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.sgemm import gemm_kernels
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
 from planner.types import Candidate, Kernels
 
@@ -23,10 +24,10 @@ _ONE_STEP = """
 import ctypes, json, sys
 import numpy as np, tvm
 from tvm import relax
-from planner.backend.graph import STEP_FUNC
+from planner.runtime.convention import STEP_FUNC
 from planner.types import StepSignature
 from planner.inputs.model import load_model
-from planner.backend.session import TrainingSession
+from planner.runtime.session import TrainingSession
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import tvm
 
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})

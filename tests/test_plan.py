@@ -18,7 +18,8 @@ import tvm
 
 from builders import tiny_cnn
 from planner import api
-from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
 from planner.plans.directory import read_plan
 from planner.plans.schema import SCHEMA_VERSION
@@ -275,8 +276,8 @@ def test_killed_plan_keeps_finished_trials_and_resumes(tiny_model, tiny_data, tm
 
 
 def test_run_executes_the_plan_and_no_shuffle_is_file_order(tiny_plan, tiny_data, tmp_path):
-    from planner.backend.session import TrainingSession
     from planner.inputs.data import load_dataset
+    from planner.runtime.session import TrainingSession
 
     r1 = api.run(tiny_plan.out, steps=60, out=tmp_path / "a", shuffle=False)
     api.run(tiny_plan.out, steps=60, out=tmp_path / "b", shuffle=False)

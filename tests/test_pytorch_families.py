@@ -21,11 +21,12 @@ import tvm
 torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
 import torch_families as tf  # noqa: E402
 from planner import api  # noqa: E402
-from planner.backend.compile import BuildOptions, compile_candidate, training_module  # noqa: E402
-from planner.backend.estimate import HIGH, LOW, SLACK, estimate  # noqa: E402
-from planner.backend.session import TrainingSession  # noqa: E402
+from planner.backend.graph.estimate import HIGH, LOW, SLACK, estimate  # noqa: E402
+from planner.backend.lower.pipeline import BuildOptions, training_module  # noqa: E402
+from planner.backend.vm.compile import compile_candidate  # noqa: E402
 from planner.errors import BadInput  # noqa: E402
 from planner.inputs.model import load_model  # noqa: E402
+from planner.runtime.session import TrainingSession  # noqa: E402
 from planner.types import Candidate  # noqa: E402
 from processes import PLANNED, planner  # noqa: E402
 

@@ -9,12 +9,13 @@ import tvm
 import yaml
 
 import zoo
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.errors import BadInput
 from planner.inputs.model import load_model
 from planner.inputs.schemes import load_scheme
 from planner.inputs.spaces import SearchSpace
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate, Recompute
 
 HOST = BuildOptions(tvm.target.Target({"kind": "llvm"}))

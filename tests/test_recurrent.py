@@ -307,8 +307,9 @@ def test_one_sgd_step_of_every_layer_matches_pytorch_autograd_in_float64(name, e
     within 1e-4 (relative error of the update) of PyTorch's float64 step on the same weights."""
     import tvm
 
-    from planner.backend.compile import BuildOptions, compile_candidate
-    from planner.backend.session import TrainingSession
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
+    from planner.runtime.session import TrainingSession
     from planner.types import Candidate
 
     path, module = exports(name, exporter)

@@ -5,7 +5,7 @@ A silently wrong gradient is the worst defect planner can have, and a schedule i
 mishandles some rewritten kernels for some shapes only. MaxPool's gradient came out wrong only
 when its output rows were a multiple of the vector and its windows overhung the input; the
 classifier's update only at batch size 1; a 2x2 MaxPool's gradient only when its input had a
-second consumer (`_vectorizes_a_let` and `_inline` in `planner.backend.schedule`). So each case is a small
+second consumer (`_vectorizes_a_let` and `_inline` in `planner.backend.lower.schedule`). So each case is a small
 model whose branches exercise a kernel of every kind a training step contains, at shapes, batch
 sizes and candidate options drawn with a seeded RNG (CI runs the same cases every time); its
 fused step (forward, backward and update fused as the real step fuses them) is built twice,
@@ -28,12 +28,13 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax, te
 from tvm.script import tirx as T
 
-from planner.backend.compile import _fuse, _schedule
-from planner.backend.graph import STEP_FUNC, build_training_module
-from planner.backend.inplace import in_place_candidates, update_in_place
-from planner.backend.schedule import default_schedule
-from planner.backend.weights import to_step
+from planner.backend.graph.training import build_training_module
+from planner.backend.lower.inplace import in_place_candidates, update_in_place
+from planner.backend.lower.pipeline import _fuse, _schedule
+from planner.backend.lower.schedule import default_schedule
 from planner.inputs.model import load_model
+from planner.runtime.convention import STEP_FUNC
+from planner.runtime.weights import to_step
 from planner.types import Candidate, Kernels
 
 HOST = tvm.target.Target({"kind": "llvm"})
@@ -547,7 +548,7 @@ BROADCASTS = [
     ],
 )
 def test_scheduled_kernel_computes_what_the_unscheduled_one_does(kernel):
-    """`_vectorizes_a_let` and `_inline` in `planner.backend.schedule`: TVM miscompiles the first when it
+    """`_vectorizes_a_let` and `_inline` in `planner.backend.lower.schedule`: TVM miscompiles the first when it
     is vectorised, and inlines the second's update into its unit-extent reduction wrongly. The
     broadcast kernels check `_broadcast_runs`'s split into parallel rows and vector runs."""
     rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from planner.backend.threads import physical_cores
+from planner.runtime.threads import physical_cores
 
 
 def _run(code: str, threads: str | None) -> str:
@@ -25,7 +25,7 @@ def _run(code: str, threads: str | None) -> str:
 POOL = """
 import os, threading, tvm
 from tvm import relax
-from planner.backend.session import TrainingSession
+from planner.runtime.session import TrainingSession
 from planner.types import StepSignature
 print(os.environ.get("TVM_NUM_THREADS"))
 bb = relax.BlockBuilder()
@@ -56,7 +56,8 @@ def test_steps_run_on_every_physical_core_unless_the_user_says_otherwise():
 FINE_TUNE = """
 import sys, threading, tvm
 from pathlib import Path
-from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
 from planner.measurement.accuracy import FineTune
@@ -93,8 +94,9 @@ def test_a_fine_tune_uses_the_threads_it_is_given_step_by_step(tiny_model, tiny_
 TIMED = """
 import sys, tvm
 from pathlib import Path
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.threads import use_threads
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
+from planner.runtime.threads import use_threads
 from planner.inputs.model import load_model
 from planner.measurement import latency
 from planner.measurement.local import local_session
@@ -133,7 +135,7 @@ RUN = """
 import json, sys, tvm
 from pathlib import Path
 import planner
-from planner.backend.session import TrainingSession
+from planner.runtime.session import TrainingSession
 plan, data, out, threads = sys.argv[1:5]
 path = Path(plan) / "plan.json"
 raw = json.loads(path.read_text())

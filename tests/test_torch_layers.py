@@ -320,8 +320,9 @@ def step_check(name: str, model, labels_seed: int = 3, fd_labels: np.ndarray | N
     `fd_labels`: labels for the differences other than the step's (the check must then fail)."""
     import tvm
 
-    from planner.backend.compile import BuildOptions, compile_candidate
-    from planner.backend.session import TrainingSession
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
+    from planner.runtime.session import TrainingSession
     from planner.types import Candidate
 
     layers = [layer for layer in model.layers if layer.trainable]

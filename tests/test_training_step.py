@@ -7,10 +7,11 @@ import pytest
 import tvm
 
 from builders import gradient_errors
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
 from planner.modes import Layout
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 HOST = tvm.target.Target({"kind": "llvm"})

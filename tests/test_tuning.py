@@ -9,10 +9,11 @@ import pytest
 import tvm
 
 from planner import api
-from planner.backend import tune
-from planner.backend.compile import BuildOptions, compile_candidate
-from planner.backend.session import TrainingSession
+from planner.backend.lower import tune
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 pytestmark = pytest.mark.slow  # MetaSchedule tuning runs, locally and over RPC: minutes

@@ -24,9 +24,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from planner.backend.compile import BuildOptions, compile_candidate
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model, save_onnx
-from planner.backend.session import TrainingSession
+from planner.runtime.session import TrainingSession
 from planner.types import Candidate
 
 HERE = Path(__file__).resolve().parent

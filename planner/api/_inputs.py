@@ -91,8 +91,8 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
     """`inputs` read and checked, in the order a user fixes them: the model, the cache, the data
     (`on_data(samples, total)` while it is read once), the target; then what the model must be
     for a plan directory and for TVM's importer."""
-    from planner.backend.compile import check_cache_dir
-    from planner.backend.importer import check_importable
+    from planner.backend.cache import check_cache_dir
+    from planner.backend.graph.importer import check_importable
     from planner.measurement import runner_for
 
     m = load_model(Path(inputs.model) if inputs.model else DEFAULT_MODEL)

@@ -48,7 +48,6 @@ def measure(
     kernel of the step (`PlanResult.profile`: time per step and GFLOP/s, slowest first), on
     this machine: a target measured on boards cannot be profiled here.
     """
-    from planner.backend.compile import CompiledStep
     from planner.search.evaluate import Evaluator
 
     inputs, settings = split_options("measure", options, settings, _OPTIONS)
@@ -87,7 +86,5 @@ def measure(
     if profile:
         from planner.measurement.profile import profile_step
 
-        if not isinstance(compiled, CompiledStep):
-            raise BadInput(f"`profile` times the kernels of a VM library; the {hw.backend} back end builds {compiled.kind}")
         step_profile = profile_step(compiled, m.initializers, seed=settings.seed)
     return PlanResult(written, out, [rec], profile=step_profile)

@@ -32,7 +32,7 @@ def inspect(model: str | Path) -> Model:
         for layer in planner.inspect("model.onnx").layers:
             print(layer.name, layer.op, layer.trainable)
     """
-    from planner.backend.importer import check_importable
+    from planner.backend.graph.importer import check_importable
 
     m = load_model(model)
     check_importable(m)
@@ -65,7 +65,7 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     a step over its RAM (or flash) budget is refused (BadInput) before anything is written.
     """
     from planner.backend import backend_for
-    from planner.backend.compile import check_cache_dir
+    from planner.backend.cache import check_cache_dir
     from planner.measurement import runner_for
     from planner.plans.select import step_record
 

@@ -72,7 +72,7 @@ class BuiltArtifact(Artifact):
 @dataclass(frozen=True)
 class MemoryEstimate:
     """A step's peak memory told from its training graph before it is built
-    (`planner.backend.estimate`), and the smallest total the built step could plan by the
+    (`planner.backend.graph.estimate`), and the smallest total the built step could plan by the
     estimate's measured error: a candidate whose `at_least` is over the RAM budget is over it."""
 
     memory: MemoryBreakdown

@@ -67,9 +67,9 @@ def board_serve(
     allow_remote: AllowRemoteOpt = False,
 ) -> None:
     """Serve this machine as a board: TVM's RPC server, registered under KEY, until Ctrl-C."""
-    from planner.backend.libraries import PACKAGE, load_openblas
     from planner.inputs.addresses import parse_host_port
     from planner.measurement.board import serve
+    from planner.runtime.libraries import PACKAGE, load_openblas
 
     try:
         addr = parse_host_port(tracker)

@@ -88,8 +88,11 @@ class Runner(abc.ABC):
         """The step's latency (and, where the device reports it, its memory) over `repeats` repeats."""
 
     @abc.abstractmethod
-    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
-        """`work(session)`, the session holding the step and `weights` on the device; its result."""
+    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T], *, threads: int = 0) -> T:
+        """`work(session)`, the session holding the step and `weights` on the device; its result.
+        `threads`: the step's threads where the runner runs it in this process (0: all); the
+        caller's thread has its whole pool back afterwards. A step this machine cannot load
+        (built for another) is `StepNotLoadable`."""
 
     @abc.abstractmethod
     def latency_method(self, latency: Latency) -> str:

@@ -19,13 +19,13 @@ import numpy as np
 
 from planner import cachefile
 from planner.backend import Artifact
-from planner.backend.compile import code_id
-from planner.backend.session import TrainingSession
-from planner.backend.threads import use_threads
+from planner.backend.cache import code_id
 from planner.inputs.data import Dataset, Split
 from planner.inputs.model import Model
 from planner.measurement._base import Session
 from planner.measurement.local import local_session
+from planner.runtime.session import TrainingSession
+from planner.runtime.threads import use_threads
 from planner.types import AccuracyResult, Candidate
 
 EVAL_CHUNK = 256  # samples evaluated at a time

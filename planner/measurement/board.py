@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.backend.libraries import load_openblas
 from planner.errors import BadInput, BoardUnreachable
+from planner.runtime.libraries import load_openblas
 
 if TYPE_CHECKING:
     from tvm.support.popen_pool import PopenWorker

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.backend.graph import STEP_FUNC
-from planner.backend.session import TrainingSession, example_batch
+from planner.runtime.convention import STEP_FUNC
+from planner.runtime.session import TrainingSession, example_batch
 from planner.types import Latency
 
 # Below this (milliseconds a step on every thread), a step is tried on one thread as well and

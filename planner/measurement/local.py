@@ -8,11 +8,12 @@ from typing import TypeVar
 import numpy as np
 
 from planner.backend._base import Artifact
-from planner.backend.compile import VM_LIBRARY
-from planner.backend.session import TrainingSession
-from planner.backend.threads import use_threads
+from planner.backend.vm import VM_LIBRARY
+from planner.errors import StepNotLoadable, last_line
 from planner.measurement._base import Measurement, Runner, Session
 from planner.measurement.latency import method, time_step
+from planner.runtime.session import TrainingSession
+from planner.runtime.threads import use_threads
 from planner.types import Latency
 
 T = TypeVar("T")
@@ -37,8 +38,17 @@ class LocalRunner(Runner):
         latency = time_step(local_session(artifact, weights), repeats, device=self.device, set_threads=use_threads)
         return Measurement(latency=latency, board=self.device)
 
-    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
-        return work(local_session(artifact, weights))
+    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T], *, threads: int = 0) -> T:
+        self.check_kind(artifact)
+        try:
+            session = local_session(artifact, weights)
+        except Exception as exc:  # noqa: BLE001 - TVM raises TVMError, OSError, ... for a library it cannot load
+            raise StepNotLoadable(f"cannot load {artifact.entry.name} on this machine ({last_line(exc)})") from None
+        use_threads(threads)
+        try:
+            return work(session)
+        finally:
+            use_threads(0)
 
     def latency_method(self, latency: Latency) -> str:
         return method("in-process on this machine", latency)

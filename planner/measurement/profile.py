@@ -14,17 +14,22 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from planner.backend.compile import CompiledStep
-from planner.backend.session import TrainingSession, example_batch
+from planner.backend import BuiltArtifact
+from planner.backend.vm import CompiledStep
+from planner.errors import BadInput
+from planner.runtime.session import TrainingSession, example_batch
 from planner.types import KernelTime, StepProfile
 
 RUNTIME = "(runtime)"
 
 
-def profile_step(compiled: CompiledStep, weights: dict[str, np.ndarray], *, steps: int = 5, seed: int = 0) -> StepProfile:
+def profile_step(compiled: BuiltArtifact, weights: dict[str, np.ndarray], *, steps: int = 5, seed: int = 0) -> StepProfile:
     """Times every call of `steps` training steps of `compiled` (after as many warm-up steps:
     the first steps fault pages in and fill OpenBLAS's and TVM's pools, at twice the time), on
-    random inputs of the step's shape: kernel times do not depend on the values."""
+    random inputs of the step's shape: kernel times do not depend on the values. Only a VM
+    library has the table of kernels this names the calls by: another step is `BadInput`."""
+    if not isinstance(compiled, CompiledStep):
+        raise BadInput(f"`profile` times the kernels of a VM library, not of a {compiled.kind} step")
     session = TrainingSession(compiled.library, compiled.signature, weights)
     sig = compiled.signature
     rng = np.random.default_rng(seed)

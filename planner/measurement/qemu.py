@@ -26,13 +26,13 @@ from typing import TypeVar
 import numpy as np
 
 from planner.backend._base import Artifact
-from planner.backend.cvalues import label_dtype
 from planner.backend.mcu import C_FIRMWARE
-from planner.backend.session import Inputs, example_batch, score
-from planner.backend.weights import from_step, to_step
+from planner.backend.mcu.cvalues import label_dtype
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import HardwareTarget, Mcu
 from planner.measurement._base import Measurement, Runner, Session
+from planner.runtime.session import Inputs, example_batch, score
+from planner.runtime.weights import from_step, to_step
 from planner.types import Latency, StepSignature
 
 T = TypeVar("T")
@@ -286,7 +286,7 @@ class QemuRunner(Runner):
         )
         return Measurement(latency=latency, board=self.device)
 
-    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
+    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T], *, threads: int = 0) -> T:
         session = self._session(artifact, weights)
         try:
             return work(session)

@@ -18,14 +18,14 @@ from typing import TypeVar
 import numpy as np
 
 from planner.backend._base import Artifact
-from planner.backend.compile import VM_LIBRARY
-from planner.backend.graph import STEP_FUNC
-from planner.backend.libraries import INSTALL_HINT, missing_library
-from planner.backend.session import TrainingSession
+from planner.backend.vm import VM_LIBRARY
 from planner.errors import BoardLost, BoardUnreachable, CandidateFailed, EnvironmentFailure, PlannerError, first_line, last_line
 from planner.measurement._base import Measurement, Runner, Session
 from planner.measurement.board import BOARD_ID, HEAP, PEAK_RSS, RESET_PEAK, TIMED_INVOKE, KeyStatus, key_status
 from planner.measurement.latency import method, time_step
+from planner.runtime.convention import STEP_FUNC
+from planner.runtime.libraries import INSTALL_HINT, missing_library
+from planner.runtime.session import TrainingSession
 from planner.types import Latency
 
 T = TypeVar("T")
@@ -159,7 +159,7 @@ class TrackerRunner(Runner):
         self.check_kind(artifact)
         return self.pool.measure(artifact, weights, repeats)
 
-    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T]) -> T:
+    def train(self, artifact: Artifact, weights: dict[str, np.ndarray], work: Callable[[Session], T], *, threads: int = 0) -> T:
         self.check_kind(artifact)
         self.pool.check()
 

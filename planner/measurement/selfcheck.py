@@ -22,13 +22,20 @@ figure more than `TOLERANCE` off is a one-line warning.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
 import numpy as np
 import tvm
 
-from planner.backend.graph import STEP_FUNC
-from planner.backend.session import TrainingSession, example_batch
+from planner.measurement._base import Session
 from planner.measurement.board import heap_in_use
+from planner.runtime.convention import STEP_FUNC
+from planner.runtime.session import TrainingSession, example_batch
 from planner.types import RunCheck
+
+T = TypeVar("T")
 
 TOLERANCE = 0.20  # a measured figure this far off the plan's (either way) is a warning, and
 # farther than the run's measurements can tell apart: a call into the VM costs ~0.02 ms of
@@ -57,6 +64,30 @@ def step_heap(session: TrainingSession, weights: dict[str, np.ndarray]) -> int |
     now = heap()
     session.set_weights(weights)  # (an in-place update wrote over the weights it was given)
     return now - held if now is not None and held is not None else None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a session measured of the run `checked` wrapped: each step's seconds, the heap one
+    step gained (None where it cannot be read) and the step's resident tensors' bytes."""
+
+    step_seconds: list[float]
+    heap_gained: int | None
+    resident_bytes: int
+
+
+def checked(work: Callable[[Session], T], weights: dict[str, np.ndarray]) -> Callable[[Session], tuple[T, Usage | None]]:
+    """`work` for `Runner.train`, and what its session measured of the run (`Usage`): None for a
+    step TVM's VM does not run (a microcontroller's, counted on its emulator: no check yet)."""
+
+    def run(session: Session) -> tuple[T, Usage | None]:
+        if not isinstance(session, TrainingSession):
+            return work(session), None
+        heap = step_heap(session, weights)
+        done = work(session)
+        return done, Usage(session.step_seconds, heap, session.resident_bytes())
+
+    return run
 
 
 def check(

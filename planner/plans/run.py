@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from planner.backend import Artifact, ArtifactKind, backend_class, backend_for
-from planner.backend.session import TrainingSession
-from planner.backend.threads import use_threads
 from planner.cachefile import default_cache_dir
-from planner.errors import BadInput, MeasureFailed, OutputUnwritable, last_line
+from planner.errors import BadInput, MeasureFailed, OutputUnwritable, StepNotLoadable
 from planner.inputs.data import Dataset, Tokenization, data_format, format_named, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import load_model, save_onnx
@@ -26,7 +24,7 @@ from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import HardwareTarget, load_target
 from planner.measurement import Session, runner_for, selfcheck
 from planner.measurement.accuracy import evaluate, finetune
-from planner.measurement.local import LocalRunner, local_session
+from planner.measurement.local import LocalRunner
 from planner.plans.directory import (
     MODEL_FILE,
     WEIGHTS_FILE,
@@ -51,12 +49,12 @@ def _train(session: Session, data: Dataset, steps: int, seed: int | None, augmen
     return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
 
 
-def _check(session: TrainingSession, step_heap: int | None, plan: Plan, device: str) -> RunCheck:
+def _check(usage: selfcheck.Usage, plan: Plan, device: str) -> RunCheck:
     m = plan.metrics
     return selfcheck.check(
-        step_seconds=session.step_seconds,
-        heap_gained=step_heap,
-        resident_bytes=session.resident_bytes(),
+        step_seconds=usage.step_seconds,
+        heap_gained=usage.heap_gained,
+        resident_bytes=usage.resident_bytes,
         planned_step_ms=m.step_latency_ms.median,
         planned_memory_bytes=m.peak_memory_bytes.total,
         device=device,
@@ -95,24 +93,24 @@ def run_plan(
             target = _own_target(plan)
         if target is not None and not _built_for(plan, target):
             artifact = backend_for(target, cache_dir=default_cache_dir()).build(model, plan.candidate)
-        runner = runner_for(target) if target is not None else None
-        device = "local" if runner is None else runner.device
+        # no target: the plan's step runs here, as on the machine that planned it
+        runner = runner_for(target if target is not None else load_target("host"))
+        device = runner.device
 
-        def work(session: Session) -> tuple[dict, dict, dict, RunCheck | None]:
-            if not isinstance(session, TrainingSession):  # (a step TVM's VM does not run: no check yet)
-                return (*_train(session, dataset, steps, order_seed, seed), None)
-            step_heap = selfcheck.step_heap(session, weights)
-            before, after, final = _train(session, dataset, steps, order_seed, seed)
-            return before, after, final, _check(session, step_heap, plan, device)
+        def work(session: Session) -> tuple[dict, dict, dict]:
+            return _train(session, dataset, steps, order_seed, seed)
 
-        if runner is None or runner.runs_here:
-            use_threads(plan.metrics.step_latency_ms.threads)  # as many as the plan's step was timed on
-            try:
-                before, after, final, check = work(_load_here(artifact, weights, plan))
-            finally:
-                use_threads(0)  # the caller's thread gets its whole pool back
-        else:
-            before, after, final, check = runner.train(artifact, weights, work)
+        try:  # as many threads as the plan's step was timed on, where it runs in this process
+            trained, usage = runner.train(
+                artifact, weights, selfcheck.checked(work, weights), threads=plan.metrics.step_latency_ms.threads
+            )
+        except StepNotLoadable as exc:
+            raise StepNotLoadable(
+                f"{exc}: it is built for {plan.target.name} ({plan.target.tvm_target.get('mtriple', 'llvm')}); "
+                "run it on the board, or give a `target`"
+            ) from None
+        before, after, final = trained
+        check = _check(usage, plan, device) if usage is not None else None
 
     def fill(staged: Path) -> None:
         np.savez(staged / WEIGHTS_FILE, **final)
@@ -187,18 +185,6 @@ def _out_dir(plan_dir: Path, out: Path, model) -> Path:
     if free < need:
         raise OutputUnwritable(f"cannot write the fine-tuned model into {out}: {free:,} bytes free, it needs about {need:,}")
     return out
-
-
-def _load_here(artifact: Artifact, weights: dict[str, np.ndarray], plan: Plan) -> Session:
-    """The step loaded in this process: a plan built for another machine is one line saying so."""
-    LocalRunner.check_kind(artifact)
-    try:
-        return local_session(artifact, weights)
-    except Exception as exc:
-        raise BadInput(
-            f"cannot load {artifact.entry.name} on this machine ({last_line(exc)}): it is built for {plan.target.name} "
-            f"({plan.target.tvm_target.get('mtriple', 'llvm')}); run it on the board, or give a `target`"
-        ) from None
 
 
 def _artifact(plan_dir: Path, plan: Plan) -> Artifact:

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import optuna
 
-from planner.backend.threads import physical_cores
 from planner.errors import CandidateFailed, NotTheCandidates, first_line
 from planner.inputs.spaces import SearchSpace
+from planner.runtime.threads import physical_cores
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _requeue
 from planner.search._samplers import AnchoredSampler

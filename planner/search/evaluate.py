@@ -16,13 +16,13 @@ from pathlib import Path
 
 from planner import faults
 from planner.backend import Backend, BuiltArtifact, DoesNotFit, backend_for
-from planner.backend.threads import use_threads
 from planner.errors import CandidateFailed, EnvironmentFailure, NotTheCandidates, disk_problem, last_line
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.inputs.targets import HardwareTarget
 from planner.measurement import Measurement, Runner, runner_for
 from planner.measurement.accuracy import FineTune
+from planner.runtime.threads import use_threads
 from planner.search.fidelity import ScreenPoint, beaten_by, margin
 from planner.types import AccuracyResult, Candidate, Fidelity
 

@@ -70,7 +70,7 @@ class Precision(StrEnum):
 
 class Kernels(StrEnum):
     """Who computes a step's dense convolutions and matrix products: OpenBLAS's sgemm
-    (`planner.backend.gemm`; the board needs scipy-openblas32), TVM's own schedules (nothing to
+    (`planner.backend.sgemm.gemm`; the board needs scipy-openblas32), TVM's own schedules (nothing to
     install), or planner's portable C sgemm under the same im2col kernels sized for a
     microcontroller's kilobytes (the `c` back end: the step carries it)."""
 
@@ -105,7 +105,7 @@ class Updates(StrEnum):
 
 
 class Recompute(StrEnum):
-    """Which activations the backward pass recomputes instead of keeping (`planner.backend.recompute`):
+    """Which activations the backward pass recomputes instead of keeping (`planner.backend.graph.recompute`):
     none, or those `auto` chooses to minimise the step's peak. A scheme may also list layers
     whose inputs are kept (`Candidate.recompute` is then a tuple of layer names)."""
 

@@ -160,7 +160,7 @@ class TrialRecord:
     seed: int | None = None  # its fine-tune's seed (a resumed study may mix seeds)
     fidelity: Fidelity | None = None  # its screening fine-tune, in a multi-fidelity search
     # its memory is the estimate from the training graph, which put it over the RAM budget: it was
-    # neither compiled, measured nor fine-tuned (`planner.backend.estimate`)
+    # neither compiled, measured nor fine-tuned (`planner.backend.graph.estimate`)
     memory_estimated: bool = False
 
     def __post_init__(self) -> None:

@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
 
-from planner import __version__, cachefile
+from planner import cachefile
+from planner.backend import backend_for
 from planner.backend._base import ArtifactKind, Backend, BuiltArtifact, DoesNotFit, Provenance
-from planner.backend.compile import BuildOptions, cached_build, code_id, compile_candidate, lower_step
-from planner.backend.cstep import emit
-from planner.backend.gemm_kernels import FLOPS
-from planner.backend.graph import build_training_module
+from planner.backend.cache import cached_build, entry_key
+from planner.backend.graph.trainer import update_lr
+from planner.backend.graph.training import build_training_module
+from planner.backend.lower.pipeline import BuildOptions, lower_step
 from planner.backend.mcu._firmware import Overflowed, SramPlan, build_firmware
-from planner.backend.trainer import update_lr
-from planner.backend.vm import HOST_TARGET
+from planner.backend.mcu.cstep import emit
+from planner.backend.sgemm.gemm_kernels import FLOPS
 from planner.errors import BadInput, CandidateFailed, last_line
 from planner.inputs.model import Model
-from planner.inputs.targets import HardwareTarget, Mcu
+from planner.inputs.targets import HardwareTarget, Mcu, load_target
 from planner.types import Candidate, Kernels, MemoryBreakdown, StepSignature
 
 C_FIRMWARE = ArtifactKind("c-firmware")  # an ELF for the target's emulated board, with the C it is built from
@@ -70,17 +69,8 @@ class CBackend(Backend):
 
     def _key(self, model: Model, candidate: Candidate) -> str:
         """Everything that decides the image: the learning rate too, as `planner_init` starts from it."""
-        t = self.target
-        blob = json.dumps(
-            {
-                "model": model.key,
-                "candidate": candidate.to_json(),
-                "target": t.model_dump(include={"tvm_target", "toolchain", "mcu", "kernels"}),
-                "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},
-            },
-            sort_keys=True,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+        build = self.target.model_dump(include={"tvm_target", "toolchain", "mcu", "kernels"})
+        return entry_key(model, candidate.to_json(), build)
 
     def build(self, model: Model, candidate: Candidate) -> CFirmware:
         entry = self.cache_dir / "steps" / f"c-{self._key(model, candidate)}"
@@ -128,7 +118,8 @@ class CBackend(Backend):
     def host_build(self, model: Model, candidate: Candidate) -> BuiltArtifact:
         """The step for the fine-tune on this machine: the VM's, which the C step equals up to the
         rounding of the board's libm (`tests/test_c_step.py`)."""
-        return compile_candidate(model, candidate, BuildOptions(tvm.target.Target(HOST_TARGET), self.cache_dir))
+        # by the registry's name: the back ends never import each other
+        return backend_for(load_target("host"), cache_dir=self.cache_dir).build(model, candidate)
 
     def provenance(self, artifact: BuiltArtifact) -> Provenance:
         return Provenance(

@@ -22,13 +22,13 @@ from string import Template
 import numpy as np
 
 from planner.backend._base import ARTIFACT_STEM
-from planner.backend.ckernels import include_dirs
-from planner.backend.cstep import CStep, write_sources
-from planner.backend.cvalues import ctype, label_dtype, literal
-from planner.backend.gemm_kernels import GEMM
-from planner.backend.weights import to_step
+from planner.backend.mcu.ckernels import include_dirs
+from planner.backend.mcu.cstep import CStep, write_sources
+from planner.backend.mcu.cvalues import ctype, label_dtype, literal
+from planner.backend.sgemm.gemm_kernels import GEMM
 from planner.errors import CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import Mcu
+from planner.runtime.weights import to_step
 from planner.types import StepSignature
 
 RUNTIME = Path(__file__).parent / "runtime"

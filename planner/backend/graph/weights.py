@@ -1,0 +1,154 @@
+"""How a step stores weights: int8 frozen weights, and the weights a mode reshapes.
+
+A step does not always take an ONNX initializer as it is. A frozen Conv/Gemm/MatMul weight of a
+candidate with `frozen_weights: int8` arrives as int8 values plus one fp32 scale per output
+channel, dequantized inside the graph, so it occupies a quarter of the board's RAM. A weight whose
+layer's mode reshapes it (`ratio:r`: a trainable head and a frozen tail; `lora:r`: the frozen
+weight and two trainable factors) arrives as the parts its mode (`planner.modes`) names. This
+module is the one place that maps initializers to the step's inputs and back; back, the parts are
+made whole (adapters merged into their weights), so a fine-tuned model has the original graph and
+initializers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from tvm import relax
+
+from planner import modes
+from planner.errors import CandidateFailed
+from planner.inputs.model import Model
+from planner.modes import Layout
+from planner.runtime.weights import int8, scale, scale_shape
+from planner.types import Candidate, FrozenWeights
+
+
+def layouts(model: Model, candidate: Candidate) -> dict[str, Layout]:
+    """weight -> how the step takes it, for every trained layer whose mode reshapes its weight."""
+    out = {}
+    for name, mode in candidate.trainable:
+        if not mode.spec.suffixes:  # a mode that takes the weight as it is stores nothing else
+            continue
+        layer = model.layer(name)
+        problem = mode.spec.refuses(layer, mode.value)
+        if problem:
+            raise CandidateFailed(problem)
+        layout = mode.spec.layout(layer, mode.value)
+        if layout is not None and layer.weight is not None:
+            out[layer.weight] = layout
+    return out
+
+
+def quantized_weights(model: Model, candidate: Candidate, frozen: list[str]) -> dict[str, int]:
+    """weight -> output-channel axis, for every frozen Conv/Gemm/MatMul weight stored as int8."""
+    if candidate.frozen_weights is FrozenWeights.FP32:
+        return {}
+    frozen_set = set(frozen)
+    return {layer.weight: layer.out_axis for layer in model.layers if layer.weight in frozen_set and layer.out_axis is not None}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """The step's weight inputs, by stored name: the frozen ones, then the trainable ones (the
+    order the step takes them), and how weights are reshaped (`layouts`) and quantized."""
+
+    frozen: list[str]
+    trainable: list[str]
+    layouts: dict[str, Layout]
+    quantized: dict[str, int]
+
+
+def stored_weights(model: Model, candidate: Candidate) -> Stored:
+    """How `candidate`'s step takes `model`'s initializers. A weight its mode reshapes arrives as
+    its parts — trainable ones among the trainable inputs in model order, frozen ones after
+    every other frozen input —, and beside them as itself (frozen) when the mode keeps it."""
+    shaped = layouts(model, candidate)
+    kept = {w for w, layout in shaped.items() if modes.MODES[layout.mode].keeps_weight}
+    trained = {p for name, mode in candidate.trainable for p in model.layer(name).params_for(mode)} - kept
+    names = list(model.initializers)
+
+    def parts(name: str, trainable: bool) -> list[str]:
+        layout = shaped[name]
+        shape = model.initializers[name].shape
+        return [p.name for p in modes.MODES[layout.mode].parts(layout, name, shape) if p.trainable == trainable]
+
+    trainable = [s for n in names if n in trained or n in shaped for s in (parts(n, True) if n in shaped else (n,))]
+    quantized = quantized_weights(model, candidate, [n for n in names if n not in trained])
+    frozen = [s for n in names if n not in trained for s in ((int8(n), scale(n)) if n in quantized else (n,))]
+    frozen += [p for n in names if n in shaped for p in parts(n, False)]
+    return Stored(frozen, trainable, shaped, quantized)
+
+
+@relax.expr_functor.mutator
+class _RebuildAtUse(relax.PyExprMutator):
+    """Each use of a weight becomes a rebuild from its stored parts, emitted right before the use,
+    so a dequantized or concatenated weight lives only as long as the op that needs it."""
+
+    def __init__(self, rebuild: dict[relax.Var, Callable[..., relax.Expr]]):
+        super().__init__()
+        self.rebuild = rebuild
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        make = self.rebuild.get(var)
+        return self.builder_.emit(make()) if make else var
+
+
+def as_stored(func: relax.Function, n_inputs: int, names: list[str], how: Stored) -> tuple[relax.Function, list[str]]:
+    """`func(*inputs, *initializers)` (`n_inputs` inputs) taking each weight the way `how` stores
+    it, and the stored names of its weight parameters in order (TVM's own names for the weights
+    it imported are not always the initializers', `onnx::MatMul_430`).
+
+    A quantized weight is taken as int8 values and fp32 scales, dequantized where it is used; a
+    weight its mode reshapes as the mode's parts (and itself, when the mode keeps it), rebuilt
+    by the mode where it is used — so a gradient reaches only the parts the step trains.
+    """
+    new_params: list[relax.Var] = list(func.params[:n_inputs])
+    names_out: list[str] = []
+    rebuild: dict[relax.Var, Callable[..., relax.Expr]] = {}
+    for name, var in zip(names, func.params[n_inputs:]):
+        shape = [int(d) for d in var.ty.shape]
+        dtype = var.ty.dtype
+        layout = how.layouts.get(name)
+        mode = modes.MODES[layout.mode] if layout is not None else None
+        base: Callable[[], relax.Expr] | None = None
+        if mode is None or mode.keeps_weight:
+            if name in how.quantized:
+                q = relax.Var(_identifier(int8(name)), relax.TensorType(shape, "int8"))
+                s = relax.Var(_identifier(scale(name)), relax.TensorType(scale_shape(shape, how.quantized[name]), dtype))
+                new_params += [q, s]
+                names_out += [int8(name), scale(name)]
+                base = partial(_dequantized, q, s, dtype)
+                rebuild[var] = base
+            else:
+                new_params.append(var)
+                names_out.append(name)
+                base = partial(_itself, var)
+        if mode is not None and layout is not None:
+            stored_parts = mode.parts(layout, name, shape)
+            parts = {
+                p.name.rpartition("@")[2]: relax.Var(_identifier(p.name), relax.TensorType(list(p.shape), dtype))
+                for p in stored_parts
+            }
+            new_params += parts.values()
+            names_out += [p.name for p in stored_parts]
+            rebuild[var] = partial(mode.rebuild, layout, relax.op, base, parts, shape)
+    body = _RebuildAtUse(rebuild).visit_expr(func.body)
+    return relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs), names_out
+
+
+def _identifier(stored: str) -> str:
+    """A stored part's name as its variable's in the graph (`c.w@head` -> `c.w__head`): kernels take
+    their parameters' names from it, and C (`planner.backend.mcu.cstep`) has no `@` in a name. The
+    step's signature keeps the stored names; the graph knows its variables by position."""
+    return stored.replace("@", "__")
+
+
+def _itself(var: relax.Var) -> relax.Expr:
+    return var
+
+
+def _dequantized(q: relax.Var, s: relax.Var, dtype: str) -> relax.Expr:
+    return relax.op.astype(q, dtype) * s

@@ -1,0 +1,135 @@
+"""The kernels of a lowered step as C, by TVM's C code generator, with what it leaves to fix.
+
+TVM writes every kernel (PrimFunc) of a module as one C file that calls them through TVM's packed
+C calling convention; it needs each function given its `global_symbol`, no runtime argument
+checks (the driver passes what the step was compiled for) and no vector types (not C). What it
+prints is fixed here: its float constants, seven digits where float32 needs nine, made exact
+(`_exact_literals`), and its infinities and NaNs, words no C compiler knows (`_portable_specials`);
+and read here: the scratch each kernel takes (`workspace_bytes`), which the
+driver (`planner.backend.mcu.cstep`) sizes its pool by.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from planner.backend.sgemm.gemm_kernels import GEMM
+from planner.errors import CandidateFailed
+
+C_TARGET = {"kind": "c"}
+# TVM's C code generator: no runtime checks of argument shapes (the driver passes what the step was
+# compiled for), no vector types (not C)
+C_PASS_CONFIG = {"tirx.disable_assert": True, "tirx.disable_vectorize": True}
+_WORKSPACE = re.compile(r"TVMBackendAllocWorkspace\(\d+, \w+, \(uint64_t\)(\d+)ULL")
+_FUNCTION = re.compile(r"^TVM_DLL int32_t (__tvm_ffi_\w+)\(", re.MULTILINE)
+_DEFINITION = re.compile(r"^TVM_DLL int32_t __tvm_ffi_(\w+)\(.*\) \{$", re.MULTILINE)  # a kernel's body begins
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+_FLOAT_LITERAL = re.compile(r"(?<![\w.])\d\.\d{6}e[+-]\d{2,3}f?")
+
+
+def _printed(value: float, dtype: str) -> str:
+    """How TVM's C code generator writes a float constant: seven significant digits."""
+    return f"{value:e}" + ("f" if dtype == "float32" else "")
+
+
+def _exact_literals(source: str, funcs: dict[str, tirx.PrimFunc]) -> str:
+    """`source` with every float literal TVM's C code generator printed as the exact constant of
+    the TIR it printed, in C99's hexadecimal form (`0x1.715476p+0f`), kernel by kernel.
+
+    Why: the code generator writes a float with seven significant digits (`1.442695e+00f`) and
+    float32 needs nine, so a constant such as `fast_exp`'s log2(e) drifted by an ulp and the C step
+    by 5e-7 from the VM's, which LLVM compiles with the exact constant. Each kernel's literals are
+    matched with its own TIR's constants (MobileNetV3's hard-swish has 1/6 rounded two ways, in
+    different kernels); two of one kernel that print alike could not be told apart: the step is
+    refused rather than built with either."""
+    defined = list(_DEFINITION.finditer(source))
+    out = [source[: defined[0].start()] if defined else source]
+    for here, after in zip(defined, [*defined[1:], None]):
+        func = funcs.get(here.group(1))
+        exact: dict[str, set[str]] = {}
+
+        def note(imm: tirx.FloatImm, exact: dict[str, set[str]] = exact) -> None:
+            dtype, value = str(imm.ty), abs(float(imm.value))
+            if math.isfinite(value):
+                exact.setdefault(_printed(value, dtype), set()).add(value.hex() + ("f" if dtype == "float32" else ""))
+
+        if func is not None:
+            tvm_ffi.structural_walk(func.body, [(tirx.FloatImm, note)])
+
+        def replace(m: re.Match, exact: dict[str, set[str]] = exact, kernel: str = here.group(1)) -> str:
+            values = exact.get(m.group(0))
+            if values is None:
+                return m.group(0)
+            if len(values) > 1:
+                raise CandidateFailed(f"the C back end cannot tell apart {kernel}'s constants {', '.join(sorted(values))}")
+            return next(iter(values))
+
+        out.append(_FLOAT_LITERAL.sub(replace, source[here.start() : after.start() if after else len(source)]))
+    return "".join(out)
+
+
+# how TVM's C code generator prints float32 and float64 infinities and NaNs (`-inff`, `nan`): no C
+# compiler knows them; <math.h>'s macros, which the kernels include, are C99's
+_SPECIALS = re.compile(r"(?<![\w.])(inff|nanf|inf|nan)(?![\w(\[])")
+_SPELLED = {"inff": "INFINITY", "nanf": "NAN", "inf": "((double)INFINITY)", "nan": "((double)NAN)"}
+
+
+def _portable_specials(source: str) -> str:
+    """`source` with the infinities and NaNs TVM prints as words (masks of attention: `-inff`)
+    written as C99's `INFINITY` and `NAN`."""
+    return _SPECIALS.sub(lambda m: _SPELLED[m.group(1)], source)
+
+
+def kernels_source(lowered: tvm.IRModule) -> str:
+    """Every kernel (PrimFunc) of `lowered` as one C file, by TVM's C code generator, its float
+    constants exact (`_exact_literals`) and its infinities C99's (`_portable_specials`)."""
+    funcs = {
+        gv.name_hint: f.with_attr("global_symbol", gv.name_hint)
+        for gv, f in lowered.functions_items()
+        if isinstance(f, tirx.PrimFunc)
+    }
+    with tvm.transform.PassContext(config=C_PASS_CONFIG):
+        lib = tvm.tirx.build(tvm.IRModule(funcs), target=tvm.target.Target(C_TARGET))
+    return _one_gemm_prototype(_portable_specials(_exact_literals(lib.inspect_source(), funcs)))
+
+
+_GEMM_DECLARATION = re.compile(rf"^TVM_DLL int32_t {GEMM}\(.*\);$", re.MULTILINE)
+_GEMM_PROTOTYPE = (
+    f"TVM_DLL int32_t {GEMM}(int32_t, int32_t, int32_t, int32_t, int32_t, int32_t, float, void*, int32_t, void*, "
+    "int32_t, float, void*, int32_t);"
+)
+
+
+def _one_gemm_prototype(source: str) -> str:
+    """TVM declares an external function as each kernel calls it: a convolution passes sgemm typed
+    pointers (`float*`), a matmul (`planner.backend.sgemm.matmul`) `access_ptr` handles (`void*`), and in
+    one C file the two declarations conflict (gcc refused a MobileNetV2 step at batch 4). One
+    prototype, cblas_sgemm's own types with untyped operands, serves every call."""
+    return _GEMM_DECLARATION.sub(_GEMM_PROTOTYPE, source)
+
+
+def workspace_bytes(kernels: str, align: int) -> int:
+    """The scratch pool the kernels need: the most any one kernel holds at once (its blocks are
+    taken and given back in stack order, each rounded up to `align`), read from their C."""
+    most = 0
+    bodies = _FUNCTION.split(kernels)[1:]
+    for _, body in zip(bodies[::2], bodies[1::2]):
+        most = max(most, sum(_aligned(int(n), align) for n in _WORKSPACE.findall(body)))
+    return most
+
+
+def include_dirs() -> list[Path]:
+    """Where the headers the kernels include are: TVM FFI's (`tvm/ffi/c_api.h`, `dlpack/dlpack.h`)
+    and TVM's runtime (`tvm/runtime/c_backend_api.h`), both in their wheels."""
+    return [Path(tvm_ffi.__file__).parent / "include", Path(tvm.__file__).parent / "include"]

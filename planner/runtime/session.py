@@ -1,0 +1,167 @@
+"""Run a compiled training step: hold the weights on a device, step, predict, export.
+
+One class serves the accuracy runs, the latency measurement and `planner run`, so all three call
+the library the same way: `train_step(*inputs, *frozen, *trainable, *optim_states, labels)` returns the
+loss and the updated trainable weights and optimizer states, which become the next step's inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from planner import faults
+from planner.errors import EnvironmentFailure
+from planner.runtime.convention import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
+from planner.runtime.libraries import INSTALL_HINT, load_openblas, missing_library
+from planner.runtime.threads import claim_cores
+from planner.runtime.weights import from_step, to_step
+from planner.types import StepSignature
+
+
+def load_step(library: Path | str) -> tvm.runtime.Module:
+    """The step's library, loaded after OpenBLAS (which it may need): a missing OpenBLAS is an
+    `EnvironmentFailure` that says what to install."""
+    load_openblas()
+    try:
+        return tvm.runtime.load_module(str(library))
+    except Exception as exc:
+        if missing_library(str(exc)):
+            raise EnvironmentFailure(f"the step needs OpenBLAS, not found here: {INSTALL_HINT}") from None
+        raise
+
+
+# A batch of model inputs: one array for a model of one input, else one per input in its order.
+Inputs = np.ndarray | Sequence[np.ndarray]
+
+
+def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+    """A batch of the step's shapes for timing it (kernel times do not depend on the values):
+    standard normal floats; ones for integer inputs, an id every vocabulary has and a mask that
+    attends everywhere."""
+    xs = [
+        np.ones((sig.batch_size, *i.static), i.dtype)
+        if i.integer
+        else rng.standard_normal((sig.batch_size, *i.static)).astype(i.dtype)
+        for i in sig.inputs
+    ]
+    return xs, np.arange(sig.batch_size) % sig.n_classes
+
+
+def score(logits_of: Callable[[Inputs], np.ndarray], chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) over labelled chunks, from a session's `logits_of`: one
+    scoring for every session, wherever its step runs."""
+    loss_sum, correct, n = 0.0, 0, 0
+    for x, y in chunks:
+        logits = logits_of(x).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        loss_sum += float(-logp[np.arange(len(y)), y].sum())
+        correct += int((logits.argmax(axis=1) == y).sum())
+        n += len(y)
+    return loss_sum / n, correct / n
+
+
+class TrainingSession:
+    """A compiled step loaded on `device` with a full set of weights."""
+
+    def __init__(self, library: Path | tvm.runtime.Module, sig: StepSignature, weights: dict[str, np.ndarray], device=None):
+        claim_cores()  # before this process runs a step (see `planner.runtime.threads`)
+        self.sig = sig
+        self.device = device or tvm.cpu()
+        lib = load_step(library) if isinstance(library, Path | str) else library
+        self.vm = relax.VirtualMachine(lib, self.device)
+        self._set_input = self.vm.module["set_input"]
+        self.set_weights(weights)
+        # where the step runs elsewhere (a board over RPC), the board's own clock and heap:
+        # `timed_invoke` runs one step there and returns its seconds; `heap` reads its C heap
+        self.timed_invoke: Callable[[], float] | None = None
+        self.heap: Callable[[], int | None] | None = None
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Start over from `weights` (by ONNX initializer name) and fresh optimizer state."""
+        sig = self.sig
+        weights = to_step(weights, sig.layouts, sig.quantized)
+        missing = [n for n in (*sig.frozen, *sig.trainable) if n not in weights]
+        if missing:
+            raise KeyError(f"weights lack {', '.join(missing)}")
+        put = self._put
+        self.frozen = [put(weights[n]) for n in sig.frozen]
+        self.trainable = [put(weights[n]) for n in sig.trainable]
+        self.states = [put(np.full(shape, fill, dtype)) for shape, dtype, fill in sig.optim_states]
+        self.step_seconds: list[float] = []  # each step's call of the compiled step (`planner run` checks them)
+
+    def _put(self, array: np.ndarray) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.asarray(array, order="C"), self.device)
+
+    def _inputs(self, x: Inputs) -> list[np.ndarray]:
+        """`x` as the step's input arrays, each in its input's dtype: one array for a model of one
+        input, else one per input in the signature's order."""
+        arrays = [x] if isinstance(x, np.ndarray) else list(x)
+        if len(arrays) != len(self.sig.inputs):
+            raise ValueError(f"the step takes {len(self.sig.inputs)} inputs, given {len(arrays)}")
+        return [np.asarray(a).astype(i.dtype, copy=False) for a, i in zip(arrays, self.sig.inputs)]
+
+    def step_args(self, x: Inputs, y: np.ndarray) -> list:
+        inputs = [self._put(a) for a in self._inputs(x)]
+        return [*inputs, *self.frozen, *self.trainable, *self.states, self._put(y.astype(LABEL_DTYPE))]
+
+    def step(self, x: Inputs, y: np.ndarray) -> float:
+        """One training step on a full batch; returns its loss."""
+        # set_input/invoke_stateful/get_outputs work alike on a local and an RPC device, where a
+        # returned tuple cannot be indexed directly. The VM module's own set_input: the Python
+        # wrapper's type dispatch over every argument (~270 for MobileNetV2, each already a
+        # Tensor) cost a tenth of a batch-1 step.
+        self._set_input(STEP_FUNC, *self.step_args(x, y))
+        if self.timed_invoke is not None:
+            self.step_seconds.append(self.timed_invoke())
+        else:
+            start = time.perf_counter()
+            self.vm.invoke_stateful(STEP_FUNC)
+            faults.point("step")
+            self.step_seconds.append(time.perf_counter() - start)
+        out = self.vm.get_outputs(STEP_FUNC)
+        n = len(self.trainable)
+        self.trainable = list(out[1 : 1 + n])
+        self.states = list(out[1 + n :])
+        return float(out[0].numpy()) / self.sig.loss_scale
+
+    def logits(self, x: Inputs) -> np.ndarray:
+        """Logits for any number of samples (the compiled batch is padded for the last chunk)."""
+        B = self.sig.micro_batch
+        arrays = self._inputs(x)
+        chunks = []
+        for i in range(0, len(arrays[0]), B):
+            parts = [a[i : i + B] for a in arrays]
+            pad = B - len(parts[0])
+            if pad:  # repeats of the last sample: a padding row is a valid input (a token id, a mask) too
+                parts = [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
+            out = self.vm[PREDICT_FUNC](*map(self._put, parts), *self.frozen, *self.trainable).numpy()
+            chunks.append(out[: B - pad])
+        return np.concatenate(chunks) if chunks else np.zeros((0, self.sig.n_classes), "float32")
+
+    def evaluate(self, x: Inputs, y: np.ndarray) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) on a labelled set."""
+        return self.evaluate_chunks([(x, y)])
+
+    def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) over labelled chunks: a set too large to hold at once."""
+        return score(self.logits, chunks)
+
+    def resident_bytes(self) -> int:
+        """Bytes of what the step holds between steps (weights, optimizer state) and of one
+        batch of its inputs and labels, from their shapes."""
+        held = sum(int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize for t in (*self.frozen, *self.trainable, *self.states))
+        inputs = sum(int(np.prod(i.static)) * np.dtype(i.dtype).itemsize for i in self.sig.inputs)
+        return held + self.sig.batch_size * (inputs + np.dtype(LABEL_DTYPE).itemsize)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """All weights by ONNX initializer name (trainable ones as updated so far)."""
+        names = (*self.sig.frozen, *self.sig.trainable)
+        parts = {n: t.numpy() for n, t in zip(names, (*self.frozen, *self.trainable))}
+        return from_step(parts, self.sig.layouts, self.sig.quantized)
