@@ -11,9 +11,8 @@ import tvm
 from tvm import relax
 
 from planner.backend.graph.training import build_training_module
-from planner.backend.lower import link
+from planner.backend.lower import link, pipeline
 from planner.backend.lower.pipeline import BuildOptions
-from planner.backend.lower import pipeline
 from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import load_model
 from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC

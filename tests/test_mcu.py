@@ -32,7 +32,7 @@ from planner.measurement import runner_for
 from planner.measurement.qemu import QemuSession
 from planner.runtime.session import TrainingSession, example_batch
 from planner.search.evaluate import EvalSettings, Evaluator
-from planner.types import Candidate, TrialRecord, TrialState
+from planner.types import Candidate, TrialRecord, TrialResult, TrialState
 from processes import planner
 
 DIGITS = shipped("examples") / "digits"
@@ -333,13 +333,13 @@ def test_a_step_the_board_cannot_link_is_over_budget_not_a_failed_trial(tmp_path
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: no feasible plan: 0 of 2 trials completed; 2 too large for the board to link"), last
 
-    attrs: dict = {}
+    result = TrialResult()
     model = load_model(DIGITS / "model.onnx")
     candidate = load_scheme(str(DIGITS / "head-only.yaml")).candidate(model)
     settings = EvalSettings(cache_dir=tmp_path / "cache", seed=0, accuracy_steps=5, latency_repeats=1)
     evaluator = Evaluator(model, load_dataset(DIGITS / "digits.npz", model), load_target(str(target)), settings)
-    constraints = evaluator.evaluate(candidate, attrs.__setitem__)
-    record = TrialRecord.from_attrs(0, TrialState.COMPLETE, attrs, constraints)
+    constraints = evaluator.evaluate(candidate, result)
+    record = TrialRecord.of(0, TrialState.COMPLETE, result, constraints)
     assert record.ended_over_budget and not record.memory_estimated and record.fail_reason is None
     assert record.memory is not None and record.memory.total > 12 * 1024
     assert 0 < constraints["ram_budget"] and not record.feasible

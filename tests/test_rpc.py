@@ -22,7 +22,7 @@ from planner.errors import BadInput, BoardLost, BoardUnreachable, NoFeasiblePlan
 from planner.inputs.addresses import parse_host_port
 from planner.measurement.board import RSS, check_bind_host, key_status
 from planner.plans.directory import read_plan
-from planner.search.records import to_record
+from planner.search._attrs import record_of
 from processes import Boards, kill, planner, start
 
 pytestmark = pytest.mark.slow  # trackers and boards on 127.0.0.1, boards killed mid-study: minutes
@@ -120,7 +120,7 @@ def test_losing_every_board_stops_exit_3_and_the_rerun_measures_exactly_the_miss
             api.plan(**kwargs, on_trial=on_trial)
         assert lost.value.exit_code == 3 and "rerun the same command" in str(lost.value)
         study = optuna.load_study(study_name="planner", storage=f"sqlite:///{tmp_path / 'p' / 'study.db'}")
-        trials = [to_record(t) for t in study.trials]
+        trials = [record_of(t) for t in study.trials]
         assert [t.state for t in trials].count("COMPLETE") + [t.state for t in trials].count("FAIL") == 1
         cut = [t for t in trials if t.state == "PRUNED"]
         assert len(cut) == 1 and cut[0].fail_reason.startswith("environment: ")
@@ -155,7 +155,7 @@ def test_a_session_timeout_is_a_failed_trial_not_a_dead_study(boards, tiny_model
             accuracy_steps=5,
         )
     study = optuna.load_study(study_name="planner", storage=f"sqlite:///{tmp_path / 'p' / 'study.db'}")
-    trials = [to_record(t) for t in study.trials]
+    trials = [record_of(t) for t in study.trials]
     # the boards stay registered: their session died running the candidate (too slow for the
     # session budget), which is the candidate's failure, not the environment's
     assert [t.state for t in trials] == ["FAIL", "FAIL"]

@@ -19,12 +19,14 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState as State
 
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
+from planner.search._attrs import record_of, result_of
 from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _alive, process, recover_dead_trials, worker
 from planner.search._samplers import AnchoredSampler, make_sampler, takes_anchors
 from planner.search._storage import ProcessStorage, storage_of
 from planner.search.study import open_study
+from planner.types import AccuracyResult, Candidate, Latency, MemoryBreakdown, TrialResult
 
 STAMP = {"process": process(), "worker": worker()}
 
@@ -354,15 +356,17 @@ class _Evaluator:
     def compiling(self) -> bool:
         return False
 
-    def evaluate(self, candidate, record, hooks):
-        record("candidate", {"x": candidate})
+    def evaluate(self, candidate, result, hooks):
+        result.candidate = Candidate(trainable=(("fc", "full"),), batch_size=8, optimizer="sgd", lr=candidate)
+        hooks.saved(result)
         hooks.before_timing()
         hooks.after_timing()
         if self.then is not None:
             raise self.then
-        record("accuracy", {"after": 0.5})
-        record("latency", {"median": 2.0})
-        record("memory", {"total": 1000})
+        result.accuracy = AccuracyResult(before=0.1, after=0.5, loss_before=2.0, loss_after=1.0, steps=5, seconds=0.1)
+        result.latency = Latency(median=2.0, p90=2.5, min=1.5, max=3.0, repeats=3, number=1, device="local")
+        result.memory = MemoryBreakdown(1000, 600, 100, 100, 0, 200)
+        hooks.saved(result)
         return {"ram_budget": -1.0}
 
 
@@ -409,3 +413,16 @@ def test_a_trial_stopped_while_waiting_its_turn_has_not_begun():
         trial, _ = _run(study, _Evaluator(), halt, pipeline)
     assert trial.state == State.PRUNED and trial.user_attrs["fail_reason"] == NOT_BEGUN and not trial.params
     assert not study.get_trials(states=(State.WAITING,))
+
+
+def test_what_a_trial_measured_is_stored_and_read_back_as_one_typed_result():
+    """The evaluator fills a `TrialResult`; the study stores it through the one adapter and a
+    record read back from the study holds every field as measured."""
+    trial, _ = _run(_study(), _Evaluator())
+    result = result_of(trial)
+    assert result.accuracy == AccuracyResult(before=0.1, after=0.5, loss_before=2.0, loss_after=1.0, steps=5, seconds=0.1)
+    assert result.latency is not None and result.latency.median == 2.0 and result.memory.total == 1000
+    assert result.candidate is not None and result.candidate.lr == trial.params["x"]
+    assert TrialResult.from_json(result.to_json()) == result
+    record = record_of(trial)
+    assert record.feasible and record.measured().accuracy.after == 0.5 and record.seed == 7

@@ -14,7 +14,7 @@ from planner.inputs.schemes import load_scheme
 from planner.inputs.settings import Settings
 from planner.plans.directory import data_files, prepare_out_dir
 from planner.plans.select import Context, assemble
-from planner.types import TrialRecord, TrialState
+from planner.types import TrialRecord, TrialResult, TrialState
 
 _OPTIONS = INPUT_FIELDS - {"model", "data", "space", "classes"} | {
     "seed",
@@ -64,13 +64,13 @@ def measure(
         )
     runner.capacity()
     out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
-    attrs: dict = {}
+    measured = TrialResult()
     evaluator = Evaluator(m, loaded.dataset, hw, _evaluation(loaded, settings.model_copy(update={"screen_steps": 0})))
     try:
-        constraints = evaluator.evaluate(candidate, attrs.__setitem__, estimate=False)  # measured, even over budget
+        constraints = evaluator.evaluate(candidate, measured, estimate=False)  # measured, even over budget
     except CandidateFailed as exc:
         raise MeasureFailed(f"scheme {Path(scheme).name} failed: {exc}") from None
-    rec = TrialRecord.from_attrs(0, TrialState.COMPLETE, attrs, constraints)
+    rec = TrialRecord.of(0, TrialState.COMPLETE, measured, constraints)
     compiled = evaluator.backend.build(m, candidate)
     selection = {
         "policy": "scheme",

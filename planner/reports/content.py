@@ -23,7 +23,7 @@ from planner.plans.directory import MODEL_FILE, TRIALS_FILE, read_plan
 from planner.plans.schema import ParetoEntry, Plan
 from planner.plans.select import choice_json, metrics_json, select
 from planner.search.urls import redact
-from planner.types import Mode, TrialRecord, TrialState
+from planner.types import AccuracyResult, Latency, MemoryBreakdown, Mode, TrialRecord, TrialResult, TrialState
 
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
 
@@ -234,14 +234,14 @@ def from_plan(plan: Plan, model: Model, trials: list[TrialRecord]) -> ReportCont
 
 def _pareto_record(entry: ParetoEntry) -> TrialRecord:
     m = entry.metrics.model_dump()
-    cand = entry.choice.candidate().to_json()
     acc = {**m["accuracy"], "loss_before": float("nan"), "loss_after": float("nan"), "seconds": 0.0}
-    return TrialRecord.from_attrs(
-        entry.trial,
-        TrialState.COMPLETE,
-        {"candidate": cand, "accuracy": acc, "latency": m["step_latency_ms"], "memory": m["peak_memory_bytes"]},
-        {},
+    result = TrialResult(
+        candidate=entry.choice.candidate(),
+        accuracy=AccuracyResult(**acc),
+        latency=Latency(**m["step_latency_ms"]),
+        memory=MemoryBreakdown(**m["peak_memory_bytes"]),
     )
+    return TrialRecord.of(entry.trial, TrialState.COMPLETE, result, {})
 
 
 def from_study(storage: str, study: str) -> ReportContent:

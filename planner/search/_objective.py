@@ -13,12 +13,13 @@ import optuna
 from planner.errors import CandidateFailed, NotTheCandidates, first_line
 from planner.inputs.spaces import SearchSpace
 from planner.runtime.threads import physical_cores
+from planner.search._attrs import Saver, explain, result_of
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _requeue
 from planner.search._samplers import AnchoredSampler
 from planner.search.evaluate import Evaluator, Hooks
 from planner.search.fidelity import ScreenPoint
-from planner.types import Fidelity
+from planner.types import TrialResult
 
 
 class _Halt:
@@ -57,7 +58,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
                 if trial.user_attrs.get("alone"):
                     pipeline.run_alone(trial._trial_id)
                 if halt():  # stopped while it waited its turn: it has not begun, nothing to queue again
-                    trial.set_user_attr("fail_reason", NOT_BEGUN)
+                    explain(trial.set_user_attr, NOT_BEGUN)
                     raise optuna.TrialPruned(NOT_BEGUN)
             return _evaluate(trial)
         except (optuna.TrialPruned, CandidateFailed):
@@ -91,15 +92,17 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
                 hooks = replace(
                     hooks, before_timing=lambda: pipeline.before_timing(tid), after_timing=lambda: pipeline.timed(tid)
                 )
-            constraints = evaluator.evaluate(candidate, trial.set_user_attr, hooks)
+            result = TrialResult()
+            constraints = evaluator.evaluate(candidate, result, replace(hooks, saved=Saver(trial)))
         except NotTheCandidates as exc:
             # the board, the disk or the cache failed, or planner did: not the candidate. It is
             # measured again by the next run, and this one stops (the caller raises `exc`)
             halt.error = halt.error or exc
             failures = int(trial.user_attrs.get("env_failures", 0)) + 1
             if failures >= ENV_RETRIES:  # ... unless it failed the environment every time it ran
-                trial.set_user_attr(
-                    "fail_reason", f"the environment failed each of the {failures} times this candidate ran: {first_line(exc)}"
+                explain(
+                    trial.set_user_attr,
+                    f"the environment failed each of the {failures} times this candidate ran: {first_line(exc)}",
                 )
                 raise CandidateFailed(first_line(exc)) from None
             _requeue(trial, trial.study, f"environment: {first_line(exc)}", env_failures=failures)
@@ -113,10 +116,10 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
             raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
         for key, value in constraints.items():
             trial.set_constraint(key, value)
-        attrs = trial.user_attrs
-        if "accuracy" not in attrs:  # over budget by its estimate or the linker: infeasible, never run
-            return 0.0, math.inf, float(attrs["memory"]["total"])  # (samplers rank it by its violation alone)
-        return attrs["accuracy"]["after"], attrs["latency"]["median"], float(attrs["memory"]["total"])
+        assert result.memory is not None  # (what `evaluate` returns after measures it first)
+        if result.accuracy is None or result.latency is None:  # over budget by its estimate or the linker:
+            return 0.0, math.inf, float(result.memory.total)  # infeasible, never run (ranked by its violation alone)
+        return result.accuracy.after, result.latency.median, float(result.memory.total)
 
     return objective
 
@@ -126,9 +129,10 @@ def screen_points(study: optuna.Study) -> list[ScreenPoint]:
     target's budgets and did not diverge: what a new candidate's short fine-tune is compared with."""
     points = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        fidelity = Fidelity.from_json(t.user_attrs.get("fidelity"))
+        result = result_of(t)
+        fidelity = result.fidelity
         if fidelity is None or any(v > 0 for k, v in t.constraints.items() if k != "screened"):
             continue
-        latency, memory = t.user_attrs["latency"]["median"], t.user_attrs["memory"]["total"]
-        points.append(ScreenPoint(t.number, fidelity.screen.after, float(latency), float(memory)))
+        assert result.latency is not None and result.memory is not None  # (measured before it was screened)
+        points.append(ScreenPoint(t.number, fidelity.screen.after, result.latency.median, float(result.memory.total)))
     return points

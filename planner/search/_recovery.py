@@ -19,6 +19,7 @@ from pathlib import Path
 
 import optuna
 
+from planner.search._attrs import drawn, explain, explained
 from planner.search._storage import grace_seconds, storage_of
 
 RETRIES = 1  # a trial whose process died is run once more; dying again, it stays FAIL
@@ -99,10 +100,10 @@ def _requeue(
     trial in flight (`_Pipeline.run_alone`), so a crash of its process is its own."""
     retries = int(trial.user_attrs.get("retries", 0)) + crashed
     if isinstance(trial, optuna.Trial):  # a live trial, about to end PRUNED: say why
-        trial.set_user_attr("fail_reason", f"{reason}; queued again")
+        explain(trial.set_user_attr, f"{reason}; queued again")
     attrs = {"requeued_from": trial.number, "requeue_reason": reason, "retries": retries, "alone": alone}
     attrs["env_failures"] = int(trial.user_attrs.get("env_failures", 0)) if env_failures is None else env_failures
-    study.enqueue_trial(trial.params if _drawn(trial) else {}, user_attrs=attrs)  # (part of a candidate: none)
+    study.enqueue_trial(trial.params if drawn(trial) else {}, user_attrs=attrs)  # (part of a candidate: none)
 
 
 STALE = "its process stopped sending heartbeats (killed or lost)"
@@ -117,22 +118,16 @@ def _retry_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     flight) is not blamed, and runs again alone; one killed before it drew a candidate is
     replaced by a fresh trial. Its copy points back at it (`requeued_from`), so `_finished`
     does not count it."""
-    if not _drawn(trial):  # killed before its candidate was drawn: not the candidate's doing, and a fresh one takes its place
+    if not drawn(trial):  # killed before its candidate was drawn: not the candidate's doing, and a fresh one takes its place
         _requeue(trial, study, f"{STALE} before drawing a candidate")
         return
     shared = any(
-        t.number != trial.number and _drawn(t) and t.user_attrs.get("process") == trial.user_attrs.get("process") and _silenced(t)
+        t.number != trial.number and drawn(t) and t.user_attrs.get("process") == trial.user_attrs.get("process") and _silenced(t)
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL))
     )
     if int(trial.user_attrs.get("retries", 0)) >= RETRIES and not shared:
         return  # it stays FAIL (`records` says why)
     _requeue(trial, study, f"{STALE} beside another trial; to run alone" if shared else STALE, crashed=not shared, alone=shared)
-
-
-def _drawn(trial: optuna.trial.FrozenTrial | optuna.Trial) -> bool:
-    """Whether `trial` had drawn its whole candidate (the objective records it once sampled): a
-    process killed while the sampler was still drawing leaves only some of the parameters."""
-    return "candidate" in trial.user_attrs
 
 
 def _silenced(trial: optuna.trial.FrozenTrial) -> bool:
@@ -141,7 +136,7 @@ def _silenced(trial: optuna.trial.FrozenTrial) -> bool:
     silence (a trial that failed on its own carries a reason)."""
     if trial.state == optuna.trial.TrialState.RUNNING:
         return True
-    return "fail_reason" not in trial.user_attrs and "fail_reason" not in trial.system_attrs
+    return not explained(trial)
 
 
 def _dead(study: optuna.Study, grace_s: float) -> list[tuple[optuna.trial.FrozenTrial, str, str]]:
@@ -179,22 +174,22 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
         t.user_attrs.get("requeued_from") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
     }
     dead = _dead(study, grace_seconds())
-    in_flight = collections.Counter(key for t, _, key in dead if _drawn(t))
+    in_flight = collections.Counter(key for t, _, key in dead if drawn(t))
     storage = storage_of(study)
     for t, reason, key in dead:
         tid = t._trial_id
         crashes = int(t.user_attrs.get("retries", 0))
         shared = in_flight[key] > 1
         try:
-            if not _drawn(t):  # it was waiting its turn to draw a candidate (or drawing it): nothing to measure again
-                storage.set_trial_user_attr(tid, "fail_reason", f"{reason} before drawing a candidate")
+            if not drawn(t):  # it was waiting its turn to draw a candidate (or drawing it): nothing to measure again
+                explain(functools.partial(storage.set_trial_user_attr, tid), f"{reason} before drawing a candidate")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
             elif crashes >= RETRIES and not shared:
-                storage.set_trial_user_attr(tid, "fail_reason", f"{reason}, again: the candidate may crash planner")
+                explain(functools.partial(storage.set_trial_user_attr, tid), f"{reason}, again: the candidate may crash planner")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
             else:
                 why = f"{reason} beside another trial; to run alone" if shared else reason
-                storage.set_trial_user_attr(tid, "fail_reason", f"{why}; queued again")
+                explain(functools.partial(storage.set_trial_user_attr, tid), f"{why}; queued again")
                 storage.set_trial_state_values(tid, optuna.trial.TrialState.PRUNED)
                 if t.number not in queued:  # (its own process queued it, then died before ending it)
                     _requeue(t, study, why, crashed=not shared, alone=shared)

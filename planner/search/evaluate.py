@@ -1,8 +1,9 @@
 """Evaluate one candidate for real: compile it for the target, measure it there, fine-tune it.
 
-This is the work of one search trial and of `planner measure` alike. Results are reported through
-`record(key, json_value)` as soon as each stage finishes, so a candidate that fails late still
-leaves what was measured; `TrialRecord` is the plain-data view of a finished evaluation.
+This is the work of one search trial and of `planner measure` alike. What it measures fills a
+`TrialResult` stage by stage, handed to `Hooks.saved` as each stage finishes, so a candidate that
+fails late still leaves what was measured; `TrialRecord` is the plain-data view of a finished
+evaluation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from planner.measurement import Measurement, Runner, runner_for
 from planner.measurement.accuracy import FineTune
 from planner.runtime.threads import use_threads
 from planner.search.fidelity import ScreenPoint, beaten_by, margin
-from planner.types import AccuracyResult, Candidate, Fidelity
+from planner.types import AccuracyResult, Candidate, Fidelity, TrialResult
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def _never() -> bool:
     return False
 
 
-def _nothing() -> None:
+def _nothing(*_: object) -> None:
     pass
 
 
@@ -57,6 +58,7 @@ class Hooks:
     interrupted: Callable[[], bool] = _never  # true: stop the fine-tune now (KeyboardInterrupt)
     fine_tune_threads: Callable[[], int] | None = None  # the fine-tune's pool threads now (0: all; None: as is)
     recipe: bool = False  # one of the space's hand-made recipes: never screened out (`Evaluator._screen`)
+    saved: Callable[[TrialResult], None] = _nothing  # the result so far, after each stage (a study stores it)
 
 
 def _label(c: Candidate) -> str:
@@ -83,31 +85,35 @@ class Evaluator:
             return build(self.model, candidate)
 
     def evaluate(
-        self, candidate: Candidate, record: Callable[[str, object], None], hooks: Hooks = Hooks(), *, estimate: bool = True
+        self, candidate: Candidate, result: TrialResult, hooks: Hooks = Hooks(), *, estimate: bool = True
     ) -> dict[str, float]:
-        """Measure `candidate`; returns its constraints (feasible when all are <= 0): the target's
+        """Measure `candidate` into `result`; returns its constraints (feasible when all are <= 0): the target's
         budgets, `diverged`, and `screened` in a multi-fidelity search (`settings.screen_steps`).
         A candidate estimated over the RAM budget returns that constraint alone, its memory
         recorded as estimated (`memory_estimated`) and nothing else measured — unless not to
         `estimate` (`planner measure`: the scheme asked for is measured, over budget or not); one
         the board's linker refuses (`DoesNotFit`) returns its budgets' with its memory as linked.
 
-        Raises CandidateFailed (with the reason also recorded) when it cannot be built or run,
+        Raises CandidateFailed (with the reason also in `result`) when it cannot be built or run,
         KeyboardInterrupt when `hooks.interrupted()` turns true mid fine-tune.
         """
         settings = self.settings
-        record("candidate", candidate.to_json())
+        result.candidate = candidate
+        hooks.saved(result)
         try:
-            over = self._over_budget(candidate, record) if estimate else None
+            over = self._over_budget(candidate, result) if estimate else None
             if over is not None:
+                hooks.saved(result)
                 return over
             try:
-                compiled = self._compile(candidate, record)
+                compiled = self._compile(candidate, result)
             except DoesNotFit as exc:  # the board's linker refused it: over budget, not failed ...
                 if not estimate:  # ... but a scheme to measure cannot be
                     raise
-                return self._does_not_fit(candidate, exc, record)
-            measured = self._measure(candidate, compiled, record, hooks)
+                return self._does_not_fit(candidate, exc, result, hooks)
+            hooks.saved(result)
+            measured = self._measure(candidate, compiled, result, hooks)
+            hooks.saved(result)
             faults.point("trial-accuracy")
             # accuracy does not depend on the board: a board build may not even run here
             t0 = time.perf_counter()
@@ -129,10 +135,12 @@ class Evaluator:
                 fidelity = self._screen(
                     run.result(settings.screen_steps), budgets, measured.latency.median, compiled, hooks.rivals, hooks.recipe
                 )
-                record("fidelity", fidelity.to_json())
+                result.fidelity = fidelity
+                hooks.saved(result)  # rival trials compare their screens with it from now on
             acc = run.result(settings.accuracy_steps) if fidelity is None or fidelity.promoted else fidelity.screen
-            record("accuracy", acc.to_json())
-            record("accuracy_s", time.perf_counter() - t0)
+            result.accuracy = acc
+            result.seconds["accuracy_s"] = time.perf_counter() - t0
+            hooks.saved(result)
             log.debug(
                 "%s: fine-tuned %d steps, val acc %.3f -> %.3f%s",
                 _label(candidate),
@@ -146,7 +154,8 @@ class Evaluator:
             raise
         except CandidateFailed as exc:
             log.debug("%s: failed: %s", _label(candidate), exc)
-            record("fail_reason", str(exc))
+            result.fail_reason = str(exc)
+            hooks.saved(result)
             raise
         except Exception as exc:  # anything else in TVM: this candidate fails, the study goes on
             disk = disk_problem(exc)
@@ -154,7 +163,8 @@ class Evaluator:
                 raise EnvironmentFailure(f"cannot write {disk[1] or 'a file'}: {disk[0]}") from None
             reason = f"{type(exc).__name__}: {last_line(exc)}" if str(exc).strip() else type(exc).__name__
             log.debug("%s: failed", _label(candidate), exc_info=True)
-            record("fail_reason", reason)
+            result.fail_reason = reason
+            hooks.saved(result)
             raise CandidateFailed(reason) from exc
         constraints = dict(budgets)
         # a fine-tune that diverged is measured but never deployable (1: violated, -1: met) ...
@@ -164,7 +174,7 @@ class Evaluator:
             constraints["screened"] = 1.0 if beaten else -1.0
         return constraints
 
-    def _over_budget(self, candidate: Candidate, record: Callable[[str, object], None]) -> dict[str, float] | None:
+    def _over_budget(self, candidate: Candidate, result: TrialResult) -> dict[str, float] | None:
         """The constraints of a candidate whose memory estimate puts it over the RAM budget even
         at the estimate's measured worst error (`MemoryEstimate.at_least`): it is infeasible, and
         neither built, measured nor fine-tuned. None for every other candidate."""
@@ -172,17 +182,17 @@ class Evaluator:
         estimate = self.backend.estimate(self.model, candidate)
         if estimate is None or estimate.at_least <= self.target.ram_budget_bytes:
             return None
-        record("memory", estimate.memory.to_json())
-        record("memory_estimated", True)
-        record("compile_s", time.perf_counter() - t0)
+        result.memory, result.memory_estimated = estimate.memory, True
+        result.seconds["compile_s"] = time.perf_counter() - t0
         log.debug("%s: estimated at %d bytes or more, over the RAM budget: not compiled", _label(candidate), estimate.at_least)
         return {"ram_budget": float(estimate.at_least - self.target.ram_budget_bytes)}
 
-    def _does_not_fit(self, candidate: Candidate, exc: DoesNotFit, record: Callable[[str, object], None]) -> dict[str, float]:
+    def _does_not_fit(self, candidate: Candidate, exc: DoesNotFit, result: TrialResult, hooks: Hooks) -> dict[str, float]:
         """The constraints of a candidate too large for the board to link: how far over each
         budget what it needs is, and at least what the board lacks (a target may set a budget
         beyond its board's memory)."""
-        record("memory", exc.memory.to_json())
+        result.memory = exc.memory
+        hooks.saved(result)
         log.debug("%s: does not fit the board: %s", _label(candidate), exc)
         budgets = self._budgets(exc.memory.total, exc.flash_bytes, None)
         for region, by in exc.overflow.items():
@@ -190,17 +200,19 @@ class Evaluator:
             budgets[key] = max(budgets.get(key, 0.0), float(by))
         return budgets
 
-    def _compile(self, candidate: Candidate, record: Callable[[str, object], None]) -> BuiltArtifact:
+    def _compile(self, candidate: Candidate, result: TrialResult) -> BuiltArtifact:
         """Build `candidate` and record what the build cost, apart so `evaluate` stays readable."""
         faults.point("trial-compile")
         compiled = self._build(candidate)
         self.runner.check_kind(compiled)
-        record("memory", compiled.memory.to_json())
-        record("library_bytes", compiled.stored_bytes)
-        record("tuned_kernels", len(compiled.tuned_kernels))
+        result.memory, result.library_bytes, result.tuned_kernels = (
+            compiled.memory,
+            compiled.stored_bytes,
+            len(compiled.tuned_kernels),
+        )
         # time this trial spent, not what cached results once cost
-        record("compile_s", 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds)
-        record("tune_s", 0.0 if compiled.cached else compiled.tune_seconds)
+        result.seconds["compile_s"] = 0.0 if compiled.cached else compiled.compile_seconds - compiled.tune_seconds
+        result.seconds["tune_s"] = 0.0 if compiled.cached else compiled.tune_seconds
         log.debug(
             "%s: %s, %d kernels (%d tuned), peak %d bytes",
             _label(candidate),
@@ -211,9 +223,7 @@ class Evaluator:
         )
         return compiled
 
-    def _measure(
-        self, candidate: Candidate, compiled: BuiltArtifact, record: Callable[[str, object], None], hooks: Hooks
-    ) -> Measurement:
+    def _measure(self, candidate: Candidate, compiled: BuiltArtifact, result: TrialResult, hooks: Hooks) -> Measurement:
         """Time `compiled` on the board and record it, apart so `evaluate` stays readable."""
         faults.point("trial-measure")
         hooks.before_timing()
@@ -223,10 +233,8 @@ class Evaluator:
         use_threads(0)  # timed on every core, whatever this thread's last fine-tune used
         measured = self.runner.measure(compiled, self.model.initializers, self.settings.latency_repeats)
         hooks.after_timing()
-        record("latency", measured.latency.to_json())
-        record("board", measured.board)
-        record("board_memory", measured.board_memory)
-        record("measure_s", time.perf_counter() - t0)
+        result.latency, result.board, result.board_memory = measured.latency, measured.board, measured.board_memory
+        result.seconds["measure_s"] = time.perf_counter() - t0
         log.debug("%s: step %.3f ms median on %s", _label(candidate), measured.latency.median, measured.board)
         return measured
 

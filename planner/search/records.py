@@ -10,6 +10,7 @@ from __future__ import annotations
 import optuna
 
 from planner.errors import BadInput
+from planner.search._attrs import record_of
 from planner.search._recovery import STALE, _silenced
 from planner.search._storage import open_storage
 from planner.search.urls import redact, scrubbed
@@ -52,12 +53,6 @@ def _finished(study: optuna.Study) -> int:
     return sum(t.state in FINISHED and t.number not in retried for t in trials)
 
 
-def to_record(trial: optuna.trial.FrozenTrial) -> TrialRecord:
-    attrs = dict(trial.user_attrs)
-    attrs.setdefault("fail_reason", trial.system_attrs.get("fail_reason"))
-    return TrialRecord.from_attrs(trial.number, trial.state.name, attrs, trial.constraints)
-
-
 def records(study: optuna.Study) -> list[TrialRecord]:
     """Every trial as a record. A trial whose heartbeat stopped and that Optuna ran again is shown
     cut short (PRUNED, not counted), as `_finished` counts it: a dead process costs no trial."""
@@ -66,7 +61,7 @@ def records(study: optuna.Study) -> list[TrialRecord]:
     why = {t.user_attrs.get("requeued_from"): t.user_attrs.get("requeue_reason") for t in trials}
     out = []
     for t in trials:
-        rec = to_record(t)
+        rec = record_of(t)
         if rec.state is TrialState.FAIL and t.number in retried:
             rec.state = TrialState.PRUNED
             rec.fail_reason = rec.fail_reason or f"{why.get(t.number) or STALE}; queued again"

@@ -34,13 +34,14 @@ from planner.inputs.model import Model
 from planner.inputs.spaces import SearchSpace
 from planner.inputs.targets import HardwareTarget
 from planner.measurement import runner_for
+from planner.search._attrs import record_of
 from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import _retry_stale, process, recover_dead_trials, worker
 from planner.search._samplers import SAMPLERS, AnchoredSampler, make_sampler, resumed_seed, takes_anchors
 from planner.search._storage import GRACE_ENV, HEARTBEAT_ENV, ProcessStorage, experimental, open_storage, storage_of
 from planner.search.evaluate import EvalSettings, Evaluator
-from planner.search.records import _finished, records, to_record
+from planner.search.records import _finished, records
 from planner.search.urls import redact, scrubbed
 from planner.types import TrialRecord
 
@@ -172,7 +173,7 @@ def run_study(
         # first: the next trial is timed as soon as this one is told (a later callback may raise)
         callbacks = [] if pipeline is None else [lambda s, t: pipeline.ended(t._trial_id)]
         if on_trial is not None:
-            callbacks.append(lambda s, t: on_trial(to_record(t), _finished(s), settings.trials))
+            callbacks.append(lambda s, t: on_trial(record_of(t), _finished(s), settings.trials))
         deadline = None if settings.timeout_s is None else time.monotonic() + settings.timeout_s
 
         def more() -> bool:

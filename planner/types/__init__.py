@@ -19,7 +19,16 @@ from planner.types._candidate import (
     Recompute,
     Updates,
 )
-from planner.types._measured import AccuracyResult, Fidelity, Latency, Measured, MemoryBreakdown, TrialRecord, TrialState
+from planner.types._measured import (
+    AccuracyResult,
+    Fidelity,
+    Latency,
+    Measured,
+    MemoryBreakdown,
+    TrialRecord,
+    TrialResult,
+    TrialState,
+)
 from planner.types._step import KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
 
 __all__ = [
@@ -43,6 +52,7 @@ __all__ = [
     "StepProfile",
     "StepSignature",
     "TrialRecord",
+    "TrialResult",
     "TrialState",
     "Updates",
 ]

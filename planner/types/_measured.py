@@ -139,6 +139,69 @@ class Measured:
     memory: MemoryBreakdown
 
 
+SECONDS = ("compile_s", "tune_s", "measure_s", "accuracy_s")  # where a trial's time went, by stage
+
+
+@dataclass
+class TrialResult:
+    """What one evaluation of a candidate measured (`Evaluator.evaluate`), filled in stage by
+    stage so that a candidate failing late keeps what it measured. Its JSON is what a study
+    stores as the trial's user attributes (`planner.search._attrs`, the one adapter) and what
+    `trials.json` holds of it."""
+
+    candidate: Candidate | None = None
+    memory: MemoryBreakdown | None = None
+    # the training graph's estimate put it over the RAM budget: neither compiled, measured nor
+    # fine-tuned (`planner.backend.graph.estimate`)
+    memory_estimated: bool = False
+    library_bytes: int | None = None  # what the board stores to run the step
+    tuned_kernels: int | None = None
+    latency: Latency | None = None
+    board: str | None = None
+    board_memory: dict | None = None
+    fidelity: Fidelity | None = None  # its screening fine-tune, in a multi-fidelity search
+    accuracy: AccuracyResult | None = None
+    fail_reason: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # by stage (`SECONDS`)
+
+    def to_json(self) -> dict:
+        """One key per measurement, none for what was not measured."""
+        parts: dict[str, object] = {
+            "candidate": self.candidate.to_json() if self.candidate else None,
+            "memory": self.memory.to_json() if self.memory else None,
+            "memory_estimated": True if self.memory_estimated else None,
+            "library_bytes": self.library_bytes,
+            "tuned_kernels": self.tuned_kernels,
+            "latency": self.latency.to_json() if self.latency else None,
+            "board": self.board,
+            "board_memory": self.board_memory,
+            "fidelity": self.fidelity.to_json() if self.fidelity else None,
+            "accuracy": self.accuracy.to_json() if self.accuracy else None,
+            "fail_reason": self.fail_reason,
+            **self.seconds,
+        }
+        return {k: v for k, v in parts.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrialResult:
+        """The result `to_json` wrote (other keys ignored: a trial has attributes of its own)."""
+        cand = d.get("candidate")
+        return cls(
+            candidate=Candidate.from_json(cand) if cand else None,
+            memory=MemoryBreakdown(**d["memory"]) if d.get("memory") else None,
+            memory_estimated=bool(d.get("memory_estimated", False)),
+            library_bytes=d.get("library_bytes"),
+            tuned_kernels=d.get("tuned_kernels"),
+            latency=Latency(**d["latency"]) if d.get("latency") else None,
+            board=d.get("board"),
+            board_memory=d.get("board_memory"),
+            fidelity=Fidelity.from_json(d["fidelity"]) if d.get("fidelity") else None,
+            accuracy=AccuracyResult(**d["accuracy"]) if d.get("accuracy") else None,
+            fail_reason=d.get("fail_reason"),
+            seconds={k: float(d[k]) for k in SECONDS if d.get(k) is not None},
+        )
+
+
 @dataclass
 class TrialRecord:
     """One evaluated candidate as plain data: what was tried, what was measured, or why it failed."""
@@ -194,26 +257,35 @@ class TrialRecord:
         return Measured(cand, acc, lat, mem)
 
     @classmethod
-    def from_attrs(cls, number: int, state: TrialState | str, attrs: dict, constraints: dict[str, float]) -> TrialRecord:
-        """Rebuild a record from what `Evaluator.evaluate` recorded."""
-        cand = attrs.get("candidate")
+    def of(
+        cls,
+        number: int,
+        state: TrialState | str,
+        result: TrialResult,
+        constraints: dict[str, float],
+        *,
+        worker: str | None = None,
+        seed: int | None = None,
+    ) -> TrialRecord:
+        """The record of a trial in `state` (a name Optuna or trials.json wrote) that measured
+        `result` and met or broke `constraints` (feasible: all <= 0)."""
         rec = cls(
             number=number,
-            state=TrialState(state),  # a name Optuna or trials.json wrote
-            candidate=Candidate.from_json(cand) if cand else None,
-            accuracy=AccuracyResult(**attrs["accuracy"]) if "accuracy" in attrs else None,
-            latency=Latency(**attrs["latency"]) if "latency" in attrs else None,
-            memory=MemoryBreakdown(**attrs["memory"]) if "memory" in attrs else None,
-            fail_reason=attrs.get("fail_reason"),
-            board=attrs.get("board"),
-            board_memory=attrs.get("board_memory"),
-            library_bytes=attrs.get("library_bytes"),
-            seconds={k: float(attrs[k]) for k in ("compile_s", "tune_s", "measure_s", "accuracy_s") if k in attrs},
+            state=TrialState(state),
+            candidate=result.candidate,
+            accuracy=result.accuracy,
+            latency=result.latency,
+            memory=result.memory,
+            fail_reason=result.fail_reason,
+            board=result.board,
+            board_memory=result.board_memory,
+            library_bytes=result.library_bytes,
+            seconds=dict(result.seconds),
             over_budget={k: v for k, v in constraints.items() if v > 0},
-            worker=attrs.get("worker"),
-            seed=attrs.get("seed"),
-            fidelity=Fidelity.from_json(attrs["fidelity"]) if "fidelity" in attrs else None,
-            memory_estimated=bool(attrs.get("memory_estimated", False)),
+            worker=worker,
+            seed=seed,
+            fidelity=result.fidelity,
+            memory_estimated=result.memory_estimated,
         )
         rec.feasible = rec.complete and all(c <= 0 for c in constraints.values())
         return rec
@@ -245,10 +317,7 @@ class TrialRecord:
 
     @classmethod
     def from_json(cls, d: dict) -> TrialRecord:
-        attrs = {
-            k: v for k, v in d.items() if v is not None and k not in ("number", "state", "feasible", "over_budget", "seconds")
-        }
-        attrs.update(d.get("seconds", {}))
-        rec = cls.from_attrs(d["number"], d["state"], attrs, d.get("over_budget", {}))
+        result = TrialResult.from_json({**d, **d.get("seconds", {})})
+        rec = cls.of(d["number"], d["state"], result, d.get("over_budget", {}), worker=d.get("worker"), seed=d.get("seed"))
         rec.feasible = bool(d["feasible"])
         return rec
