@@ -24,7 +24,7 @@ from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _alive, process, recover_dead_trials, worker
 from planner.search._samplers import AnchoredSampler, make_sampler, takes_anchors
-from planner.search._storage import ProcessStorage, storage_of
+from planner.search._storage import ProcessStorage, storage_of, trial_id
 from planner.search.study import open_study
 from planner.types import AccuracyResult, Candidate, Latency, MemoryBreakdown, TrialResult
 
@@ -426,3 +426,32 @@ def test_what_a_trial_measured_is_stored_and_read_back_as_one_typed_result():
     assert TrialResult.from_json(result.to_json()) == result
     record = record_of(trial)
     assert record.feasible and record.measured().accuracy.after == 0.5 and record.seed == 7
+
+
+def test_the_optuna_internals_planner_relies_on_are_where_it_reads_them(tmp_path):
+    """`search/_storage.py` is planner's one module on Optuna's private API (there is no public
+    way to them); when an Optuna release moves any of them, this fails by name, not a study."""
+    from optuna.storages._cached_storage import _CachedStorage
+    from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session  # noqa: F401
+
+    for name in ("get_heartbeat_interval", "record_heartbeat", "_get_stale_trial_ids", "get_heartbeat_stale_trial_callback"):
+        assert callable(getattr(BaseHeartbeat, name, None)), name
+    for table, column in (
+        (models.TrialModel, "trial_id"),
+        (models.TrialModel, "state"),
+        (models.TrialHeartbeatModel, "trial_heartbeat_id"),
+    ):
+        assert hasattr(table, column), (table, column)
+    rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 's.db'}")
+    assert isinstance(rdb, BaseHeartbeat) and hasattr(rdb, "scoped_session")
+    assert _CachedStorage(rdb)._backend is rdb
+    study = open_study(f"sqlite:///{tmp_path / 'p.db'}", "s", 0, {"v": 1}, "random", None, {})
+    assert storage_of(study) is study._storage  # (`Study._storage`)
+    trial = study.ask()
+    assert (
+        trial_id(trial)
+        == trial_id(study.trials[0])
+        == storage_of(study).get_trial_id_from_study_id_trial_number(study._study_id, 0)
+    )

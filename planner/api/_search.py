@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,11 @@ from planner.api._inputs import (
     where,
 )
 from planner.api._writing import write
-from planner.errors import BadInput, NoFeasiblePlan
+from planner.errors import BadInput, NoFeasiblePlan, OutputUnwritable
 from planner.inputs.settings import Policy, Settings, StudyRecord
 from planner.inputs.spaces import SearchSpace, load_space
 from planner.inputs.targets import HardwareTarget, budget_label, parse_bytes
-from planner.plans.directory import data_files, locked, prepare_out_dir, study_storage_writes
+from planner.plans.directory import data_files, locked, prepare_out_dir, release_if_empty
 from planner.plans.schema import Plan
 from planner.plans.select import Context, assemble, learned, select
 from planner.search.urls import redact
@@ -114,7 +115,7 @@ def plan(
 
     Inputs (and the boards, for an RPC target) are checked before anything is written.
     """
-    from planner.search.study import SearchSettings, make_sampler, open_study, run_study, takes_anchors
+    from planner.search.study import SearchSettings, make_sampler, open_study, run_study, storage_writes, takes_anchors
 
     inputs, settings = split_options("plan", options, settings, _PLAN_OPTIONS)
     make_sampler(settings.sampler, settings.seed)  # an unknown sampler fails before anything is written
@@ -137,7 +138,7 @@ def plan(
     with locked(out):  # a second `plan` into the same `out` is refused, not raced
         anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
         # the first trials try the space's hand-made schemes; random search stays the blind baseline
-        with study_storage_writes(storage, out):  # out of disk for the study: one line, not a traceback
+        with _released_if_empty(out), storage_writes(storage):  # out of disk for the study: one line, not a traceback
             st = open_study(
                 storage,
                 study,
@@ -168,6 +169,16 @@ def plan(
             raise
         written = _write_plans(out, loaded, sp, settings, records, chosen, family, storage, study, st)
         return PlanResult(written, out, records, interrupted)
+
+
+@contextlib.contextmanager
+def _released_if_empty(out: Path) -> Iterator[None]:
+    """`out` removed again when the study's storage could not be written and nothing is in it."""
+    try:
+        yield
+    except OutputUnwritable:
+        release_if_empty(out)
+        raise
 
 
 def _say_how_a_resume_seeds(st, study: str, settings: Settings) -> None:
@@ -346,7 +357,7 @@ def work(
     `overlap` as in `plan`.
     """
     from planner.search.records import stored_inputs
-    from planner.search.study import SAMPLERS, SearchSettings, open_study, run_study, takes_anchors
+    from planner.search.study import SAMPLERS, SearchSettings, open_study, run_study, storage_writes, takes_anchors
 
     if trials is not None and trials < 1:
         raise BadInput("`trials` must be at least 1")
@@ -386,7 +397,7 @@ def work(
     sp = load_space(rec.space).for_target(hw.precisions).for_model(m)
     loaded.runner.capacity()
     anchors = sp.anchors(m) if rec.anchors and takes_anchors(rec.sampler) else None
-    with study_storage_writes(storage):  # a full disk under the journal: one line, not a traceback
+    with storage_writes(storage):  # a full disk under the journal: one line, not a traceback
         st = open_study(storage, study, None, config, rec.sampler, anchors)
         search = SearchSettings(rec.trials, None, _evaluation(loaded, settings), trials, overlap)
         return run_study(st, m, loaded.dataset, hw, sp, search, on_trial, on_start, stop)

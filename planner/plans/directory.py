@@ -24,10 +24,9 @@ import json
 import os
 import re
 import shutil
-import sqlite3
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Literal
 
@@ -37,11 +36,10 @@ from pydantic import ValidationError
 from planner import faults
 from planner.backend import ARTIFACT_STEM
 from planner.digest import file_sha256
-from planner.errors import BadInput, OutputUnwritable, disk_problem, reason
+from planner.errors import BadInput, OutputUnwritable, reason
 from planner.inputs.data import Dataset
 from planner.inputs.model import Model
 from planner.plans.schema import READS, Plan, content_sha256
-from planner.search.urls import redact
 
 # The plan directory's files: every module names them through these
 PLAN_FILE = "plan.json"
@@ -306,58 +304,6 @@ def _replace_files(out: Path, fill: Callable[[Path], None], last: str | None, re
 def _newest(staged: Path) -> str | None:
     files = [p for p in staged.rglob("*") if p.is_file()]
     return str(max(files, key=lambda p: p.stat().st_mtime_ns).relative_to(staged)) if files else None
-
-
-@contextmanager
-def study_storage_writes(storage_url: str | None, out: str | Path | None = None) -> Iterator[None]:
-    """Around opening and running a study whose storage may live in `out`: running out of disk
-    (or a read-only file system) is one `OutputUnwritable` line naming the directory, not
-    Optuna's traceback. A storage file this run created and that holds no finished trial is
-    removed again (and `out`, the plan directory, if it is left empty); finished trials are
-    kept, so the same command resumes the study once there is room.
-    """
-    db = _sqlite_file(storage_url)
-    db_existed = db is not None and db.exists()
-    try:
-        yield
-    except Exception as exc:
-        found = disk_problem(exc)
-        if found is None:
-            raise
-        reason, filename = found
-        where = db if db is not None else (Path(storage_url) if storage_url and "://" not in storage_url else None)
-        if filename is not None and (where is None or Path(filename).parent != where.parent):
-            raise OutputUnwritable(f"cannot write {filename}: {reason}") from None  # not the storage
-        tail = ""
-        if db is not None and db.exists():
-            if not db_existed and _finished_trials(db) == 0:
-                for path in (db, db.with_name(db.name + "-journal")):
-                    path.unlink(missing_ok=True)
-                if out is not None and Path(out).is_dir():
-                    release_if_empty(Path(out))
-            else:
-                tail = f"; the trials finished so far stay in {db.name}: make room and rerun the same command to resume"
-        place = f"into {where.parent}: {reason} ({where.name})" if where is not None else f"{redact(storage_url)}: {reason}"
-        raise OutputUnwritable(f"cannot write the study storage {place}{tail}") from None
-
-
-def _sqlite_file(storage_url: str | None) -> Path | None:
-    """The file behind a `sqlite:///PATH` storage URL (None for any other storage)."""
-    prefix = "sqlite:///"
-    path = storage_url[len(prefix) :].split("?", 1)[0] if storage_url and storage_url.startswith(prefix) else ""
-    return Path(path) if path and path != ":memory:" else None
-
-
-def _finished_trials(db: Path) -> int | None:
-    """Finished trials in an Optuna SQLite file, read read-only (None: unreadable, so keep it)."""
-    try:
-        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if "trials" not in tables:
-                return 0
-            return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
-    except sqlite3.Error:
-        return None
 
 
 # --- the plan directory: its files, written atomically, read back verified ---

@@ -17,6 +17,7 @@ from planner.search._attrs import Saver, explain, result_of
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import ENV_RETRIES, _requeue
 from planner.search._samplers import AnchoredSampler
+from planner.search._storage import trial_id
 from planner.search.evaluate import Evaluator, Hooks
 from planner.search.fidelity import ScreenPoint
 from planner.types import TrialResult
@@ -54,9 +55,9 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
     def objective(trial: optuna.Trial) -> tuple[float, float, float]:
         try:
             if pipeline is not None:
-                pipeline.before_sampling(trial._trial_id)
+                pipeline.before_sampling(trial_id(trial))
                 if trial.user_attrs.get("alone"):
-                    pipeline.run_alone(trial._trial_id)
+                    pipeline.run_alone(trial_id(trial))
                 if halt():  # stopped while it waited its turn: it has not begun, nothing to queue again
                     explain(trial.set_user_attr, NOT_BEGUN)
                     raise optuna.TrialPruned(NOT_BEGUN)
@@ -74,7 +75,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
             raise
         finally:
             if pipeline is not None:
-                pipeline.exited(trial._trial_id)
+                pipeline.exited(trial_id(trial))
 
     def _evaluate(trial: optuna.Trial) -> tuple[float, float, float]:
         trial.set_user_attr("seed", evaluator.settings.seed)  # its fine-tune's seed (a resume may change it)
@@ -88,7 +89,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
                 recipe=isinstance(sampler, AnchoredSampler) and sampler.fixes(trial.number),
             )
             if pipeline is not None:
-                tid = trial._trial_id
+                tid = trial_id(trial)
                 hooks = replace(
                     hooks, before_timing=lambda: pipeline.before_timing(tid), after_timing=lambda: pipeline.timed(tid)
                 )

@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 
 from planner.search._attrs import drawn, explain, explained
-from planner.search._storage import grace_seconds, storage_of
+from planner.search._storage import grace_seconds, storage_of, trial_id
 
 RETRIES = 1  # a trial whose process died is run once more; dying again, it stays FAIL
 ENV_RETRIES = 3  # a candidate the environment failed this often is a FAIL: it may be what breaks it
@@ -177,7 +177,7 @@ def recover_dead_trials(study: optuna.Study) -> list[int]:
     in_flight = collections.Counter(key for t, _, key in dead if drawn(t))
     storage = storage_of(study)
     for t, reason, key in dead:
-        tid = t._trial_id
+        tid = trial_id(t)
         crashes = int(t.user_attrs.get("retries", 0))
         shared = in_flight[key] > 1
         try:

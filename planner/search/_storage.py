@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import threading
 import time
 import warnings
@@ -30,7 +31,8 @@ from optuna.study import StudyDirection
 from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
 
-from planner.errors import BadInput
+from planner.errors import BadInput, OutputUnwritable, disk_problem
+from planner.search.urls import redact
 
 HEARTBEAT_ENV, GRACE_ENV = "PLANNER_HEARTBEAT_S", "PLANNER_HEARTBEAT_GRACE_S"
 HEARTBEAT_S, GRACE_S = 10, 30  # their defaults
@@ -320,3 +322,58 @@ def storage_of(study: optuna.Study) -> ProcessStorage:
             f"study '{study.study_name}' was not opened by planner (open_study): its storage is a {type(storage).__name__}"
         )
     return storage
+
+
+@contextlib.contextmanager
+def storage_writes(storage_url: str | None) -> Iterator[None]:
+    """Around opening and running a study: running out of disk (or a read-only file system)
+    under its storage is one `OutputUnwritable` line naming the directory, not Optuna's
+    traceback. An SQLite file this run created and that holds no finished trial is removed again;
+    finished trials are kept, so the same command resumes the study once there is room.
+    """
+    db = _sqlite_path(storage_url)
+    db_existed = db is not None and db.exists()
+    try:
+        yield
+    except Exception as exc:
+        found = disk_problem(exc)
+        if found is None:
+            raise
+        reason, filename = found
+        where = db if db is not None else (Path(storage_url) if storage_url and "://" not in storage_url else None)
+        if filename is not None and (where is None or Path(filename).parent != where.parent):
+            raise OutputUnwritable(f"cannot write {filename}: {reason}") from None  # not the storage
+        tail = ""
+        if db is not None and db.exists():
+            if not db_existed and _finished_trials(db) == 0:
+                for path in (db, db.with_name(db.name + "-journal")):
+                    path.unlink(missing_ok=True)
+            else:
+                tail = f"; the trials finished so far stay in {db.name}: make room and rerun the same command to resume"
+        place = f"into {where.parent}: {reason} ({where.name})" if where is not None else f"{redact(storage_url)}: {reason}"
+        raise OutputUnwritable(f"cannot write the study storage {place}{tail}") from None
+
+
+def _sqlite_path(storage_url: str | None) -> Path | None:
+    """The file behind a `sqlite:///PATH` storage URL (None for any other storage)."""
+    prefix = "sqlite:///"
+    path = storage_url[len(prefix) :].split("?", 1)[0] if storage_url and storage_url.startswith(prefix) else ""
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _finished_trials(db: Path) -> int | None:
+    """Finished trials in an Optuna SQLite file, read read-only (None: unreadable, so keep it)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "trials" not in tables:
+                return 0
+            return conn.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'FAIL')").fetchone()[0]
+    except sqlite3.Error:
+        return None
+
+
+def trial_id(trial: optuna.Trial | FrozenTrial) -> int:
+    """A trial's id in its storage, which the storage's own calls take. Optuna keeps it private
+    (`_trial_id`) and offers no public way to it: this is planner's one use of it."""
+    return trial._trial_id

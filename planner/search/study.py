@@ -39,7 +39,8 @@ from planner.search._objective import NOT_BEGUN, _Halt, _objective
 from planner.search._pipeline import _Pipeline
 from planner.search._recovery import _retry_stale, process, recover_dead_trials, worker
 from planner.search._samplers import SAMPLERS, AnchoredSampler, make_sampler, resumed_seed, takes_anchors
-from planner.search._storage import GRACE_ENV, HEARTBEAT_ENV, ProcessStorage, experimental, open_storage, storage_of
+from planner.search._storage import GRACE_ENV, HEARTBEAT_ENV, ProcessStorage, experimental, open_storage, storage_of, trial_id
+from planner.search._storage import storage_writes as storage_writes  # (for the API: a study's disk full is one line)
 from planner.search.evaluate import EvalSettings, Evaluator
 from planner.search.records import _finished, records
 from planner.search.urls import redact, scrubbed
@@ -171,7 +172,7 @@ def run_study(
     halt = _Halt(stop)
     if remaining > 0 and not halt():
         # first: the next trial is timed as soon as this one is told (a later callback may raise)
-        callbacks = [] if pipeline is None else [lambda s, t: pipeline.ended(t._trial_id)]
+        callbacks = [] if pipeline is None else [lambda s, t: pipeline.ended(trial_id(t))]
         if on_trial is not None:
             callbacks.append(lambda s, t: on_trial(record_of(t), _finished(s), settings.trials))
         deadline = None if settings.timeout_s is None else time.monotonic() + settings.timeout_s
