@@ -5,7 +5,10 @@ The CLI's bad-input table (tests/test_cli_errors.py) shows the same checks throu
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -58,4 +61,44 @@ def test_a_study_record_reads_what_an_older_planner_stored():
         "accuracy_steps": 20, "latency_repeats": 3, "from_the_future": 1,
     }  # fmt: skip
     rec = StudyRecord.model_validate(old)
-    assert (rec.screen_steps, rec.tune_trials, rec.space, rec.tracker) == (0, 0, None, None)
+    settings = rec.settings()
+    assert (settings.screen_steps, settings.tune_trials, rec.space, rec.tracker) == (0, 0, None, None)
+    assert (settings.trials, settings.seed, settings.accuracy_steps, settings.latency_repeats) == (4, 1, 20, 3)
+
+
+# A setting declared once, in `Settings` (here: a model with one field more, made the module's
+# before anything else imports it): the command line offers it, a study stores it, `work` runs
+# with it, and a bad value names its flag.
+_ONE_PLACE = """
+import json, sys
+from pathlib import Path
+import planner.inputs.settings as st
+from pydantic import create_model
+st.Settings = create_model("Settings", __base__=st.Settings, knob=(int, st._setting(3, "a new knob", study=True, ge=0)))
+from typer.testing import CliRunner
+from planner.cli import app
+import planner.api._search as search
+seen = []
+evaluation = search._evaluation
+search._evaluation = lambda loaded, settings: (seen.append(settings.knob), evaluation(loaded, settings))[1]
+out, storage = Path(sys.argv[1]), f"sqlite:///{sys.argv[1]}.db"
+shown = CliRunner().invoke(app, ["plan", "--help"], terminal_width=200).output
+refused = CliRunner().invoke(app, ["plan", "--knob", "-1", "--out", str(out)])
+planner = __import__("planner")
+planner.plan(out=out, storage=storage, study="s", trials=1, accuracy_steps=4, screen_steps=0, knob=5)
+from planner.search.records import stored_inputs
+stored = stored_inputs(storage, "s")[1]
+planner.work(storage=storage, study="s", trials=1)
+print(json.dumps({"shown": shown, "refused": [refused.exit_code, refused.output], "stored": stored, "seen": seen}))
+"""
+
+
+@pytest.mark.slow  # two trials of the bundled example
+def test_a_setting_declared_once_is_a_flag_stored_with_the_study_and_read_back_by_work(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _ONE_PLACE, str(tmp_path / "plan")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "--knob <int>" in got["shown"] and "a new knob" in got["shown"], got["shown"]
+    assert got["refused"][0] == 2 and "--knob" in got["refused"][1], got["refused"]
+    assert got["stored"]["knob"] == 5
+    assert got["seen"] == [5, 5], "plan and the worker that joined its study ran with it"

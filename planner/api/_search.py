@@ -230,8 +230,9 @@ def _config(loaded: Loaded, space: SearchSpace, settings: Settings) -> dict:
 
 def _record(inputs: Inputs, loaded: Loaded, settings: Settings) -> dict:
     """What the study stores of this run, for `work` to join it and a report to describe it."""
-    dataset, sampler = loaded.dataset, settings.sampler
-    return StudyRecord(
+    dataset = loaded.dataset
+    return StudyRecord.of(
+        settings,
         model=str(loaded.model.path.resolve()),
         data=str(dataset.source),
         preprocess=dataset.preprocess.to_json() if dataset.preprocess is not None else None,
@@ -241,14 +242,6 @@ def _record(inputs: Inputs, loaded: Loaded, settings: Settings) -> dict:
         space=where(inputs.space) if inputs.space else None,
         tracker=inputs.tracker,
         key=inputs.key,
-        trials=settings.trials,
-        seed=settings.seed,
-        sampler=sampler if isinstance(sampler, str) else f"{type(sampler).__module__}.{type(sampler).__qualname__}",
-        anchors=settings.anchors,
-        accuracy_steps=settings.accuracy_steps,
-        screen_steps=settings.screen,
-        latency_repeats=settings.latency_repeats,
-        tune_trials=settings.tune_trials,
     ).model_dump(mode="json")
 
 
@@ -378,26 +371,15 @@ def work(
         tracker=rec.tracker,
         key=rec.key,
     )
-    settings = Settings(
-        trials=rec.trials,
-        seed=rec.seed,
-        sampler=rec.sampler,
-        anchors=rec.anchors,
-        accuracy_steps=rec.accuracy_steps,
-        screen_steps=rec.screen_steps,
-        latency_repeats=rec.latency_repeats,
-        tune_trials=rec.tune_trials,
-        overlap=overlap,
-        cache_dir=cache_dir,
-    )
+    settings = rec.settings(overlap=overlap, cache_dir=cache_dir)
     loaded = load_inputs(inputs, settings, on_data=on_data)
     m, hw = loaded.model, loaded.target
     if (m.key, loaded.dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({rec.model}, {rec.data})")
     sp = load_space(rec.space).for_target(hw.precisions).for_model(m)
     loaded.runner.capacity()
-    anchors = sp.anchors(m) if rec.anchors and takes_anchors(rec.sampler) else None
+    anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
     with storage_writes(storage):  # a full disk under the journal: one line, not a traceback
-        st = open_study(storage, study, None, config, rec.sampler, anchors)
-        search = SearchSettings(rec.trials, None, _evaluation(loaded, settings), trials, overlap)
+        st = open_study(storage, study, None, config, settings.sampler, anchors)
+        search = SearchSettings(settings.trials, None, _evaluation(loaded, settings), trials, overlap)
         return run_study(st, m, loaded.dataset, hw, sp, search, on_trial, on_start, stop)

@@ -12,8 +12,14 @@ import sys
 from planner.cli._app import app
 
 # isort: off
-# importing a command module registers its commands, in this order (`planner --help` lists them so)
-from planner.cli import search, measure, run, example, report, targets, board, operators  # noqa: F401
+# importing a command module registers its commands, in this order (`planner --help` lists them so);
+# a board's install (TVM's runtime, typer and rich, no pydantic: `planner board serve`) has the board's alone
+try:
+    import pydantic  # noqa: F401
+except ImportError:
+    from planner.cli import board  # noqa: F401
+else:
+    from planner.cli import search, measure, run, example, report, targets, board, operators  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -42,20 +42,6 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="one line per 
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="no progress on stderr (it is off anyway when stderr is not a terminal)")
 ]
-OverlapOpt = Annotated[
-    bool,
-    typer.Option(
-        help="two trials at a time on this machine (2+ cores): compile the next candidate while this one "
-        "fine-tunes (latency is still timed alone; same candidates for a seed). A candidate that crashes "
-        "planner also cuts short the trial beside it: both run again, each alone. --no-overlap: one at a time"
-    ),
-]
-TuneOpt = Annotated[
-    int,
-    typer.Option(
-        help="MetaSchedule trials spent on each compiled step, into one tuning database shared by every candidate and plan (0: planner's default schedules only; about 3-20 s per trial on 2 cores)"
-    ),
-]
 DATA_HELP = (
     "dataset: a .npz (x_train/y_train/x_val/y_val, or x/y; labels as indices or names) or a folder of "
     "the same arrays as .npy files, a folder of images with one subfolder per class (train/ and val/ "

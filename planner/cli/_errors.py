@@ -8,6 +8,7 @@ lost, 130 interrupted.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import TypeVar
@@ -18,15 +19,8 @@ from planner.cli._output import stderr
 
 T = TypeVar("T")
 
-# API parameter -> the flag that sets it
-FLAGS = {
-    "trials": "--trials",
-    "timeout_s": "--timeout",
-    "seed": "--seed",
-    "accuracy_tolerance": "--accuracy-tolerance",
-    "accuracy_steps": "--accuracy-steps",
-    "screen_steps": "--screen-steps",
-    "tune_trials": "--tune-trials",
+# API parameter -> the flag that sets it, for what is not a setting (`flags`)
+_FLAGS = {
     "tracker": "--tracker",
     "key": "--key",
     "storage": "--storage",
@@ -34,12 +28,23 @@ FLAGS = {
     "out": "--out",
     "steps": "--steps",
     "target": "--target",
-    "policy": "--select",
     "host": "--host",
     "allow_remote": "--allow-remote",
-    "budgets": "--budgets",
     "tokenizer": "--tokenizer",
 }
+
+
+@functools.cache
+def flags() -> dict[str, str]:
+    """API parameter -> the flag that sets it: the commands' own and every setting's
+    (`Settings.flag`; none on a board's install, which has no settings)."""
+    try:
+        from planner.inputs.settings import Settings
+    except ImportError:
+        return _FLAGS
+    return {n: flag for n in Settings.model_fields if (flag := Settings.flag(n)) is not None} | _FLAGS
+
+
 _PARAM = re.compile(r"`([a-z_]+)`")
 INTERRUPTED = 130
 LEARNED_NOTHING = 4  # a plan was written, but its fine-tune did not beat the model's start
@@ -47,7 +52,7 @@ LEARNED_NOTHING = 4  # a plan was written, but its fine-tune did not beat the mo
 
 def as_flags(message: str) -> str:
     """`message` with the API's parameter names replaced by the command's flags."""
-    return _PARAM.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), message)
+    return _PARAM.sub(lambda m: flags().get(m.group(1), m.group(0)), message)
 
 
 def fail(exc: Exception | str, code: int) -> typer.Exit:

@@ -10,9 +10,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, TokenizerOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, TokenizerOpt, TrackerOpt, VerboseOpt, app
 from planner.cli._errors import guard
 from planner.cli._output import note, plan_summary, stderr, stdout
+from planner.cli._settings import info
 from planner.errors import NoFeasiblePlan
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET
 
@@ -30,7 +31,7 @@ def measure(
     out: Annotated[Path, typer.Option(help="plan directory to write")] = Path("plan"),
     seed: Annotated[int, typer.Option(help="fine-tuning seed")] = 0,
     accuracy_steps: Annotated[int, typer.Option(help="fine-tuning steps for the accuracy")] = DEFAULT_ACCURACY_STEPS,
-    tune_trials: TuneOpt = 0,
+    tune_trials: Annotated[int, info("tune_trials")] = 0,
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,

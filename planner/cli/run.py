@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from planner.cli._app import KeyOpt, TrackerOpt, TuneOpt, VerboseOpt, app
+from planner.cli._app import KeyOpt, TrackerOpt, VerboseOpt, app
 from planner.cli._errors import guard
 from planner.cli._output import measured_line, note, say, stderr, stdout
+from planner.cli._settings import info
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.units import kib
 
@@ -78,7 +79,7 @@ def compile_(
     plan_dir: Annotated[Path, typer.Argument(help="a plan directory")],
     target: Annotated[str, typer.Option(help="target to compile for: a name in hw_targets/ or a YAML path")],
     out_dir: Annotated[Path, typer.Option("--out", help="the re-targeted plan directory")],
-    tune_trials: TuneOpt = 0,
+    tune_trials: Annotated[int, info("tune_trials")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="print the new plan.json")] = False,
     verbose: VerboseOpt = False,
 ) -> None:

@@ -3,34 +3,20 @@
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
-from planner.cli._app import (
-    DATA_HELP,
-    KeyOpt,
-    OverlapOpt,
-    PreprocessOpt,
-    QuietOpt,
-    TokenizerOpt,
-    TrackerOpt,
-    TuneOpt,
-    VerboseOpt,
-    app,
-)
+from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, QuietOpt, TokenizerOpt, TrackerOpt, VerboseOpt, app
 from planner.cli._errors import INTERRUPTED, LEARNED_NOTHING, guard
 from planner.cli._output import learned_nothing, note, plan_summary, stderr, stdout
-from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TARGET, DEFAULT_TRIALS
-from planner.search.samplers import DEFAULT_SAMPLER, SAMPLERS
-
-# the `--sampler` choices: every sampler registered by name
-SamplerName = StrEnum("SamplerName", {name: name for name in SAMPLERS})  # type: ignore[misc]  # members from the registry
+from planner.cli._settings import info, with_settings
+from planner.inputs.defaults import DEFAULT_TARGET
 
 
 @app.command()
+@with_settings
 def plan(
     model: Annotated[Path | None, typer.Option(help="ONNX classifier [default: the bundled digits example]")] = None,
     data: Annotated[Path | None, typer.Option(help=f"{DATA_HELP} [default: the example's]", show_default=False)] = None,
@@ -43,52 +29,14 @@ def plan(
     out: Annotated[Path, typer.Option(help="plan directory (plan.json, train_step.so, weights.npz, report.md, study.db)")] = Path(
         "plan"
     ),
-    trials: Annotated[
-        int, typer.Option(help="finished trials the study should hold; a rerun only adds the missing ones")
-    ] = DEFAULT_TRIALS,
-    timeout: Annotated[float | None, typer.Option(help="stop starting new trials after this many seconds")] = None,
-    seed: Annotated[int, typer.Option(help="sampler and fine-tuning seed")] = 0,
     storage: Annotated[str | None, typer.Option(help="Optuna storage URL [default: sqlite:///OUT/study.db]")] = None,
     study: Annotated[str, typer.Option(help="study name in the storage")] = "planner",
-    select: Annotated[
-        Literal["memory", "latency", "accuracy"],
-        typer.Option(
-            help="pick the least memory / least latency among trials within --accuracy-tolerance of the best, or the most accurate"
-        ),
-    ] = "memory",
-    accuracy_tolerance: Annotated[float, typer.Option(help="accuracy a plan may give up against the best feasible trial")] = 0.01,
-    accuracy_steps: Annotated[
-        int, typer.Option(help="fine-tuning steps per candidate for its accuracy")
-    ] = DEFAULT_ACCURACY_STEPS,
-    screen_steps: Annotated[
-        int | None,
-        typer.Option(
-            help="fine-tune every candidate this many steps first and go on to --accuracy-steps only when no "
-            "finished trial is better by then (more accurate, no slower, no larger); the space's hand-made "
-            "recipes always get all steps, screened-out trials are never the plan. 0: every candidate gets all "
-            "steps [default: a quarter of --accuracy-steps]",
-            show_default=False,
-        ),
-    ] = None,
-    overlap: OverlapOpt = True,
-    tune_trials: TuneOpt = 0,
-    sampler: Annotated[
-        SamplerName, typer.Option(help="; ".join(f"{name}: {s.help}" for name, s in SAMPLERS.items()))
-    ] = SamplerName(DEFAULT_SAMPLER),
     tracker: TrackerOpt = None,
     key: KeyOpt = None,
-    budgets: Annotated[
-        str | None,
-        typer.Option(
-            help="RAM budgets, comma-separated (e.g. 256KiB,1MiB,4MiB): a plan for each from the same trials, "
-            "in OUT/<budget>/, so a device takes the one that fits; the study keeps the trials within the "
-            "largest, and the report marks every budget [default: the target's ram_budgets, if it lists any]",
-            show_default=False,
-        ),
-    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print plan.json to stdout")] = False,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
+    settings: dict | None = None,
 ) -> None:
     """Search for the best training plan and write it to --out.
 
@@ -111,25 +59,15 @@ def plan(
                 target=target,
                 space=space,
                 out=out,
-                trials=trials,
-                timeout_s=timeout,
-                seed=seed,
                 storage=storage or api.default_storage(out),
                 study=study,
-                policy=select,
-                accuracy_tolerance=accuracy_tolerance,
-                accuracy_steps=accuracy_steps,
-                screen_steps=screen_steps,
-                overlap=overlap,
                 tracker=tracker,
                 key=key,
                 on_trial=progress.trial,
                 on_start=progress.start,
                 on_data=progress.data,
                 stop=stop,
-                tune_trials=tune_trials,
-                sampler=sampler.value,
-                budgets=None if budgets is None else [b for b in budgets.split(",") if b.strip()],
+                **(settings or {}),
             )
         )
     if result.interrupted:
@@ -162,7 +100,7 @@ def worker(
     trials: Annotated[
         int | None, typer.Option(help="trials to run here [default: until the study holds the count it was created with]")
     ] = None,
-    overlap: OverlapOpt = True,
+    overlap: Annotated[bool, info("overlap")] = True,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
     json_out: Annotated[

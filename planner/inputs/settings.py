@@ -37,26 +37,92 @@ _WHY = {
 }
 
 
+def _setting(default: Any, help: str, *, flag: str | None = "", study: bool = False, **check: Any) -> Any:
+    """A setting's field: its `help` (the API's and the CLI's words), its command-line `flag`
+    ("": the field's name as one, `--accuracy-steps`; None: none) and whether a `study` stores
+    it, so a worker joining the study runs with it (`StudyRecord`)."""
+    return Field(default, description=help, json_schema_extra={"flag": flag, "study": study}, **check)
+
+
 class Settings(BaseModel):
-    """A run's settings, checked as they are made: `Settings(trials=40, seed=1)`."""
+    """A run's settings, checked as they are made: `Settings(trials=40, seed=1)`.
+
+    The one place a setting is declared: the API takes it by name, the CLI derives its flag
+    (`planner.cli._settings`), a study stores it and `work` reads it back (`StudyRecord`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    trials: int = Field(default=DEFAULT_TRIALS, ge=1, description="finished trials the study should hold")
-    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="stop starting trials after this")
-    seed: int = Field(default=0, ge=0, le=SEED_MAX, description="sampler and fine-tuning seed")
-    policy: Policy = "memory"
-    accuracy_tolerance: float = Field(default=0.01, ge=0, le=1, allow_inf_nan=False)
-    accuracy_steps: int = Field(default=DEFAULT_ACCURACY_STEPS, ge=1, description="fine-tuning steps per candidate")
+    trials: int = _setting(
+        DEFAULT_TRIALS, "finished trials the study should hold; a rerun only adds the missing ones", study=True, ge=1
+    )
+    timeout_s: float | None = _setting(
+        None, "stop starting new trials after this many seconds", flag="--timeout", gt=0, allow_inf_nan=False
+    )
+    seed: int = _setting(0, "sampler and fine-tuning seed", study=True, ge=0, le=SEED_MAX)
+    policy: Policy = _setting(
+        "memory",
+        "pick the least memory / least latency among trials within --accuracy-tolerance of the best, or the most accurate",
+        flag="--select",
+    )
+    accuracy_tolerance: float = _setting(
+        0.01, "accuracy a plan may give up against the best feasible trial", ge=0, le=1, allow_inf_nan=False
+    )
+    accuracy_steps: int = _setting(DEFAULT_ACCURACY_STEPS, "fine-tuning steps per candidate for its accuracy", study=True, ge=1)
     # None: a quarter of accuracy_steps (`screen`); 0: every candidate fine-tuned for all of them
-    screen_steps: int | None = Field(default=None, ge=0)
-    latency_repeats: int = Field(default=10, ge=1)
-    tune_trials: int = Field(default=0, ge=0, description="MetaSchedule trials per candidate build")
-    sampler: Any = Field(default="tpe", description="a name (tpe, random) or an Optuna sampler object")
-    anchors: bool = Field(default=True, description="start from the space's hand-made recipes (a sampler that takes them)")
-    overlap: bool = Field(default=True, description="compile the next candidate during this one's fine-tune (local, 2+ cores)")
-    budgets: tuple[int | str, ...] | None = Field(default=None, description="RAM budgets, a plan for each")
-    cache_dir: Path | None = None
+    screen_steps: int | None = _setting(
+        None,
+        "fine-tune every candidate this many steps first and go on to --accuracy-steps only when no finished trial "
+        "is better by then (more accurate, no slower, no larger); the space's hand-made recipes always get all steps, "
+        "screened-out trials are never the plan. 0: every candidate gets all steps [default: a quarter of --accuracy-steps]",
+        study=True,
+        ge=0,
+    )
+    latency_repeats: int = _setting(10, "timed repeats of each candidate's step", flag=None, study=True, ge=1)
+    tune_trials: int = _setting(
+        0,
+        "MetaSchedule trials spent on each compiled step, into one tuning database shared by every candidate and plan "
+        "(0: planner's default schedules only; about 3-20 s per trial on 2 cores)",
+        study=True,
+        ge=0,
+    )
+    sampler: Any = _setting("tpe", "a name (tpe, random) or an Optuna sampler object", study=True)
+    anchors: bool = _setting(True, "start from the space's hand-made recipes (a sampler that takes them)", flag=None, study=True)
+    overlap: bool = _setting(
+        True,
+        "two trials at a time on this machine (2+ cores): compile the next candidate while this one fine-tunes "
+        "(latency is still timed alone; same candidates for a seed). A candidate that crashes planner also cuts "
+        "short the trial beside it: both run again, each alone. --no-overlap: one at a time",
+    )
+    budgets: tuple[int | str, ...] | None = _setting(
+        None,
+        "RAM budgets, comma-separated (e.g. 256KiB,1MiB,4MiB): a plan for each from the same trials, in OUT/<budget>/, "
+        "so a device takes the one that fits; the study keeps the trials within the largest, and the report marks "
+        "every budget [default: the target's ram_budgets, if it lists any]",
+    )
+    cache_dir: Path | None = _setting(None, "the compile cache [default: PLANNER_CACHE_DIR, else ~/.cache/planner]", flag=None)
+
+    @classmethod
+    def flag(cls, name: str) -> str | None:
+        """The command-line flag of setting `name` (None: not on the command line)."""
+        extra = cls.model_fields[name].json_schema_extra
+        assert isinstance(extra, dict)
+        flag = extra["flag"]
+        return f"--{name.replace('_', '-')}" if flag == "" else flag  # type: ignore[return-value]
+
+    @classmethod
+    def study_fields(cls) -> tuple[str, ...]:
+        """The settings a study stores: what a worker joining it must run with."""
+        return tuple(
+            n for n, f in cls.model_fields.items() if isinstance(f.json_schema_extra, dict) and f.json_schema_extra["study"]
+        )
+
+    def study_json(self) -> dict[str, Any]:
+        """The study's settings as it stores them: screening resolved, a sampler object by its class."""
+        out = self.model_dump(include=set(self.study_fields()), mode="json")
+        out["screen_steps"] = self.screen
+        sampler = self.sampler
+        out["sampler"] = sampler if isinstance(sampler, str) else f"{type(sampler).__module__}.{type(sampler).__qualname__}"
+        return out
 
     @model_validator(mode="after")
     def _screen_below_accuracy(self) -> Settings:
@@ -90,9 +156,11 @@ def _bad_input(exc: ValidationError, given: dict[str, Any]) -> BadInput:
 
 
 class StudyRecord(BaseModel):
-    """What `plan` stores with a study: where its inputs are and how it runs, for `work` and reports."""
+    """What `plan` stores with a study, for `work` and reports: where its inputs are, and beside
+    them the settings a study keeps (`Settings.study_fields`), so a new setting is stored and
+    read back without a word here."""
 
-    model_config = ConfigDict(extra="ignore")  # a newer planner's extra fields: read what is known
+    model_config = ConfigDict(extra="allow")  # the study's settings (and a newer planner's fields)
 
     model: str
     data: str
@@ -103,11 +171,18 @@ class StudyRecord(BaseModel):
     space: str | None = None
     tracker: str | None = None
     key: str | None = None
-    trials: int
-    seed: int
-    sampler: str
-    anchors: bool
-    accuracy_steps: int
-    screen_steps: int = 0  # a study from before screening fine-tuned every candidate fully
-    latency_repeats: int
-    tune_trials: int = 0
+
+    @classmethod
+    def of(cls, settings: Settings, **inputs: Any) -> StudyRecord:
+        return cls(**inputs, **settings.study_json())
+
+    @property
+    def sampler(self) -> str:
+        """The study's sampler: a name, or the class of a sampler object a script gave."""
+        return str((self.model_extra or {}).get("sampler", "tpe"))
+
+    def settings(self, **here: Any) -> Settings:
+        """The study's settings, with this process's own (`here`: overlap, the cache) beside them."""
+        stored = {k: v for k, v in (self.model_extra or {}).items() if k in Settings.study_fields()}
+        stored.setdefault("screen_steps", 0)  # a study from before screening fine-tuned every candidate fully
+        return Settings(**stored, **here)
