@@ -155,7 +155,12 @@ def plan(
                 dataset,
                 hw,
                 sp,
-                SearchSettings(settings.trials, settings.timeout_s, _evaluation(loaded, settings), overlap=settings.overlap),
+                SearchSettings(
+                    trials=settings.trials,
+                    timeout_s=settings.timeout_s,
+                    evaluation=_evaluation(loaded, settings),
+                    overlap=settings.overlap,
+                ),
                 on_trial,
                 on_start,
                 stop,
@@ -211,7 +216,12 @@ def _evaluation(loaded: Loaded, settings: Settings):
     from planner.search.evaluate import EvalSettings
 
     return EvalSettings(
-        settings.seed, settings.accuracy_steps, settings.latency_repeats, loaded.cache_dir, settings.tune_trials, settings.screen
+        seed=settings.seed,
+        accuracy_steps=settings.accuracy_steps,
+        latency_repeats=settings.latency_repeats,
+        cache_dir=loaded.cache_dir,
+        tune_trials=settings.tune_trials,
+        screen_steps=settings.screen,
     )
 
 
@@ -381,5 +391,7 @@ def work(
     anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
     with storage_writes(storage):  # a full disk under the journal: one line, not a traceback
         st = open_study(storage, study, None, config, settings.sampler, anchors)
-        search = SearchSettings(settings.trials, None, _evaluation(loaded, settings), trials, overlap)
+        search = SearchSettings(
+            trials=settings.trials, timeout_s=None, evaluation=_evaluation(loaded, settings), own_trials=trials, overlap=overlap
+        )
         return run_study(st, m, loaded.dataset, hw, sp, search, on_trial, on_start, stop)

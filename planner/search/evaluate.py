@@ -30,7 +30,7 @@ from planner.types import AccuracyResult, Candidate, Fidelity, TrialResult
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalSettings:
     seed: int
     accuracy_steps: int

@@ -72,7 +72,7 @@ OBJECTIVES = ("accuracy", "step_latency_ms", "peak_memory_bytes")
 DIRECTIONS: tuple[Literal["maximize", "minimize"], ...] = ("maximize", "minimize", "minimize")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SearchSettings:
     trials: int  # finished trials the study should hold
     timeout_s: float | None
