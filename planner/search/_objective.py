@@ -87,6 +87,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
                 interrupted=lambda: halt.hard,
                 fine_tune_threads=threads,
                 recipe=isinstance(sampler, AnchoredSampler) and sampler.fixes(trial.number),
+                saved=Saver(trial),
             )
             if pipeline is not None:
                 tid = trial_id(trial)
@@ -94,7 +95,7 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
                     hooks, before_timing=lambda: pipeline.before_timing(tid), after_timing=lambda: pipeline.timed(tid)
                 )
             result = TrialResult()
-            constraints = evaluator.evaluate(candidate, result, replace(hooks, saved=Saver(trial)))
+            constraints = evaluator.evaluate(candidate, result, hooks)
         except NotTheCandidates as exc:
             # the board, the disk or the cache failed, or planner did: not the candidate. It is
             # measured again by the next run, and this one stops (the caller raises `exc`)
@@ -117,12 +118,18 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
             raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
         for key, value in constraints.items():
             trial.set_constraint(key, value)
-        assert result.memory is not None  # (what `evaluate` returns after measures it first)
-        if result.accuracy is None or result.latency is None:  # over budget by its estimate or the linker:
-            return 0.0, math.inf, float(result.memory.total)  # infeasible, never run (ranked by its violation alone)
-        return result.accuracy.after, result.latency.median, float(result.memory.total)
+        return _values(result)
 
     return objective
+
+
+def _values(result: TrialResult) -> tuple[float, float, float]:
+    """A trial's objectives: accuracy, latency and memory, as measured; one over budget by its
+    estimate or by the linker was never run, and samplers rank it by its violation alone."""
+    assert result.memory is not None  # (what `evaluate` returns after, it measures first)
+    if result.accuracy is None or result.latency is None:
+        return 0.0, math.inf, float(result.memory.total)
+    return result.accuracy.after, result.latency.median, float(result.memory.total)
 
 
 def screen_points(study: optuna.Study) -> list[ScreenPoint]:
