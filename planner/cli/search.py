@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from planner.cli._app import DATA_HELP, KeyOpt, PreprocessOpt, QuietOpt, TokenizerOpt, TrackerOpt, VerboseOpt, app
+from planner.cli._app import (
+    DATA_HELP,
+    KeyOpt,
+    PreprocessOpt,
+    QuietOpt,
+    TokenizerOpt,
+    TrackerOpt,
+    VerboseOpt,
+    app,
+    short_gil_turns,
+)
 from planner.cli._errors import INTERRUPTED, LEARNED_NOTHING, guard
 from planner.cli._output import learned_nothing, note, plan_summary, stderr, stdout
 from planner.cli._settings import info, with_settings
@@ -49,7 +59,7 @@ def plan(
     from planner.cli._progress import TrialProgress, configure_logging, graceful_interrupt
 
     configure_logging(stderr, verbose)
-    with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
+    with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop, short_gil_turns():
         result = guard(
             lambda: api.plan(
                 model=model,
@@ -118,7 +128,7 @@ def worker(
     from planner.cli._progress import TrialProgress, configure_logging, graceful_interrupt
 
     configure_logging(stderr, verbose)
-    with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop:
+    with TrialProgress(stderr, quiet, verbose) as progress, graceful_interrupt(stderr) as stop, short_gil_turns():
         records = guard(
             lambda: api.work(
                 storage=storage,

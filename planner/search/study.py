@@ -19,7 +19,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -187,7 +186,7 @@ def run_study(
         run_one = functools.partial(
             study.optimize, objective, n_trials=1, catch=(CandidateFailed,), callbacks=callbacks, gc_after_trial=False
         )
-        with pipeline.attach(storage_of(study)) if pipeline is not None else contextlib.nullcontext(), _gil_turns(n_jobs):
+        with pipeline.attach(storage_of(study)) if pipeline is not None else contextlib.nullcontext():
             _in_threads(run_one, n_jobs, remaining, more, halt)
     if halt.error is not None:
         raise type(halt.error)(
@@ -197,27 +196,6 @@ def run_study(
     if halt.hard:
         raise KeyboardInterrupt
     return records(study)
-
-
-GIL_TURN_S = 0.0005  # Python's own switch interval is 5 ms: two batch-1 training steps
-
-
-@contextlib.contextmanager
-def _gil_turns(n_jobs: int):
-    """Shorter turns on the GIL while trials run in threads side by side.
-
-    A fine-tune is C (the step) between short stretches of Python; each time a step returns, its
-    thread needs the GIL back, and a compile beside it, running TVM's passes, keeps the GIL until
-    the switch interval ends. At Python's 5 ms a batch-1 fine-tune (2 ms steps) waited longer than
-    it computed: 200 steps of MobileNetV2-0.35@96 beside compiles took 1.18-1.34 s, 1.04-1.22 s at
-    0.2 ms (0.87-0.99 s alone), and the compiles beside them ran no slower."""
-    before = sys.getswitchinterval()
-    if n_jobs > 1:
-        sys.setswitchinterval(GIL_TURN_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 def _in_threads(run_one: Callable[[], None], n_jobs: int, trials: int, more: Callable[[], bool], halt: _Halt) -> None:
