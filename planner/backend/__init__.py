@@ -1,8 +1,10 @@
-"""Build a candidate's training step for its target: the only package, besides the RPC runtime in
-`planner.measurement`, that imports TVM.
+"""Build a candidate's training step for its target, by job: the training graph (`graph`), its
+lowering for a target (`lower`, with the sgemm kernels in `sgemm`), and the back ends that generate
+code from it (`vm`, `mcu`), whose artifacts one build cache keeps (`cache`). With `planner.runtime`
+and `planner.measurement`, the only packages that import TVM.
 
-A back end is one module implementing `Backend` (`_base.py`), registered in `BACKENDS` by the name a
-target's `backend:` gives; modules load on first use, so `import planner.backend` loads no TVM.
+A back end is one subpackage implementing `Backend` (`_base.py`), registered in `BACKENDS` by the
+name a target's `backend:` gives; it loads on first use, so `import planner.backend` loads no TVM.
 """
 
 from __future__ import annotations
