@@ -399,7 +399,7 @@ def pipeline_check(case: Case, directory: Path, entries: int = 8, h: float = 1e-
     session = TrainingSession(step.library, step.signature, w0)
     labels = np.random.default_rng(3).integers(0, N_CLASSES, case.batch)
     inputs = xs[0] if len(xs) == 1 else tuple(xs)
-    logits = session.logits(inputs)
+    logits = session.outputs(inputs)
     expected = ReferenceEvaluator(proto, new_ops=REFERENCE_OPS).run(None, {i.name: x for i, x in zip(proto.graph.input, xs)})[0]
     errors = {"logits": float(np.abs(logits - expected).max() / max(np.abs(expected).max(), 1e-6))}
     loss = session.step(inputs, labels)

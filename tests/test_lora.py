@@ -104,8 +104,8 @@ def test_lora_trains_the_adapters_only_and_merges_them_into_the_same_weights(vit
     assert moved == {q, v, "classifier.weight", "classifier.bias"}
     # the merged weights are the trained model: the plain graph with them predicts what the step does
     plain = compile_candidate(vit, Candidate((("classifier", "full"),), 8, "sgd", 0.1), HOST)
-    merged_logits = TrainingSession(plain.library, plain.signature, after).logits(x)
-    np.testing.assert_allclose(session.logits(x), merged_logits, rtol=1e-4, atol=1e-5)
+    merged_logits = TrainingSession(plain.library, plain.signature, after).outputs(x)
+    np.testing.assert_allclose(session.outputs(x), merged_logits, rtol=1e-4, atol=1e-5)
 
 
 def test_a_lora_plan_runs_and_writes_the_original_graph_with_merged_weights(vit, tmp_path):

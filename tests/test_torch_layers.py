@@ -336,7 +336,7 @@ def step_check(name: str, model, labels_seed: int = 3, fd_labels: np.ndarray | N
     inputs = xs[0] if len(xs) == 1 else tuple(xs)
     reference = Reference(model.path, trained)
     expected = reference.logits(xs)
-    errors = {"logits": float(np.abs(session.logits(inputs) - expected).max() / max(np.abs(expected).max(), 1e-6))}
+    errors = {"logits": float(np.abs(session.outputs(inputs) - expected).max() / max(np.abs(expected).max(), 1e-6))}
     with torch.no_grad():
         pytorch = tl.torch_module(name).double()(
             *(torch.from_numpy(x.astype(np.float64) if x.dtype == np.float32 else x) for x in xs)

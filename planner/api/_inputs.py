@@ -105,6 +105,7 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
         classes=inputs.classes,
         cache_dir=cache,
         progress=on_data,
+        task=settings.task,
     )
     m = bind_lengths(m, dataset)
     hw = resolve_target(inputs.target, tracker=inputs.tracker, key=inputs.key)

@@ -152,7 +152,7 @@ def run(
     `model.onnx` to `out` (default `PLAN_DIR/finetuned`).
 
         result = planner.run("plan", data="new-data.npz", steps=500)
-        print(result.before["accuracy"], "->", result.after["accuracy"])
+        print(result.before[result.metric], "->", result.after[result.metric])  # accuracy, or the task's metric
 
     Every file of the plan is checked against its sha256 before anything is loaded.
     """

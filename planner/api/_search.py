@@ -147,6 +147,7 @@ def plan(
                 settings.sampler,
                 anchors,
                 _record(inputs, loaded, settings),
+                m.task.metric,
             )
             _say_how_a_resume_seeds(st, study, settings)
             records = run_study(
@@ -390,7 +391,7 @@ def work(
     loaded.runner.capacity()
     anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
     with storage_writes(storage):  # a full disk under the journal: one line, not a traceback
-        st = open_study(storage, study, None, config, settings.sampler, anchors)
+        st = open_study(storage, study, None, config, settings.sampler, anchors, metric=m.task.metric)
         search = SearchSettings(
             trials=settings.trials, timeout_s=None, evaluation=_evaluation(loaded, settings), own_trials=trials, overlap=overlap
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from planner.types import metric_named
 from planner.units import kib
 
 stderr = Console(stderr=True)
@@ -36,9 +37,10 @@ def measured_line(check) -> str:
 def learned_nothing(plan) -> str:
     """The line a plan that learned nothing ends with (exit 4), and what to try."""
     acc, sel = plan.metrics.accuracy, plan.selection
+    m = metric_named(acc.metric)
     return (
-        f"warning: the plan learned nothing: val accuracy {acc.before:.3f} → {acc.after:.3f} after {acc.steps} steps is "
-        f"within the val split's noise (±{sel.accuracy_noise:.3f}); try more --accuracy-steps or --trials, "
+        f"warning: the plan learned nothing: val {m.name} {m.text(acc.before)} → {m.text(acc.after)} after {acc.steps} steps "
+        f"is within the val split's noise (±{sel.accuracy_noise:.3g}); try more --accuracy-steps or --trials, "
         "or a space that trains more layers (--space full)"
     )
 
@@ -47,10 +49,11 @@ def plan_summary(result) -> None:
     """The line `plan` and `measure` end with: what the plan trains and what it measured."""
     p = result.plan
     m = p.metrics
+    metric = metric_named(m.accuracy.metric)
     say(
         f"plan written to {result.out}/: trial {p.selection.trial}, trains "
         f"{', '.join(f'{t.layer}:{t.update_mode}' for t in p.choice.trainable)}; batch {p.choice.batch_size}; "
-        f"val acc {m.accuracy.before:.3f} → {m.accuracy.after:.3f}; "
+        f"val {metric.short} {metric.text(m.accuracy.before)} → {metric.text(m.accuracy.after)}; "
         f"step {m.step_latency_ms.median:.2f} ms; peak {kib(m.peak_memory_bytes.total)}"
     )
     for b in p.selection.budgets:

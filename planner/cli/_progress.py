@@ -29,7 +29,7 @@ from rich.progress import (
 )
 
 from planner.cli._errors import as_flags
-from planner.types import Measured, TrialRecord, TrialState
+from planner.types import AccuracyResult, Measured, TrialRecord, TrialState
 
 
 class _ConsoleHandler(logging.Handler):
@@ -83,9 +83,14 @@ def trial_line(rec: TrialRecord, done: int, total: int) -> str:
     cand = measured.candidate
     trainable = ",".join(f"{n}:{m}" for n, m in cand.trainable)
     return (
-        f"trial {rec.number:>3} ({done}/{total}) {flag} acc {measured.accuracy.after:.3f}  "
+        f"trial {rec.number:>3} ({done}/{total}) {flag} {_metric(measured.accuracy)}  "
         f"{measured.latency.median:7.2f} ms  {measured.memory.total / 1024:>10,.1f} KiB  batch {cand.batch_size:<3} {trainable}"
     )
+
+
+def _metric(acc: AccuracyResult) -> str:
+    """`acc 0.946`, `mse 0.0123`: a fine-tune's result as a trial's line shows it."""
+    return f"{acc.measure.short} {acc.measure.text(acc.after)}"
 
 
 class TrialProgress:
@@ -138,16 +143,14 @@ class TrialProgress:
     def trial(self, rec: TrialRecord, done: int, total: int) -> None:
         if rec.feasible:  # a feasible trial is complete
             measured = rec.measured()
-            if self._best is None or measured.accuracy.after > self._best.accuracy.after:
+            if self._best is None or measured.accuracy.quality > self._best.accuracy.quality:
                 self._best = measured
         if self.lines:
             self.console.print(trial_line(rec, done, total), markup=False, highlight=False, soft_wrap=True)
         if self.bar is not None and self._task is not None:
             best = self._best
             summary = (
-                f"acc {best.accuracy.after:.3f}, {best.latency.median:.2f} ms, {best.memory.total / 1024:,.0f} KiB"
-                if best
-                else "—"
+                f"{_metric(best.accuracy)}, {best.latency.median:.2f} ms, {best.memory.total / 1024:,.0f} KiB" if best else "—"
             )
             self.bar.update(self._task, completed=min(done, total), note=f"best feasible {summary}")
 

@@ -68,7 +68,7 @@ def run(
         return
     say(
         f"{r.steps} steps: val loss {r.before['loss']:.4f} → {r.after['loss']:.4f}, "
-        f"accuracy {r.before['accuracy']:.3f} → {r.after['accuracy']:.3f} ({r.device}); wrote {r.out}/"
+        f"{r.metric} {r.before[r.metric]:.4g} → {r.after[r.metric]:.4g} ({r.device}); wrote {r.out}/"
     )
     if r.check is not None:
         say(measured_line(r.check))

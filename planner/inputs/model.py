@@ -1,7 +1,8 @@
-"""Load and validate an ONNX classifier, and describe its layers.
+"""Load and validate an ONNX model, and describe its layers.
 
 planner trains models whose inputs (an image, features, token ids and an attention mask) all
-have the batch as their first dimension, with one `[batch, classes]` logits output. Everything else about a model (layers, parameters, shapes,
+have the batch as their first dimension, with one float output whose meaning is its task's
+(`planner.tasks`: `[batch, classes]` logits, values, a reconstruction, per-token logits). Everything else about a model (layers, parameters, shapes,
 which layers can be trained) is read here once, so later stages never re-parse ONNX.
 """
 
@@ -21,6 +22,7 @@ from onnx import external_data_helper, numpy_helper
 from planner.errors import BadInput, first_line
 from planner.inputs.fixups import for_import, name_nodes, tie_copies, tie_identities
 from planner.inputs.layers import Layer, layers_of, parameters_of
+from planner.tasks import CLASSIFICATION, TASKS, Task
 from planner.types import ModelInput
 
 __all__ = ["Layer", "Model", "load_model", "save_onnx"]
@@ -28,7 +30,7 @@ __all__ = ["Layer", "Model", "load_model", "save_onnx"]
 
 @dataclass
 class Model:
-    """A validated ONNX classifier."""
+    """A validated ONNX model, and the task it is trained for."""
 
     path: Path
     proto: onnx.ModelProto  # the model's graph with its weights loaded, nodes named, ties undone
@@ -36,20 +38,42 @@ class Model:
     data_files: tuple[str, ...]  # external data files, relative to the model's folder
     inputs: tuple[ModelInput, ...]  # every graph input that is not an initializer, in graph order
     fixed_batch: int | None  # the batch the model was exported with, when it is not symbolic
-    n_classes: int
+    output: ModelInput  # the one output, its shape after the batch (a str: a length its inputs share)
     parameters: tuple[str, ...]  # initializers that are parameters, in graph order
     layers: list[Layer]
     lengths: dict[str, int] = field(default_factory=dict)  # dynamic input lengths bound (`bind`)
     # parameters holding bitwise-equal tensors that nothing in the file ties: if they are one
     # PyTorch parameter written once per use, planner trains the copies apart (`planner inspect` says so)
     copies: tuple[tuple[str, ...], ...] = ()
+    # what the model is trained for (its loss and metric): inferred from its output until data
+    # (or `--task`) says (`with_task`)
+    task: Task = CLASSIFICATION
 
     @property
     def key(self) -> str:
-        """What identifies the model a step is built from: its files and the lengths bound."""
-        if not self.lengths:
+        """What identifies the model a step is built from: its files, the lengths bound and the
+        task (whose loss the step computes)."""
+        if not self.lengths and self.task is CLASSIFICATION:
             return self.sha256
-        return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items())]).encode()).hexdigest()
+        extra = [] if self.task is CLASSIFICATION else [self.task.name]
+        return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items()), *extra]).encode()).hexdigest()
+
+    @property
+    def n_classes(self) -> int:
+        """The output's last size: classes of a classifier (0 where it is not fixed)."""
+        last = self.output.shape[-1] if self.output.shape else 1
+        return last if isinstance(last, int) else 0
+
+    @property
+    def target(self) -> ModelInput:
+        """One sample's target as the step takes it."""
+        return self.task.target(self.output, self.inputs)
+
+    def with_task(self, task: Task) -> Model:
+        """The model trained for `task` (BadInput when its output cannot be)."""
+        if (why := task.refuses(self.output, self.inputs)) is not None:
+            raise BadInput(f"{self.path.name} cannot be trained for {task.name}: {why}")
+        return replace(self, task=task)
 
     @property
     def unbound(self) -> tuple[str, ...]:
@@ -80,7 +104,8 @@ class Model:
         inputs = tuple(
             replace(i, shape=tuple(bound.get(d, d) if isinstance(d, str) else d for d in i.shape)) for i in self.inputs
         )
-        return replace(self, inputs=inputs, lengths={**self.lengths, **bound})
+        output = replace(self.output, shape=tuple(bound.get(d, d) if isinstance(d, str) else d for d in self.output.shape))
+        return replace(self, inputs=inputs, output=output, lengths={**self.lengths, **bound})
 
     @cached_property
     def initializers(self) -> dict[str, np.ndarray]:
@@ -132,7 +157,7 @@ class Model:
 
 
 def load_model(path: str | Path) -> Model:
-    """Read, check and normalize an ONNX classifier, or raise BadInput saying what is wrong.
+    """Read, check and normalize an ONNX model, or raise BadInput saying what is wrong.
 
     External data (the `NAME.onnx.data` file torch's exporter writes beside the model) is read
     from beside the model wherever planner runs, and is part of the model's hash."""
@@ -169,19 +194,21 @@ def load_model(path: str | Path) -> Model:
     if len(batches) > 1:
         raise BadInput(f"{path}: the inputs' first dimensions differ ({', '.join(map(str, batches))}); each must be the batch")
     if len(graph.output) != 1:
-        raise BadInput(f"{path}: planner needs exactly one output (logits), found {len(graph.output)}")
-    out_dims = graph.output[0].type.tensor_type.shape.dim
-    if len(out_dims) != 2 or not out_dims[1].HasField("dim_value"):
-        raise BadInput(f"{path}: output '{graph.output[0].name}' must be logits of shape [batch, classes]")
+        raise BadInput(
+            f"{path}: planner needs exactly one output (logits, values or a reconstruction), found {len(graph.output)}"
+        )
+    model_inputs = tuple(_model_input(path, i) for i in inputs)
+    output = _model_output(path, graph.output[0])
     parameters = parameters_of(graph)
     return Model(
         path=path.absolute(),  # not resolved: its data files are beside the path given, a link included
         proto=proto,
         sha256=digest.hexdigest(),
         data_files=tuple(data_files),
-        inputs=tuple(_model_input(path, i) for i in inputs),
+        inputs=model_inputs,
         fixed_batch=batch if isinstance(batch := next(iter(batches)), int) and batch > 0 else None,
-        n_classes=out_dims[1].dim_value,
+        output=output,
+        task=next((t for t in TASKS.values() if t.refuses(output, model_inputs) is None), CLASSIFICATION),
         parameters=parameters,
         layers=layers_of(proto, parameters),
         copies=tuple(tuple(g) for g in apart if all(n in parameters for n in g)),
@@ -209,6 +236,19 @@ def _model_input(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
         kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
         raise BadInput(f"{path}: input '{value.name}' is {kind}; planner feeds float32, int64, int32 or bool inputs")
     return ModelInput(value.name, tuple(d.dim_value or d.dim_param for d in dims[1:]), _INPUT_TYPES[tensor.elem_type])
+
+
+def _model_output(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
+    """The graph's output as a `ModelInput`: its shape after the batch, a dynamic size by the name
+    the exporter gave it (an input's length of the same name binds it)."""
+    tensor = value.type.tensor_type
+    if tensor.elem_type != onnx.TensorProto.FLOAT:
+        kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+        raise BadInput(f"{path}: output '{value.name}' is {kind}; planner trains models whose output is float32")
+    dims = tensor.shape.dim
+    if len(dims) < 1:
+        raise BadInput(f"{path}: output '{value.name}' is a scalar; planner needs one value or row per sample, [batch, ...]")
+    return ModelInput(value.name, tuple(d.dim_value or d.dim_param or "?" for d in dims[1:]), "float32")
 
 
 def _external_data(proto: onnx.ModelProto, path: Path) -> list[str]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner.errors import BadInput
 from planner.inputs.defaults import DEFAULT_ACCURACY_STEPS, DEFAULT_TRIALS
+from planner.tasks import TASKS
 
 SEED_MAX = 2**32 - 1  # numpy's and Optuna's samplers take seeds in [0, 2**32)
 Policy = Literal["memory", "latency", "accuracy"]
@@ -34,6 +35,7 @@ _WHY = {
     "of them; not {v})",
     "latency_repeats": "`latency_repeats` must be at least 1 (not {v})",
     "tune_trials": "`tune_trials` must be 0 (default schedules only) or more",
+    "task": f"`task` must be one of {', '.join(TASKS)} (not {{v!r}})",
 }
 
 
@@ -100,6 +102,20 @@ class Settings(BaseModel):
         "every budget [default: the target's ram_budgets, if it lists any]",
     )
     cache_dir: Path | None = _setting(None, "the compile cache [default: PLANNER_CACHE_DIR, else ~/.cache/planner]", flag=None)
+    task: str | None = _setting(
+        None,
+        f"what the model is trained for: {', '.join(TASKS)} [default: inferred from the model's output and the data's "
+        "labels: class indices or names are classification, 0/1 rows multilabel, floats regression, a label per "
+        "token token-classification, no labels reconstruction]",
+        study=True,
+    )
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str | None) -> str | None:
+        if v is not None and v not in TASKS:
+            raise ValueError("task")
+        return v
 
     @classmethod
     def flag(cls, name: str) -> str | None:

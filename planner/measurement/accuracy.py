@@ -64,7 +64,7 @@ def finetune(session: Session, data: Dataset, steps: int, seed: int | None, augm
 
 
 def evaluate(session: Session, split: Split) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) over a split, a chunk at a time: a val split of any size
+    """(mean loss, the task's metric) over a split, a chunk at a time: a val split of any size
     is evaluated in the memory of a few batches."""
     return session.evaluate_chunks(split.chunks(max(EVAL_CHUNK, session.sig.micro_batch)))
 
@@ -136,7 +136,7 @@ class FineTune:
         cached = cachefile.read_json(path, key)
         if cached is not None and set(cached) == {"loss", "accuracy"}:
             loss, accuracy = cached["loss"], cached["accuracy"]
-            if all(isinstance(v, float) for v in (loss, accuracy)) and math.isfinite(loss) and 0.0 <= accuracy <= 1.0:
+            if all(isinstance(v, float) for v in (loss, accuracy)) and math.isfinite(loss) and m.task.metric.valid(accuracy):
                 return loss, accuracy
         loss, accuracy = evaluate(session, d.val)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,7 +169,14 @@ class FineTune:
         # ignoring a failed trial and proposing the same corner again.
         diverged = None if np.isfinite(self._losses[-1]) else len(self._losses)
         result = AccuracyResult(
-            self._before, after, self._loss_before, loss_after if diverged is None else None, steps, self._seconds, diverged
+            self._before,
+            after,
+            self._loss_before,
+            loss_after if diverged is None else None,
+            steps,
+            self._seconds,
+            diverged,
+            self.model.task.metric.name,
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         cachefile.write_json(path, result.to_json(), key)

@@ -185,7 +185,7 @@ class QemuSession:
         return [np.ascontiguousarray(np.asarray(a).astype(i.dtype, copy=False)) for a, i in zip(arrays, self.sig.inputs)]
 
     def step(self, x: Inputs, y: np.ndarray) -> float:
-        self.board.write(b"S", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig.n_classes)))
+        self.board.write(b"S", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig)))
         rc, loss, ticks = struct.unpack("<ifQ", self.board.read(16))
         if rc != 0:
             raise CandidateFailed(f"the step failed on the emulated board (code {rc}: its scratch pool ran out?)")
@@ -194,15 +194,15 @@ class QemuSession:
 
     def profile(self, x: Inputs, y: np.ndarray, calls: int) -> list[int]:
         """One step on a batch, the instructions of each of its `calls` kernel calls, in order."""
-        self.board.write(b"K", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig.n_classes)))
+        self.board.write(b"K", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig)))
         ticks = np.frombuffer(self.board.read(4 * calls), np.uint32)
         rc, _, _ = struct.unpack("<ifQ", self.board.read(16))
         if rc != 0:
             raise CandidateFailed(f"the step failed on the emulated board (code {rc})")
         return [round(int(t) * self.board.per_tick) for t in ticks]
 
-    def logits(self, x: Inputs) -> np.ndarray:
-        B, C = self.sig.micro_batch, self.sig.n_classes
+    def outputs(self, x: Inputs) -> np.ndarray:
+        B, C = self.sig.micro_batch, self.sig.output_shape
         arrays, chunks = self._inputs(x), []
         for i in range(0, len(arrays[0]), B):
             parts = [a[i : i + B] for a in arrays]
@@ -211,14 +211,14 @@ class QemuSession:
                 parts = [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
             self.board.write(b"P", *parts)
             (rc,) = struct.unpack("<i", self.board.read(4))
-            logits = np.frombuffer(self.board.read(4 * B * C), np.float32).reshape(B, C)
+            logits = np.frombuffer(self.board.read(4 * B * int(np.prod(C))), np.float32).reshape(B, *C)
             if rc != 0:
                 raise CandidateFailed(f"a prediction failed on the emulated board (code {rc})")
             chunks.append(logits[: B - pad])
-        return np.concatenate(chunks) if chunks else np.zeros((0, C), np.float32)
+        return np.concatenate(chunks) if chunks else np.zeros((0, *C), np.float32)
 
     def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
-        return score(self.logits, chunks)
+        return score(self.sig.task, self.outputs, chunks)
 
     def weights(self) -> dict[str, np.ndarray]:
         self.board.write(b"W")

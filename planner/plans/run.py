@@ -37,16 +37,19 @@ from planner.plans.directory import (
     replace_files,
 )
 from planner.plans.schema import Plan
+from planner.tasks import task_named
 from planner.types import RunCheck, RunResult
 
 
 def _train(session: Session, data: Dataset, steps: int, seed: int | None, augment_seed: int):
-    loss0, acc0 = evaluate(session, data.val)
+    """Val loss and the task's metric (by its name) before and after `steps` steps, and the weights."""
+    metric = data.task.metric.name
+    loss0, score0 = evaluate(session, data.val)
     losses = finetune(session, data, steps, seed, augment_seed)
     if not np.isfinite(losses[-1]):
         raise MeasureFailed(f"training diverged at step {len(losses)} (loss {losses[-1]}); no weights written")
-    loss1, acc1 = evaluate(session, data.val)
-    return {"loss": loss0, "accuracy": acc0}, {"loss": loss1, "accuracy": acc1}, session.weights()
+    loss1, score1 = evaluate(session, data.val)
+    return {"loss": loss0, metric: score0}, {"loss": loss1, metric: score1}, session.weights()
 
 
 def _check(usage: selfcheck.Usage, plan: Plan, device: str) -> RunCheck:
@@ -81,7 +84,11 @@ def run_plan(
     with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
         plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
         # the lengths the plan was measured at (a sequence length): its step takes no other
-        model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
+        model = (
+            load_model(plan_dir / MODEL_FILE)
+            .bind([i.static for i in plan.signature.inputs], "plan.json")
+            .with_task(task_named(plan.dataset.task))
+        )
         dataset = _dataset(plan_dir, plan, Path(data or plan.dataset.source), model)
         dataset.check_batch(plan.signature.batch_size, "the plan")
         weights = _weights(plan_dir / WEIGHTS_FILE, model)
@@ -124,7 +131,7 @@ def run_plan(
     except OutputUnwritable as exc:
         release_if_empty(out, created)
         raise OutputUnwritable(f"{exc}; the training is lost, rerun with an `out` that has room") from None
-    return RunResult(before, after, steps, out, device, check)
+    return RunResult(before, after, steps, out, device, check, dataset.task.metric.name)
 
 
 def _dataset(plan_dir: Path, plan: Plan, path: Path, model) -> Dataset:
@@ -148,7 +155,13 @@ def _dataset(plan_dir: Path, plan: Plan, path: Path, model) -> Dataset:
             )
         preprocess = Preprocess.from_json(recorded, "plan.json's dataset.preprocess")
     return load_dataset(
-        path, model, preprocess=preprocess, tokenizer=tokenizer, classes=plan.dataset.classes, cache_dir=default_cache_dir()
+        path,
+        model,
+        preprocess=preprocess,
+        tokenizer=tokenizer,
+        classes=plan.dataset.classes,
+        cache_dir=default_cache_dir(),
+        task=plan.dataset.task,
     )
 
 

@@ -18,15 +18,28 @@ from planner.errors import BadInput
 from planner.inputs.data import FORMATS
 from planner.inputs.targets import HardwareTarget
 from planner.modes import FROZEN, MODES
-from planner.types import LEGACY_UPDATES, Candidate, FrozenWeights, Mode, Optimizer, Precision, Recompute, StepSignature, Updates
+from planner.tasks import TASKS
+from planner.types import (
+    LEGACY_UPDATES,
+    METRICS,
+    Candidate,
+    FrozenWeights,
+    Mode,
+    Optimizer,
+    Precision,
+    Recompute,
+    StepSignature,
+    Updates,
+)
 
 # 2: `files`, the sha256 of every file a run loads; 3: the dataset's format, classes, preprocessing; 4: text data's
 # tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`); 6: a layer's mode
-# as one text (`ratio:0.25`, `lora:4`), as every mode writes itself (`planner.modes`)
-SCHEMA_VERSION: Final = 7
+# as one text (`ratio:0.25`, `lora:4`), as every mode writes itself (`planner.modes`); 8: the task (`dataset.task`) and
+# the metric a fine-tune is judged by (`metrics.accuracy.metric`)
+SCHEMA_VERSION: Final = 8
 # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer, a version-4 plan one
 # whose step is the VM back end's library (`Step._migrate`); a plan before version 6 is migrated by `Plan._migrate`
-READS: Final = (2, 3, 4, 5, 6, 7)
+READS: Final = (2, 3, 4, 5, 6, 7, 8)
 MODE_TEXTS: Final = ", ".join(
     m.text(None) if m.argument is None else f"{m.name}:R (R {m.argument.bounds}: {m.argument.name})"
     for m in MODES.values()
@@ -87,6 +100,18 @@ class DatasetInfo(_Part):
     )
     split: str = Field(default="", description="how train and val were drawn")
     tokenizer: TokenizerInfo | None = None
+    task: str = Field(
+        default="classification",
+        description="what the model is trained for (planner.tasks.TASKS); a plan before version 8: classification",
+        json_schema_extra={"enum": list[JsonValue](TASKS)},
+    )
+
+    @field_validator("task")
+    @classmethod
+    def _a_task(cls, v: str) -> str:
+        if v not in TASKS:
+            raise ValueError(f"unknown task {v!r} (one of {', '.join(TASKS)})")
+        return v
 
     @field_validator("format")
     @classmethod
@@ -200,9 +225,25 @@ class MemoryMetric(_Part):
 
 
 class AccuracyMetric(_Part):
-    before: float = Field(ge=0, le=1)
-    after: float = Field(ge=0, le=1)
+    """The fine-tune's val metric before and after: accuracy, or the task's metric (`metric`)."""
+
+    before: float
+    after: float
     steps: int = Field(ge=0)
+    metric: str = Field(
+        default="accuracy",
+        description="what before and after measure (planner.types.METRICS); a plan before version 8: accuracy",
+        json_schema_extra={"enum": list[JsonValue](METRICS)},
+    )
+
+    @model_validator(mode="after")
+    def _in_range(self) -> AccuracyMetric:
+        if self.metric not in METRICS:
+            raise ValueError(f"unknown metric {self.metric!r} (one of {', '.join(METRICS)})")
+        for value in (self.before, self.after):
+            if not METRICS[self.metric].valid(value):
+                raise ValueError(f"{self.metric} {value} is out of its range")
+        return self
 
 
 class BoardMemory(_Part):
@@ -321,7 +362,7 @@ def content_sha256(raw: dict) -> str:
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2, 3, 4, 5, 6, 7]
+    schema_version: Literal[2, 3, 4, 5, 6, 7, 8]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo

@@ -68,11 +68,13 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
             reason, count = Counter(failed).most_common(1)[0]
             parts.append(f"{len(failed)} failed, {count} of them with: {reason}")
         raise NoFeasiblePlan(f"no feasible plan: {'; '.join(parts)}")
-    # a feasible trial is complete: `measured()` has its numbers
-    best = max(t.measured().accuracy.after for t in feasible)
+    # a feasible trial is complete: `measured()` has its numbers; `quality` ranks any task's
+    # metric higher-is-better (an error negated)
+    best = max(feasible, key=lambda t: t.measured().accuracy.quality).measured().accuracy
     if policy == "accuracy":
-        return min(feasible, key=lambda t: (-t.measured().accuracy.after, t.measured().memory.total, t.number))
-    good = [t for t in feasible if t.measured().accuracy.after >= best - accuracy_tolerance]
+        return min(feasible, key=lambda t: (-t.measured().accuracy.quality, t.measured().memory.total, t.number))
+    slack = best.measure.slack(best.after, accuracy_tolerance)
+    good = [t for t in feasible if t.measured().accuracy.quality >= best.quality - slack]
     if policy == "latency":
         # as fast: within the fastest's own spread (its p90): a median below it by less than
         # the timing's noise is no faster, and the least memory among them decides
@@ -82,12 +84,13 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
 
 
 def learned(chosen: TrialRecord, n_val: int) -> tuple[bool, float]:
-    """Whether the chosen trial's fine-tune beat the model's starting val accuracy by more than
+    """Whether the chosen trial's fine-tune beat the model's starting val metric by more than
     the split's noise — two of the standard errors screening judges by (`fidelity.margin`) — and
     that margin. A plan that learned nothing is still a plan (its latency and memory hold) but
     must say so: it would fine-tune for nothing."""
-    acc, noise = chosen.measured().accuracy, 2 * margin(n_val)
-    return acc.after - acc.before > noise, noise
+    acc = chosen.measured().accuracy
+    noise = 2 * margin(n_val, acc.measure, acc.before)
+    return acc.measure.gain(acc.before, acc.after) > noise, noise
 
 
 def choice_json(model: Model, cand: Candidate) -> dict:
@@ -101,7 +104,7 @@ def metrics_json(t: TrialRecord) -> dict:
     metrics = {
         "step_latency_ms": measured.latency.to_json(),
         "peak_memory_bytes": measured.memory.to_json(),
-        "accuracy": {"before": acc.before, "after": acc.after, "steps": acc.steps},
+        "accuracy": {"before": acc.before, "after": acc.after, "steps": acc.steps, "metric": acc.metric},
         "library_bytes": t.library_bytes,
         "board": t.board,
     }

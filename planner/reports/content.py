@@ -23,7 +23,7 @@ from planner.plans.directory import MODEL_FILE, TRIALS_FILE, read_plan
 from planner.plans.schema import ParetoEntry, Plan
 from planner.plans.select import choice_json, metrics_json, select
 from planner.search.urls import redact
-from planner.types import AccuracyResult, Latency, MemoryBreakdown, Mode, TrialRecord, TrialResult, TrialState
+from planner.types import AccuracyResult, Latency, MemoryBreakdown, Mode, TrialRecord, TrialResult, TrialState, metric_named
 
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
 
@@ -72,9 +72,10 @@ class ReportContent:
         found = []
         sel, acc = self.plan.selection, self.plan.metrics.accuracy
         if sel.learned is False:
+            m = metric_named(acc.metric)
             found.append(
-                f"This plan learned nothing: val accuracy {acc.before:.3f} → {acc.after:.3f} is within the val "
-                f"split's noise (±{sel.accuracy_noise:.3f}). Fine-tuning with it would not improve the model."
+                f"This plan learned nothing: val {m.name} {m.text(acc.before)} → {m.text(acc.after)} is within the val "
+                f"split's noise (±{sel.accuracy_noise:.3g}). Fine-tuning with it would not improve the model."
             )
         origin = self.plan.measurement.retargeted_from
         if origin is not None:
@@ -183,7 +184,8 @@ def _data(plan: Plan) -> str:
     """The data a plan was measured on, and how a file (or a text) became the model's input."""
     d = plan.dataset
     kind = format_named(d.format).description  # every registered format has one
-    text = f"{kind}, {d.source}: {d.n_train} train, {d.n_val} val ({d.split or 'as given'}), {d.n_classes} classes"
+    held = f"{d.n_classes} classes" if d.task == "classification" else f"task {d.task}"
+    text = f"{kind}, {d.source}: {d.n_train} train, {d.n_val} val ({d.split or 'as given'}), {held}"
     if d.preprocess is not None:
         text += f"; preprocessing {Preprocess.from_json(d.preprocess, 'plan.json')}"
     if d.tokenizer is not None:

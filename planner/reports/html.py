@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from planner.modes import FROZEN
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
-from planner.types import Measured, Mode, TrialRecord, TrialState
+from planner.types import ACCURACY, Measured, Metric, Mode, TrialRecord, TrialState, metric_named
 
 KIB = 1024
 COLORS = {
@@ -41,7 +41,8 @@ def _hover(t: TrialRecord) -> str:
             f"batch {c.batch_size}×{c.grad_accum}, {c.optimizer} lr {c.lr:.3g}, {c.precision}, frozen {c.frozen_weights}"
         )
     if t.accuracy:
-        lines.append(f"val acc {t.accuracy.before:.3f} → {t.accuracy.after:.3f} after {t.accuracy.steps} steps")
+        m = t.accuracy.measure
+        lines.append(f"val {m.short} {m.text(t.accuracy.before)} → {m.text(t.accuracy.after)} after {t.accuracy.steps} steps")
     if t.fidelity:
         lines.append(("trained on: " if t.fidelity.promoted else "screened out: ") + t.fidelity.reason)
     if t.latency:
@@ -101,13 +102,14 @@ def pareto_figure(content: ReportContent) -> go.Figure:
         cols=2,
         shared_yaxes=True,
         horizontal_spacing=0.06,
-        subplot_titles=("val accuracy vs step latency", "val accuracy vs peak memory"),
+        subplot_titles=(f"val {_metric(content).name} vs step latency", f"val {_metric(content).name} vs peak memory"),
     )
     accs = [t.measured().accuracy.after for t in content.trials if t.complete]
     lo = min(accs, default=0.0)
     hi = max(accs, default=1.0)
-    pad = max(0.02, (hi - lo) * 0.08)
-    floor = lo - pad  # where failed trials are drawn: below every measured accuracy
+    pad = max(0.02 if _metric(content).bounded else 0.0, (hi - lo) * 0.08)
+    # where failed trials are drawn: worse than every measured value (below an accuracy, above an error)
+    floor = lo - pad if _metric(content).higher_is_better else hi + pad
     for cat in ("fail", "infeasible", "screened", "feasible", "pareto", "chosen"):
         group = [t for t in content.trials if _category(t, content) == cat]
         for col, metric in ((1, "latency"), (2, "memory")):
@@ -153,7 +155,10 @@ def pareto_figure(content: ReportContent) -> go.Figure:
     _add_budgets(fig, content)
     fig.update_xaxes(title_text="median step latency (ms)", row=1, col=1)
     fig.update_xaxes(title_text="peak memory (KiB)", row=1, col=2)
-    fig.update_yaxes(title_text="val accuracy after fine-tuning", range=[floor - pad / 2, hi + pad / 2], row=1, col=1)
+    low, high = min(floor, lo), max(floor, hi)
+    fig.update_yaxes(
+        title_text=f"val {_metric(content).name} after fine-tuning", range=[low - pad / 2, high + pad / 2], row=1, col=1
+    )
     fig.update_layout(height=460, margin={"t": 40, "b": 50, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.18})
     return fig
 
@@ -198,11 +203,16 @@ def _add_budgets(fig: go.Figure, content: ReportContent) -> None:
         fig.add_vline(x=ram / KIB, **BUDGET_LINE, annotation_text="RAM budget", row=1, col=2)
 
 
+def _metric(content: ReportContent) -> Metric:
+    """The metric the study's fine-tunes were judged by (accuracy, for a study with none complete)."""
+    return next((t.measured().accuracy.measure for t in content.trials if t.complete), ACCURACY)
+
+
 def _frontier(measured: list[Measured]) -> list[Measured]:
     """The trials no smaller trial beats in accuracy, by peak memory: what each budget can have."""
     front: list[Measured] = []
-    for m in sorted(measured, key=lambda m: (m.memory.total, -m.accuracy.after)):
-        if not front or m.accuracy.after > front[-1].accuracy.after:
+    for m in sorted(measured, key=lambda m: (m.memory.total, -m.accuracy.quality)):
+        if not front or m.accuracy.quality > front[-1].accuracy.quality:
             front.append(m)
     return front
 
@@ -238,7 +248,8 @@ def history_figure(content: ReportContent) -> go.Figure:
     trials = sorted(content.trials, key=lambda t: t.number)
     fig = go.Figure()
     accs = [t.measured().accuracy.after for t in trials if t.complete]
-    floor = min(accs, default=0.0) - 0.03
+    metric = _metric(content)
+    floor = min(accs, default=0.0) - 0.03 if metric.higher_is_better else max(accs, default=0.0) * 1.1
     for cat in ("fail", "infeasible", "screened", "feasible", "pareto", "chosen"):
         pts = [t for t in trials if _category(t, content) == cat]
         fig.add_trace(
@@ -256,7 +267,7 @@ def history_figure(content: ReportContent) -> go.Figure:
     for t in trials:
         if t.feasible:  # a feasible trial is complete
             after = t.measured().accuracy.after
-            if best is None or after > best:
+            if best is None or metric.quality(after) > metric.quality(best):
                 best = after
         if best is not None:
             xs.append(t.number)
@@ -265,7 +276,7 @@ def history_figure(content: ReportContent) -> go.Figure:
     fig.update_layout(
         height=360,
         xaxis_title="trial",
-        yaxis_title="val accuracy",
+        yaxis_title=f"val {metric.name}",
         margin={"t": 20, "b": 40, "l": 60, "r": 20},
         legend={"orientation": "h", "y": -0.25},
     )
@@ -311,7 +322,11 @@ def _summary(content: ReportContent) -> str:
                 "precision",
                 escape(f"{c['precision']}; frozen weights stored {c.get('frozen_weights', 'fp32')}; updates {c['updates']}"),
             ),
-            ("val accuracy", f"{acc['before']:.3f} → <b>{acc['after']:.3f}</b> after {acc['steps']} steps"),
+            (
+                f"val {acc['metric']}",
+                f"{metric_named(acc['metric']).text(acc['before'])} → <b>{metric_named(acc['metric']).text(acc['after'])}</b> "
+                f"after {acc['steps']} steps",
+            ),
             ("step latency", f"<b>{lat['median']:.2f} ms</b> median, p90 {lat['p90']:.2f} ms{escape(content.latency_note)}"),
             ("peak memory", f"<b>{mem['total'] / KIB:,.1f} KiB</b>" + (f" of a {ram / KIB:,.0f} KiB budget" if ram else "")),
             *(

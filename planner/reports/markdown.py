@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
-from planner.types import Mode, TrialState
+from planner.types import Mode, TrialState, metric_named
 from planner.units import kib
 
 
@@ -43,7 +43,7 @@ def _budget_table(content: ReportContent) -> list[str]:
         measured = by_number[b["trial"]].measured()
         lines.append(
             f"| {kib(b['budget_bytes'])} | `{b['directory']}/` | {b['trial']} | {kib(measured.memory.total)} | "
-            f"{measured.accuracy.after:.3f} | {measured.latency.median:.2f} |"
+            f"{measured.accuracy.measure.text(measured.accuracy.after)} | {measured.latency.median:.2f} |"
         )
     return lines
 
@@ -68,7 +68,7 @@ def render(content: ReportContent) -> str:
             f"| precision | {c['precision']} |",
             f"| frozen weights stored | {c.get('frozen_weights', 'fp32')} |",
             f"| updates | {c['updates']} |",
-            f"| val accuracy | {acc['before']:.3f} → {acc['after']:.3f} after {acc['steps']} steps |",
+            f"| val {acc['metric']} | {_text(acc, 'before')} → {_text(acc, 'after')} after {acc['steps']} steps |",
             f"| step latency | median {lat['median']:.2f} ms, p90 {lat['p90']:.2f} ms{content.latency_note} |",
             f"| peak memory | {kib(mem['total'])}" + (f" (budget {kib(budget)})" if budget else "") + " |",
         ]
@@ -106,7 +106,7 @@ def render(content: ReportContent) -> str:
         cand, lat = measured.candidate, measured.latency
         lines.append(
             f"| {t.number}{mark} | {', '.join(f'{n}:{md}' for n, md in cand.trainable) or '—'} | {cand.batch_size} | "
-            f"{cand.lr:.3g} | {measured.accuracy.after:.3f} | {lat.median:.2f} / {lat.p90:.2f} | {kib(measured.memory.total)} |"
+            f"{cand.lr:.3g} | {measured.accuracy.measure.text(measured.accuracy.after)} | {lat.median:.2f} / {lat.p90:.2f} | {kib(measured.memory.total)} |"
         )
     reasons = Counter((t.fail_reason or "unknown").split(":")[0] for t in content.trials if t.state is TrialState.FAIL)
     if reasons:
@@ -115,3 +115,8 @@ def render(content: ReportContent) -> str:
     lines += ["", "## How it was measured", ""]
     lines += [f"- {k}: {v}" for k, v in content.provenance.items() if v is not None]
     return "\n".join(lines) + "\n"
+
+
+def _text(acc: dict, which: str) -> str:
+    """A plan's val metric `before` or `after`, as its metric prints."""
+    return metric_named(acc["metric"]).text(acc[which])

@@ -17,10 +17,11 @@ from tvm import relax
 
 from planner import faults
 from planner.errors import EnvironmentFailure
-from planner.runtime.convention import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
+from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC
 from planner.runtime.libraries import INSTALL_HINT, load_openblas, missing_library
 from planner.runtime.threads import claim_cores
 from planner.runtime.weights import from_step, to_step
+from planner.tasks import task_named
 from planner.types import StepSignature
 
 
@@ -43,28 +44,28 @@ Inputs = np.ndarray | Sequence[np.ndarray]
 def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
     """A batch of the step's shapes for timing it (kernel times do not depend on the values):
     standard normal floats; ones for integer inputs, an id every vocabulary has and a mask that
-    attends everywhere."""
+    attends everywhere; integer targets cycle through the classes."""
     xs = [
         np.ones((sig.batch_size, *i.static), i.dtype)
         if i.integer
         else rng.standard_normal((sig.batch_size, *i.static)).astype(i.dtype)
         for i in sig.inputs
     ]
-    return xs, np.arange(sig.batch_size) % sig.n_classes
+    shape, t = (sig.batch_size, *sig.target.static), sig.target
+    if t.integer:
+        return xs, (np.arange(int(np.prod(shape))) % max(1, sig.output_shape[-1])).reshape(shape).astype(t.dtype)
+    return xs, rng.standard_normal(shape).astype(t.dtype)
 
 
-def score(logits_of: Callable[[Inputs], np.ndarray], chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) over labelled chunks, from a session's `logits_of`: one
-    scoring for every session, wherever its step runs."""
-    loss_sum, correct, n = 0.0, 0, 0
+def score(
+    task: str, outputs_of: Callable[[Inputs], np.ndarray], chunks: Iterable[tuple[Inputs, np.ndarray]]
+) -> tuple[float, float]:
+    """(mean loss, the task's metric) over chunks with their targets, from a session's
+    `outputs_of`: one scoring for every session, wherever its step runs."""
+    scorer = task_named(task).scorer()
     for x, y in chunks:
-        logits = logits_of(x).astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        loss_sum += float(-logp[np.arange(len(y)), y].sum())
-        correct += int((logits.argmax(axis=1) == y).sum())
-        n += len(y)
-    return loss_sum / n, correct / n
+        scorer.add(outputs_of(x), y)
+    return scorer.result()
 
 
 class TrainingSession:
@@ -109,7 +110,7 @@ class TrainingSession:
 
     def step_args(self, x: Inputs, y: np.ndarray) -> list:
         inputs = [self._put(a) for a in self._inputs(x)]
-        return [*inputs, *self.frozen, *self.trainable, *self.states, self._put(y.astype(LABEL_DTYPE))]
+        return [*inputs, *self.frozen, *self.trainable, *self.states, self._put(y.astype(self.sig.target.dtype))]
 
     def step(self, x: Inputs, y: np.ndarray) -> float:
         """One training step on a full batch; returns its loss."""
@@ -131,8 +132,8 @@ class TrainingSession:
         self.states = list(out[1 + n :])
         return float(out[0].numpy()) / self.sig.loss_scale
 
-    def logits(self, x: Inputs) -> np.ndarray:
-        """Logits for any number of samples (the compiled batch is padded for the last chunk)."""
+    def outputs(self, x: Inputs) -> np.ndarray:
+        """The model's outputs for any number of samples (the compiled batch is padded for the last chunk)."""
         B = self.sig.micro_batch
         arrays = self._inputs(x)
         chunks = []
@@ -143,22 +144,23 @@ class TrainingSession:
                 parts = [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
             out = self.vm[PREDICT_FUNC](*map(self._put, parts), *self.frozen, *self.trainable).numpy()
             chunks.append(out[: B - pad])
-        return np.concatenate(chunks) if chunks else np.zeros((0, self.sig.n_classes), "float32")
+        return np.concatenate(chunks) if chunks else np.zeros((0, *self.sig.output_shape), "float32")
 
     def evaluate(self, x: Inputs, y: np.ndarray) -> tuple[float, float]:
-        """(mean cross-entropy, accuracy) on a labelled set."""
+        """(mean loss, the task's metric) on a set with its targets."""
         return self.evaluate_chunks([(x, y)])
 
     def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:
-        """(mean cross-entropy, accuracy) over labelled chunks: a set too large to hold at once."""
-        return score(self.logits, chunks)
+        """(mean loss, the task's metric) over chunks: a set too large to hold at once."""
+        return score(self.sig.task, self.outputs, chunks)
 
     def resident_bytes(self) -> int:
         """Bytes of what the step holds between steps (weights, optimizer state) and of one
         batch of its inputs and labels, from their shapes."""
         held = sum(int(np.prod(t.shape)) * np.dtype(str(t.dtype)).itemsize for t in (*self.frozen, *self.trainable, *self.states))
         inputs = sum(int(np.prod(i.static)) * np.dtype(i.dtype).itemsize for i in self.sig.inputs)
-        return held + self.sig.batch_size * (inputs + np.dtype(LABEL_DTYPE).itemsize)
+        target = int(np.prod(self.sig.target.static)) * np.dtype(self.sig.target.dtype).itemsize
+        return held + self.sig.batch_size * (inputs + target)
 
     def weights(self) -> dict[str, np.ndarray]:
         """All weights by ONNX initializer name (trainable ones as updated so far)."""

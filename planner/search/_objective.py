@@ -20,7 +20,7 @@ from planner.search._samplers import AnchoredSampler
 from planner.search._storage import trial_id
 from planner.search.evaluate import Evaluator, Hooks
 from planner.search.fidelity import ScreenPoint
-from planner.types import TrialResult
+from planner.types import Metric, TrialResult
 
 
 class _Halt:
@@ -118,17 +118,18 @@ def _objective(evaluator: Evaluator, space: SearchSpace, halt: _Halt, pipeline: 
             raise optuna.TrialPruned("interrupted mid-trial; queued again") from None
         for key, value in constraints.items():
             trial.set_constraint(key, value)
-        return _values(result)
+        return _values(result, evaluator.model.task.metric)
 
     return objective
 
 
-def _values(result: TrialResult) -> tuple[float, float, float]:
-    """A trial's objectives: accuracy, latency and memory, as measured; one over budget by its
-    estimate or by the linker was never run, and samplers rank it by its violation alone."""
+def _values(result: TrialResult, metric: Metric) -> tuple[float, float, float]:
+    """A trial's objectives: the task's metric (accuracy), latency and memory, as measured; one
+    over budget by its estimate or by the linker was never run, and samplers rank it by its
+    violation alone (its metric the worst there is: 0 accuracy, an infinite error)."""
     assert result.memory is not None  # (what `evaluate` returns after, it measures first)
     if result.accuracy is None or result.latency is None:
-        return 0.0, math.inf, float(result.memory.total)
+        return 0.0 if metric.higher_is_better else math.inf, math.inf, float(result.memory.total)
     return result.accuracy.after, result.latency.median, float(result.memory.total)
 
 
@@ -142,5 +143,5 @@ def screen_points(study: optuna.Study) -> list[ScreenPoint]:
         if fidelity is None or any(v > 0 for k, v in t.constraints.items() if k != "screened"):
             continue
         assert result.latency is not None and result.memory is not None  # (measured before it was screened)
-        points.append(ScreenPoint(t.number, fidelity.screen.after, result.latency.median, float(result.memory.total)))
+        points.append(ScreenPoint(t.number, fidelity.screen.quality, result.latency.median, float(result.memory.total)))
     return points

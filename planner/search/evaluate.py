@@ -271,18 +271,20 @@ class Evaluator:
         over = [k for k, v in budgets.items() if v > 0]
         if over:
             return Fidelity(screen, False, f"over {', '.join(over)}: fine-tuning longer cannot change that")
-        noise, points = margin(len(self.data.val)), rivals()
+        metric = screen.measure
+        noise, points = margin(len(self.data.val), metric, screen.after), rivals()
         against = tuple(sorted(p.trial for p in points))
         if recipe:
             return Fidelity(screen, True, "one of the space's hand-made recipes: always fine-tuned in full", against)
-        rival = beaten_by(screen.after, latency_ms, float(compiled.memory.total), points, noise)
+        rival = beaten_by(screen.quality, latency_ms, float(compiled.memory.total), points, noise)
+        name = metric.name
         if rival is not None:
             return Fidelity(
                 screen,
                 False,
-                f"after {steps} steps trial {rival.trial} is more accurate ({rival.accuracy:.3f} vs {screen.after:.3f}, "
-                f"beyond the {noise:.3f} noise margin), no slower and no larger",
+                f"after {steps} steps trial {rival.trial} is better ({name} {metric.quality(rival.accuracy):.4g} vs "
+                f"{screen.after:.4g}, beyond the {noise:.3g} noise margin), no slower and no larger",
                 against,
             )
-        why = f"none of the {len(points)} finished trials beats its {steps}-step accuracy ({screen.after:.3f})"
+        why = f"none of the {len(points)} finished trials beats its {steps}-step {name} ({screen.after:.4g})"
         return Fidelity(screen, True, why, against)

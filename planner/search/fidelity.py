@@ -20,10 +20,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planner.types import ACCURACY, Metric
+
 
 @dataclass(frozen=True)
 class ScreenPoint:
-    """A trial as the screening sees it: its short fine-tune's accuracy, its latency and memory."""
+    """A trial as the screening sees it: its short fine-tune's metric (as `Metric.quality`: higher
+    is better, whatever the task), its latency and memory."""
 
     trial: int
     accuracy: float
@@ -31,10 +34,13 @@ class ScreenPoint:
     memory_bytes: float
 
 
-def margin(n_val: int) -> float:
-    """Accuracy differences within this are noise: the standard error of an accuracy of 0.5
-    measured on `n_val` samples."""
-    return 0.5 / math.sqrt(max(n_val, 1))
+def margin(n_val: int, metric: Metric = ACCURACY, value: float = 0.5) -> float:
+    """Differences of `metric` within this are noise: for a share (accuracy, F1) the standard
+    error of one of 0.5 measured on `n_val` samples; for a mean squared error of about `value`,
+    its standard error were the errors normal (sqrt(2 / n) of it)."""
+    if metric.bounded:
+        return 0.5 / math.sqrt(max(n_val, 1))
+    return abs(value) * math.sqrt(2.0 / max(n_val, 1))
 
 
 def beaten_by(

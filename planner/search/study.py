@@ -43,10 +43,9 @@ from planner.search._storage import storage_writes as storage_writes  # (for the
 from planner.search.evaluate import EvalSettings, Evaluator
 from planner.search.records import _finished, records
 from planner.search.urls import redact, scrubbed
-from planner.types import TrialRecord
+from planner.types import ACCURACY, Metric, TrialRecord
 
 __all__ = [
-    "DIRECTIONS",
     "GRACE_ENV",
     "HEARTBEAT_ENV",
     "NOT_BEGUN",
@@ -55,6 +54,7 @@ __all__ = [
     "AnchoredSampler",
     "ProcessStorage",
     "SearchSettings",
+    "directions",
     "make_sampler",
     "open_storage",
     "open_study",
@@ -67,8 +67,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = ("accuracy", "step_latency_ms", "peak_memory_bytes")
-DIRECTIONS: tuple[Literal["maximize", "minimize"], ...] = ("maximize", "minimize", "minimize")
+OBJECTIVES = ("accuracy", "step_latency_ms", "peak_memory_bytes")  # the first: the task's metric
+
+
+def directions(metric: Metric = ACCURACY) -> list[Literal["maximize", "minimize"]]:
+    """The study's directions: the task's metric its own way (accuracy up, an error down), then
+    latency and memory down."""
+    return ["maximize" if metric.higher_is_better else "minimize", "minimize", "minimize"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +96,7 @@ def open_study(
     sampler: str | optuna.samplers.BaseSampler = "tpe",
     anchors: list[dict] | None = None,
     inputs: dict | None = None,
+    metric: Metric = ACCURACY,
 ) -> optuna.Study:
     """Create the study, or load it when it exists — for the same model, data, target and space.
 
@@ -104,7 +110,7 @@ def open_study(
         study = optuna.create_study(
             storage=_process_storage(storage_url),
             study_name=name,
-            directions=list(DIRECTIONS),
+            directions=directions(metric),
             sampler=optuna_sampler,
             load_if_exists=True,
         )
@@ -116,7 +122,7 @@ def open_study(
         if inputs is not None:
             study.set_user_attr("inputs", inputs)
         with experimental():
-            study.set_metric_names(list(OBJECTIVES))
+            study.set_metric_names([metric.name, *OBJECTIVES[1:]])
     elif stored != config:
         changed = sorted(k for k in config if stored.get(k) != config[k])
         raise BadInput(

@@ -29,9 +29,14 @@ from planner.types._measured import (
     TrialResult,
     TrialState,
 )
+from planner.types._metric import ACCURACY, METRICS, Metric, metric_named
 from planner.types._step import KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
 
 __all__ = [
+    "ACCURACY",
+    "METRICS",
+    "Metric",
+    "metric_named",
     "LEGACY_UPDATES",
     "AccuracyResult",
     "Candidate",

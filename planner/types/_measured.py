@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 
 from planner.types._candidate import Candidate
+from planner.types._metric import METRICS, Metric, metric_named
 
 
 class TrialState(StrEnum):
@@ -62,6 +63,9 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class AccuracyResult:
+    """A fine-tune's val metric before and after it (accuracy for a classifier; the task's metric,
+    `metric`, for another task: `Metric` says which way is better)."""
+
     before: float
     after: float
     loss_before: float
@@ -69,6 +73,16 @@ class AccuracyResult:
     steps: int
     seconds: float
     diverged_at: int | None = None  # the step whose loss was NaN or Inf; the run stopped there
+    metric: str = "accuracy"
+
+    @property
+    def measure(self) -> Metric:
+        return metric_named(self.metric)
+
+    @property
+    def quality(self) -> float:
+        """`after` where higher is better: how results of any metric are ranked."""
+        return self.measure.quality(self.after)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -76,12 +90,13 @@ class AccuracyResult:
     @classmethod
     def from_json(cls, raw: dict) -> AccuracyResult | None:
         """The result `to_json` wrote, or None when a field is missing, extra, of the wrong type or
-        out of range (accuracies in [0, 1], step counts whole and not negative)."""
-        if set(raw) != {f.name for f in fields(cls)}:
+        out of range (a share in [0, 1], step counts whole and not negative)."""
+        raw = {"metric": "accuracy", **raw}  # written before tasks: a classifier's accuracy
+        if set(raw) != {f.name for f in fields(cls)} or raw["metric"] not in METRICS:
             return None
         r = cls(**raw)
         valid = (
-            all(_number(v) and 0.0 <= v <= 1.0 for v in (r.before, r.after))
+            all(_number(v) and r.measure.valid(v) for v in (r.before, r.after))
             and _number(r.loss_before)
             and _number(r.seconds)
             and (r.loss_after is None or _number(r.loss_after))

@@ -55,6 +55,13 @@ class StepSignature:
     # layers whose input activation the backward pass keeps, when it recomputes the others
     # (what `recompute: auto` chose); empty when the step keeps every activation it needs
     kept: tuple[str, ...] = ()
+    task: str = "classification"  # whose loss the step computes (`planner.tasks`)
+    output: tuple[int, ...] = ()  # one sample's output shape (a classifier's: `(n_classes,)`)
+    target: ModelInput = ModelInput("labels", (), "int64")  # one sample's target, the step's last argument
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return self.output or (self.n_classes,)
 
     def with_lr(self, lr: float) -> StepSignature:
         """The signature of the same step run with learning rate `lr` (its last optimizer state)."""
@@ -66,6 +73,8 @@ class StepSignature:
         d["inputs"] = [i.to_json() for i in self.inputs]
         d["layouts"] = {w: [lay.mode, lay.axis, lay.size] for w, lay in self.layouts.items()}
         d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
+        d["output"] = list(self.output_shape)
+        d["target"] = self.target.to_json()
         return d
 
     @classmethod
@@ -86,6 +95,9 @@ class StepSignature:
             optim_states=tuple((tuple(s["shape"]), s["dtype"], float(s["fill"])) for s in d["optim_states"]),
             n_classes=int(d["n_classes"]),
             kept=tuple(map(str, d.get("kept", ()))),
+            task=str(d.get("task", "classification")),  # written before tasks: a classifier's
+            output=tuple(int(n) for n in d.get("output", (d["n_classes"],))),
+            target=ModelInput.from_json(d["target"]) if "target" in d else ModelInput("labels", (), "int64"),
         )
 
 
@@ -119,18 +131,20 @@ class RunCheck:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What `planner.run` did: val loss and accuracy before and after, where the weights went, and
+    """What `planner.run` did: val loss and metric before and after, where the weights went, and
     its step time and memory measured against the plan's."""
 
-    before: dict[str, float]  # {loss, accuracy} on the val split
+    before: dict[str, float]  # {loss, <the task's metric>} on the val split
     after: dict[str, float]
     steps: int
     out: Path
     device: str
     check: RunCheck | None = None
+    metric: str = "accuracy"  # the task's metric: the key of `before` and `after` beside the loss
 
     def to_json(self) -> dict:
         return {
+            "metric": self.metric,
             "before": self.before,
             "after": self.after,
             "steps": self.steps,

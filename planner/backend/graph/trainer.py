@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.training.loss import CrossEntropyLoss
+from tvm.relax.training.loss import Loss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
 from planner.errors import CandidateFailed
+from planner.tasks import Task
 from planner.types import Candidate, Precision
 from planner.types import Optimizer as OptimizerName
 
@@ -71,24 +72,42 @@ def low_precision(backbone: tvm.IRModule, precision: Precision, func: str) -> tu
     return out, 1.0
 
 
-class ScaledCrossEntropy(CrossEntropyLoss):
-    """Mean cross-entropy times a constant: static loss scaling for fp16 training."""
+class _Graph:
+    """What a task builds its loss with (`planner.tasks.LossGraph`): Relax's operators and a block builder."""
 
-    def __init__(self, scale: float) -> None:
-        super().__init__(reduction="mean")
-        self.scale = scale
+    op = relax.op
 
-    def __call__(self, predictions, targets, weights=None) -> relax.Function:
-        func = super().__call__(predictions, targets, weights)
-        if self.scale == 1.0:
-            return func
+    def __init__(self, bb: relax.BlockBuilder) -> None:
+        self.bb = bb
+
+    def emit(self, expr: relax.Expr) -> relax.Var:
+        return self.bb.emit(expr)
+
+    def const(self, value: float, dtype: str = "float32") -> relax.Constant:
+        return relax.const(value, dtype)
+
+    def shape(self, expr: relax.Expr) -> tuple[int, ...]:
+        return tuple(int(d) for d in expr.ty.shape)
+
+
+class TaskLoss(Loss):
+    """The task's mean loss (`planner.tasks.Task.loss`) times a constant: static loss scaling for
+    fp16 training."""
+
+    def __init__(self, task: Task, scale: float) -> None:
+        super().__init__("loss", 1, "mean")
+        self.task, self.scale = task, scale
+
+    def __call__(self, predictions: relax.TensorType, targets: relax.TensorType) -> relax.Function:
         bb = relax.BlockBuilder()
-        params = [relax.Var(p.name, p.ty) for p in func.params]
-        with bb.function(self._loss_name, params):
+        outputs, labels = relax.Var("predictions", predictions), relax.Var("targets", targets)
+        with bb.function(self._loss_name, [outputs, labels]):
             with bb.dataflow():
-                logits = bb.emit(relax.op.astype(params[0], "float32"))
-                loss = bb.emit(relax.op.nn.nll_loss(relax.op.nn.log_softmax(logits), params[1], reduction="mean"))
-                out = bb.emit_output(loss * relax.const(self.scale, "float32"))
+                floats = outputs if predictions.dtype == "float32" else bb.emit(relax.op.astype(outputs, "float32"))
+                loss = self.task.loss(_Graph(bb), floats, labels)
+                if self.scale != 1.0:
+                    loss = bb.emit(loss * relax.const(self.scale, "float32"))
+                out = bb.emit_output(loss)
             bb.emit_func_output(out)
         return bb.get()[self._loss_name]
 

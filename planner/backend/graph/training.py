@@ -3,10 +3,10 @@
 The module holds two functions, both with the batch fixed to the candidate's batch size:
 
 - `train_step(x, *frozen, *trainable, *optim_states, labels) -> (loss, *new_trainable, *new_states)`:
-  forward, mean cross-entropy, backward and the optimizer update as ONE function, so the whole step
+  forward, the task's mean loss (`planner.tasks`), backward and the optimizer update as ONE function, so the whole step
   is timed, planned for memory and shipped to a board as a unit. The last optimizer state is the
   learning rate, returned unchanged: one compiled step serves every lr of a candidate;
-- `backbone(x, *frozen, *trainable) -> logits`: inference, for evaluation.
+- `backbone(x, *frozen, *trainable) -> outputs`: inference, for evaluation.
 
 Frozen parameters are passed as *inputs* of the backbone (`relax.training` only differentiates
 `param_num` trailing parameters), so they get no gradient and no optimizer state, and every
@@ -28,11 +28,11 @@ from planner.backend.graph import recompute
 from planner.backend.graph.bands import banded
 from planner.backend.graph.importer import imported
 from planner.backend.graph.tir import accumulate_kernel, scale_kernel
-from planner.backend.graph.trainer import ScaledCrossEntropy, fill, low_precision, make_optimizer, runtime_lr, update_lr
+from planner.backend.graph.trainer import TaskLoss, fill, low_precision, make_optimizer, runtime_lr, update_lr
 from planner.backend.graph.weights import as_stored, stored_weights
 from planner.errors import CandidateFailed, PlannerBug, last_line
 from planner.inputs.model import Model
-from planner.runtime.convention import LABEL_DTYPE, PREDICT_FUNC, STEP_FUNC
+from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC
 from planner.runtime.weights import origin
 from planner.types import Candidate, Recompute, StepSignature
 
@@ -65,7 +65,8 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     backbone, loss_scale = low_precision(backbone, candidate.precision, PREDICT_FUNC)
 
     optimizer = make_optimizer(candidate)
-    labels = relax.TensorType((B,), LABEL_DTYPE)
+    target = model.target
+    labels = relax.TensorType((B, *target.static), target.dtype)
     full = backbone[PREDICT_FUNC]
     if bands:  # before the split: the bands are frozen layers, so they go into the frozen prefix
         full = banded(full, n_inputs, len(trainable)).with_attr("global_symbol", PREDICT_FUNC)
@@ -73,7 +74,7 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
 
     def differentiate(func: relax.Function) -> tvm.IRModule:
         try:
-            return SetupTrainer(ScaledCrossEntropy(loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
+            return SetupTrainer(TaskLoss(model.task, loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
                 source.with_kernels({PREDICT_FUNC: func}, backbone.attrs)
             )
         except Exception as exc:  # every op of the model is one the operator table says trains or runs frozen
@@ -108,6 +109,9 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
         ),
         n_classes=model.n_classes,
         kept=kept,
+        task=model.task.name,
+        output=model.output.static,
+        target=target,
     )
     return out, sig
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from planner.types import StepSignature
+
 
 def ctype(dtype: str) -> str:
     return {
@@ -12,6 +16,7 @@ def ctype(dtype: str) -> str:
         "float64": "double",
         "int64": "int64_t",
         "int32": "int32_t",
+        "int16": "int16_t",
         "int8": "int8_t",
         "uint8": "uint8_t",
         "uint16": "uint16_t",
@@ -20,10 +25,27 @@ def ctype(dtype: str) -> str:
     }[dtype]
 
 
-def label_dtype(n_classes: int) -> str:
-    """The smallest unsigned type that holds a class index: what a board's label buffer is (a
-    label of 8 bytes would cost a batch of them 8x the SRAM for nothing)."""
-    return "uint8" if n_classes <= 2**8 else "uint16" if n_classes <= 2**16 else "uint32"
+def label_dtype(sig: StepSignature) -> str:
+    """What a board's target buffer holds: a class index in the smallest unsigned type that holds
+    it (a label of 8 bytes would cost a batch of them 8x the SRAM for nothing), a per-token label
+    (-100 for padding) in 16 or 32 bits, float targets as the step takes them."""
+    target = sig.target
+    if not target.integer:
+        return target.dtype
+    n = sig.output_shape[-1]
+    if sig.task == "classification":
+        return "uint8" if n <= 2**8 else "uint16" if n <= 2**16 else "uint32"
+    return "int16" if n < 2**15 else "int32"
+
+
+def target_size(sig: StepSignature) -> int:
+    """Elements of one sample's target."""
+    return int(np.prod(sig.target.static, dtype=np.int64))
+
+
+def output_size(sig: StepSignature) -> int:
+    """Elements of one sample's output."""
+    return int(np.prod(sig.output_shape, dtype=np.int64))
 
 
 def literal(v: float | int, dtype: str) -> str:

@@ -26,6 +26,7 @@ from planner.inputs.data._base import Dataset, Format, PreprocessSpec, Rows, Spl
 from planner.inputs.data._images import CSV, IMAGES
 from planner.inputs.data._text import TEXT, Tokenization
 from planner.inputs.model import Model
+from planner.tasks import task_named
 
 __all__ = [
     "FORMATS",
@@ -94,6 +95,7 @@ def load_dataset(
     classes: Sequence[str] | None = None,
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    task: str | None = None,
 ) -> Dataset:
     """The dataset at `path`, checked against `model`, read by its format (`data_format`).
 
@@ -105,6 +107,8 @@ def load_dataset(
     - `cache_dir`: where a compressed `.npz` is unpacked to be read by position.
     - `progress(done, total)`: samples checked so far (every sample is read once: values
       checked, images decoded), for a dataset that takes a while.
+    - `task`: what the labels are for (`planner.tasks.TASKS`); None: inferred from the model's
+      output and the labels.
     """
     path = Path(path)
     if not path.exists():
@@ -117,13 +121,22 @@ def load_dataset(
         )
     known = tuple(classes) if classes is not None else None
     return kind.load(
-        path, model, preprocess=preprocess, tokenizer=tokenizer, classes=known, cache_dir=cache_dir, progress=progress
+        path,
+        model,
+        preprocess=preprocess,
+        tokenizer=tokenizer,
+        classes=known,
+        cache_dir=cache_dir,
+        progress=progress,
+        task=task_named(task) if task is not None else None,
     )
 
 
 def bind_lengths(model: Model, dataset: Dataset) -> Model:
-    """`model` with its dynamic lengths (a sequence length) set to those of `dataset`'s samples
-    (`Model.bind`): a step is built for fixed shapes, as it is for a fixed batch."""
+    """`model` as `dataset` trains it: its dynamic lengths (a sequence length) set to those of the
+    samples (`Model.bind`: a step is built for fixed shapes, as it is for a fixed batch), for the
+    data's task."""
+    model = model.with_task(dataset.task)
     if not model.unbound or not len(dataset.train):
         return model
     sample, _ = dataset.train.batch(np.arange(1))

@@ -48,6 +48,7 @@ from planner.inputs.data._base import (
     embeddings,
 )
 from planner.inputs.model import Model
+from planner.tasks import CLASSIFICATION, Task, infer_task
 from planner.types import ModelInput
 
 if TYPE_CHECKING:
@@ -261,21 +262,31 @@ def _whole(path: Path, name: str, opener: Callable[[], IO[bytes]]) -> np.ndarray
         raise BadInput(f"{path}: {name} is not a readable array ({exc})") from None
 
 
-def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scratch: Path, progress: Progress = None) -> Dataset:
+def load_arrays(
+    path: Path,
+    model: Model,
+    classes: tuple[str, ...] | None,
+    scratch: Path,
+    progress: Progress = None,
+    requested: Task | None = None,
+) -> Dataset:
     """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val: the members
     of a `.npz`, or the `.npy` files of a folder. A model of several inputs takes one array per
-    input instead of `x`, named as the input (`input_ids_train`, `attention_mask_train`, ...)."""
+    input instead of `x`, named as the input (`input_ids_train`, `attention_mask_train`, ...).
+    Without labels (no `y`), the inputs are their own targets: an autoencoder's data. The labels
+    say the task unless the user `requested` one (`planner.tasks.infer_task`)."""
     folder = path.is_dir()
     keys = sample_names(model)
     arrays, found_ys, sha256, names = _unzipped(path, _wanted(model)) if folder else _zipped(path, scratch, _wanted(model))
     found = arrays.keys() | found_ys.keys()
     xs: dict[str, list[tuple[_Array, int, int]]]  # split -> each input's (array, first row, end row)
-    if {f"{k}_{s}" for k in keys for s in ("train", "val")} | {"y_train", "y_val"} <= found:
+    given = {f"{k}_{s}" for k in keys for s in ("train", "val")}
+    if given | {"y_train", "y_val"} <= found or (given <= found and not found_ys):
         xs = {s: [(a, 0, a.shape[0] if a.shape else 0) for a in (arrays[f"{k}_{s}"] for k in keys)] for s in ("train", "val")}
-        ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")}
+        ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")} if found_ys else {}
         split = f"{keys[0]}_train/{keys[0]}_val as given"
-    elif {*keys, "y"} <= found:
-        y = found_ys["y"]
+    elif {*keys, "y"} <= found or (keys[0] in found and not found_ys):
+        y = found_ys.get("y", np.zeros(arrays[keys[0]].shape[:1]))
         n = arrays[keys[0]].shape[0] if arrays[keys[0]].shape else 0
         if y.ndim == 0:
             raise BadInput(f"{path}: y has shape (); planner needs one label per sample, shape ({n},)")
@@ -283,13 +294,14 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
             raise BadInput(f"{path}: {keys[0]} holds {n} samples but y holds {len(y)} labels")
         cut = n - max(1, int(round(n * VAL_FRACTION)))
         xs = {"train": [(arrays[k], 0, cut) for k in keys], "val": [(arrays[k], cut, n) for k in keys]}
-        ys = {"train": y[:cut], "val": y[cut:]}
+        ys = {"train": y[:cut], "val": y[cut:]} if "y" in found_ys else {}
         split = f"the last {VAL_FRACTION:.0%} of {keys[0]} as val"
     else:
         what = ".npy files" if folder else "arrays"
         wanted = ", ".join([*(f"{k}_train" for k in keys), "y_train", *(f"{k}_val" for k in keys), "y_val"])
         raise BadInput(f"{path}: expected {what} {wanted} (or {', '.join(keys)}, y); found {', '.join(names) or 'none'}")
-    named = [ys[s].dtype.kind in "US" for s in ys]
+    task = infer_task(str(path), ys["train"] if ys else None, model.output, model.inputs, requested.name if requested else None)
+    named = [ys[s].dtype.kind in "US" and task is CLASSIFICATION for s in ys]
     if any(named):  # class names: mapped over both splits together, so an index means one class
         if not all(named):
             raise BadInput(f"{path}: one split's labels are names and the other's are numbers; use one kind")
@@ -311,9 +323,9 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
                 if progress is not None:
                     progress(done, total)
             rows.append(_ArrayRows(array, start, stop, spec.dtype))
-        labels = _labels(path, s, len(rows[0]), ys[s], model.n_classes)
+        labels = _labels(path, s, len(rows[0]), ys[s], model.output, task) if ys else None
         splits[s] = Split(rows[0] if len(rows) == 1 else _InputRows(rows), labels)
-    check_train_labels(path, splits["train"], splits["val"])
+    check_train_labels(path, splits["train"], splits["val"], task)
     return Dataset(
         source=path.resolve(),
         sha256=sha256,
@@ -323,6 +335,7 @@ def load_arrays(path: Path, model: Model, classes: tuple[str, ...] | None, scrat
         n_classes=model.n_classes,
         classes=classes,
         split=split,
+        task=task,
     )
 
 
@@ -382,33 +395,11 @@ def _check_values(
         yield len(chunk)
 
 
-def _labels(path: Path, name: str, n: int, y: np.ndarray, n_classes: int) -> np.ndarray:
-    """One class index per sample: integers, or floats that are whole numbers (labels
-    often arrive as floats from pandas or MATLAB); anything else is one line saying what is wrong."""
-    if y.ndim == 2 and len(y) == n and y.shape[1] == n_classes:
-        raise BadInput(
-            f"{path}: {name} labels have shape {y.shape}, one-hot or scores; planner needs one class index "
-            "per sample (store y.argmax(axis=1))"
-        )
-    if y.ndim != 1:
-        raise BadInput(f"{path}: {name} labels have shape {y.shape}; planner needs one class index per sample, shape ({n},)")
-    if len(y) != n:
-        raise BadInput(f"{path}: {name} has {n} samples but {len(y)} labels")
-    if np.issubdtype(y.dtype, np.floating):
-        whole = np.isfinite(y) & (y == np.round(y))
-        if not whole.all():
-            i = int(np.argmin(whole))
-            raise BadInput(f"{path}: {name} labels must be whole class indices; label {i} is {float(y[i]):g}")
-    elif not np.issubdtype(y.dtype, np.integer):
-        raise BadInput(
-            f"{path}: {name} labels are {y.dtype}; planner needs class indices 0..{n_classes - 1} (integers) or class names"
-        )
-    if len(y) and (y.min() < 0 or y.max() >= n_classes):
-        raise BadInput(
-            f"{path}: {name} labels must lie in [0, {n_classes - 1}] for a model with "
-            f"{n_classes} outputs; found {int(y.min())}..{int(y.max())}"
-        )
-    return y if np.issubdtype(y.dtype, np.integer) else y.astype(np.int64)  # Split keeps them compact
+def _labels(path: Path, name: str, n: int, y: np.ndarray, output: ModelInput, task: Task) -> np.ndarray:
+    """The `name` split's labels as `task`'s targets: one line saying what is wrong otherwise."""
+    if y.ndim == 0 or len(y) != n:
+        raise BadInput(f"{path}: {name} has {n} samples but {len(y) if y.ndim else 'a scalar of'} labels")
+    return task.targets(f"{path}: {name}", y, output)
 
 
 class _Arrays(Format):
@@ -426,10 +417,11 @@ class _Arrays(Format):
         classes: tuple[str, ...] | None,
         cache_dir: Path | None,
         progress: Progress,
+        task: Task | None = None,
     ) -> Dataset:
         if preprocess is not None:
             raise BadInput(f"{path}: a preprocessing spec applies to images; arrays are the model's input as they are")
-        return load_arrays(path, model, classes, cache_dir or default_cache_dir(), progress)
+        return load_arrays(path, model, classes, cache_dir or default_cache_dir(), progress, task)
 
 
 class NpyFolder(_Arrays):
@@ -460,6 +452,7 @@ class Npz(_Arrays):
         classes: tuple[str, ...] | None,
         cache_dir: Path | None,
         progress: Progress,
+        task: Task | None = None,
     ) -> Dataset:
         if path.suffix.lower() == ".npy":
             raise BadInput(
@@ -467,7 +460,14 @@ class Npz(_Arrays):
                 "y.npy beside x.npy (or x_train.npy, y_train.npy, x_val.npy, y_val.npy), or np.savez('data.npz', x=x, y=y)"
             )
         return super().load(
-            path, model, preprocess=preprocess, tokenizer=tokenizer, classes=classes, cache_dir=cache_dir, progress=progress
+            path,
+            model,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+            classes=classes,
+            cache_dir=cache_dir,
+            progress=progress,
+            task=task,
         )
 
 

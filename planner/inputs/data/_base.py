@@ -22,6 +22,7 @@ import onnx
 from planner.errors import BadInput
 from planner.inputs.model import Model
 from planner.inputs.preprocess import Preprocess, Step
+from planner.tasks import CLASSIFICATION, Task
 
 if TYPE_CHECKING:
     from planner.inputs.data._text import Tokenization
@@ -73,9 +74,10 @@ class Format(ABC):
         classes: tuple[str, ...] | None,
         cache_dir: Path | None,
         progress: Progress,
+        task: Task | None = None,
     ) -> Dataset:
         """The dataset at `path`, checked against `model` (the arguments of `load_dataset`; a
-        `tokenizer` is given only to a `tokenized` format)."""
+        `tokenizer` is given only to a `tokenized` format; `task` when the user named one)."""
 
     def __str__(self) -> str:
         return self.name
@@ -103,21 +105,29 @@ class Rows(ABC):
 @dataclass(frozen=True)
 class Split:
     rows: Rows
-    labels: np.ndarray  # one class index per sample, in the smallest unsigned type that holds them
+    # each sample's target as its task reads it (`planner.tasks`): a class index (in the smallest
+    # unsigned type that holds them), a 0/1 row, floats, a class per token; None where the inputs
+    # are the targets (an autoencoder's reconstruction)
+    labels: np.ndarray | None
 
     def __post_init__(self) -> None:
         # a byte per sample, not eight: the labels are the one part of a split held whole
-        top = int(self.labels.max()) if len(self.labels) else 0
-        object.__setattr__(self, "labels", self.labels.astype(np.min_scalar_type(top)))
+        y = self.labels
+        if y is not None and y.ndim == 1 and y.dtype.kind in "iu" and (not len(y) or y.min() >= 0):
+            object.__setattr__(self, "labels", y.astype(np.min_scalar_type(int(y.max()) if len(y) else 0)))
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.rows) if self.labels is None else len(self.labels)
 
     def batch(self, index: np.ndarray, augment: Sequence[int] | None = None) -> tuple[Samples, np.ndarray]:
-        """Samples and labels `index`; `augment` (seed, step) seeds the training view's random steps,
+        """Samples and targets `index`; `augment` (seed, step) seeds the training view's random steps,
         so a fine-tune draws the same augmentation whenever it is rerun or trained on."""
         rng = np.random.default_rng(list(augment)) if augment is not None else None
-        return self.rows.take(index, rng), self.labels[index].astype(np.int64)
+        x = self.rows.take(index, rng)
+        if self.labels is None:
+            return x, np.array(x, np.float32)  # a reconstruction's target: the input itself
+        y = self.labels[index]
+        return x, y.astype(np.int64) if y.dtype.kind in "iu" else y.astype(np.float32)
 
     def chunks(self, size: int) -> Iterator[tuple[Samples, np.ndarray]]:
         """The whole split in file order, `size` samples at a time (evaluation's view)."""
@@ -140,6 +150,7 @@ class Dataset:
     preprocess: Preprocess | None = None  # images only: how a file becomes the model's input
     split: str = ""  # how train and val were drawn
     tokenizer: Tokenization | None = None  # text only: how a text becomes the model's token ids
+    task: Task = CLASSIFICATION  # what the labels are (`planner.tasks`): inferred, or named by the user
 
     def check_batch(self, batch_size: int, whose: str) -> None:
         """Refuse a batch larger than the train split: its first step would hold fewer samples
@@ -161,6 +172,7 @@ class Dataset:
             "preprocess": self.preprocess.to_json() if self.preprocess is not None else None,
             "split": self.split,
             "tokenizer": self.tokenizer.to_json() if self.tokenizer is not None else None,
+            "task": self.task.name,
         }
 
 
@@ -261,11 +273,16 @@ def embeddings(model: Model) -> dict[str, Embedding]:
     return found
 
 
-def check_train_labels(where: str | Path, train: Split, val: Split) -> None:
+def check_train_labels(where: str | Path, train: Split, val: Split, task: Task = CLASSIFICATION) -> None:
     if len(train) == 0 or len(val) == 0:
         raise BadInput(f"{where}: train and val splits must both be non-empty")
-    if len(np.unique(train.labels)) < 2:
+    if train.labels is not None:
+        task.check_train(str(where), train.labels)
+
+
+def classes_only(where: str | Path, what: str, task: Task | None) -> None:
+    """Refuse a task other than classification for data that holds class labels only."""
+    if task is not None and task is not CLASSIFICATION:
         raise BadInput(
-            f"{where}: every train label is {int(train.labels[0])}: with a single class, fine-tuning learns nothing and "
-            "accuracy cannot rank candidates"
+            f"{where}: {what} holds class labels; {task.name} reads a .npz (or a folder of .npy arrays) of its targets"
         )

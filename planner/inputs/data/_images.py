@@ -36,11 +36,13 @@ from planner.inputs.data._base import (
     Split,
     check_train_labels,
     class_indices,
+    classes_only,
     csv_labels,
     stratified_val,
 )
 from planner.inputs.model import Model
 from planner.inputs.preprocess import Preprocess, parse_spec
+from planner.tasks import Task
 
 if TYPE_CHECKING:
     from planner.inputs.data._text import Tokenization
@@ -240,12 +242,14 @@ class _Images(Format):
         classes: tuple[str, ...] | None,
         cache_dir: Path | None,
         progress: Progress,
+        task: Task | None = None,
     ) -> Dataset:
         if isinstance(preprocess, str | Path):
             steps = parse_spec(preprocess)
         else:
             steps = list(preprocess.steps if isinstance(preprocess, Preprocess) else preprocess or [])
         where = "--preprocess" if not isinstance(preprocess, Preprocess) else "the recorded preprocessing"
+        classes_only(path, "an image dataset", task)
         return load_images(path, model, Preprocess.complete(steps, model.image_shape, where), classes, progress)
 
 

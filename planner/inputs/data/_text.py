@@ -36,11 +36,13 @@ from planner.inputs.data._base import (
     Samples,
     Split,
     check_train_labels,
+    classes_only,
     csv_labels,
     embeddings,
     stratified_val,
 )
 from planner.inputs.model import Model
+from planner.tasks import Task
 
 TEXT_SUFFIXES = (".jsonl",)  # JSON Lines: text data by its name; a .csv is text data by its header
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # the names tokenizers gives what it makes
@@ -365,6 +367,7 @@ class Text(Format):
         classes: tuple[str, ...] | None,
         cache_dir: Path | None,
         progress: Progress,
+        task: Task | None = None,
     ) -> Dataset:
         if preprocess is not None:
             raise BadInput(f"{path}: a preprocessing spec applies to images; text is made token ids by its `tokenizer`")
@@ -373,6 +376,7 @@ class Text(Format):
                 f"{path} holds text: give the `tokenizer` that makes it the model's token ids (the tokenizer.json "
                 "of Hugging Face tokenizers the model was trained with)"
             )
+        classes_only(path, "a text dataset", task)
         return load_text(path, model, tokenizer, classes, progress)
 
 

@@ -1,0 +1,104 @@
+"""Regression and reconstruction: float outputs against float targets, mean squared error.
+
+`regression` reads its targets from the data (`[N]` or `[N, k]`, as the model's output);
+`reconstruction` (an autoencoder) has none: the target is the input itself, trained on normal
+data to reconstruct it (anomaly detection scores a sample by its reconstruction error)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from planner.errors import BadInput
+from planner.tasks._base import LossGraph, Score, Task, finite, numeric, same_shape, shape_text
+from planner.types import ModelInput
+from planner.types._metric import METRICS
+
+
+class _Mse(Score):
+    def __init__(self) -> None:
+        self.sum, self.n = 0.0, 0
+
+    def add(self, outputs: np.ndarray, targets: np.ndarray) -> None:
+        d = outputs.astype(np.float64) - targets.reshape(outputs.shape)
+        self.sum += float((d * d).sum())
+        self.n += d.size
+
+    def result(self) -> tuple[float, float]:
+        return self.sum / self.n, self.sum / self.n
+
+
+def _mse(g: LossGraph, outputs: Any, targets: Any) -> Any:
+    op = g.op
+    d = g.emit(op.subtract(outputs, targets))
+    return g.emit(op.mean(g.emit(op.multiply(d, d))))
+
+
+class Regression(Task):
+    name = "regression"
+    description = "float targets: [batch] or [batch, k] outputs, mean squared error"
+    metric = METRICS["mse"]
+
+    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+        if not all(isinstance(d, int) for d in output.shape):
+            return f"its output '{output.name}' {shape_text(output.shape)} has dynamic sizes"
+        return None
+
+    def target(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> ModelInput:
+        return ModelInput("targets", output.static, "float32")
+
+    def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
+        return y is not None and y.dtype.kind in "iuf" and _fits(y.shape[1:], output.shape)
+
+    def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
+        y = finite(where, numeric(where, y, "a float target"))
+        if _fits(y.shape[1:], output.shape) and tuple(y.shape[1:]) != tuple(output.shape):
+            y = y.reshape(len(y), *output.static)  # [N] targets for a [batch, 1] output
+        same_shape(where, y, output.static, self.name)
+        return y.astype(np.float32)
+
+    def check_train(self, where: str, targets: np.ndarray) -> None:
+        if targets.min() == targets.max():
+            raise BadInput(f"{where}: every train target is {float(targets.flat[0]):g}: a fine-tune learns nothing from it")
+
+    def loss(self, g: LossGraph, outputs: Any, targets: Any) -> Any:
+        return _mse(g, outputs, targets)
+
+    def scorer(self) -> Score:
+        return _Mse()
+
+
+def _fits(y_shape: tuple[int, ...], out_shape: tuple[int | str, ...]) -> bool:
+    """Targets of shape `y_shape` (after the samples) for an output of `out_shape`: the same, or
+    one value per sample for one output."""
+    return tuple(y_shape) == tuple(out_shape) or (tuple(y_shape) == () and tuple(out_shape) == (1,))
+
+
+class Reconstruction(Task):
+    name = "reconstruction"
+    description = "an autoencoder: the output reconstructs the input; no labels; mean squared error"
+    metric = METRICS["mse"]
+    labelled = False
+
+    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+        if len(inputs) != 1 or inputs[0].integer:
+            return "it takes no single float input to reconstruct"
+        if tuple(output.shape) != tuple(inputs[0].shape):
+            return f"its output {shape_text(output.shape)} is not shaped as its input {shape_text(inputs[0].shape)}"
+        return None
+
+    def target(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> ModelInput:
+        return ModelInput("targets", inputs[0].static, "float32")
+
+    def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
+        return y is None
+
+    def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
+        raise BadInput(f"{where}: reconstruction trains without labels; the data's labels would be ignored (drop y)")
+
+    def loss(self, g: LossGraph, outputs: Any, targets: Any) -> Any:
+        return _mse(g, outputs, targets)
+
+    def scorer(self) -> Score:
+        return _Mse()
