@@ -285,6 +285,28 @@ def _(ctx):
     return Case(ctx.plan("--data", ctx.npz("fractions", y=y)), "train labels must be whole class indices; label 3 is 1.5")
 
 
+@case("float targets shaped wrong for --task regression")
+def _(ctx):
+    y = np.random.default_rng(0).normal(size=(240, 2))
+    return Case(
+        ctx.plan("--data", ctx.npz("floats", y=y), "--task", "regression"),
+        "train targets of shape (192, 2), but for regression the model's output [batch, 3] needs (192, 3)",
+    )
+
+
+@case("an unknown --task")
+def _(ctx):
+    return Case(ctx.plan("--task", "segmentation"), "--task must be one of classification, multilabel")
+
+
+@case("--task reconstruction for a model that does not reconstruct its input")
+def _(ctx):
+    return Case(
+        ctx.plan("--task", "reconstruction"),
+        "cannot be trained for reconstruction: its output [batch, 3] is not shaped as its input [batch, 1, 6, 6]",
+    )
+
+
 @case("a .npy instead of a .npz")
 def _(ctx):
     path = ctx.tmp / "x.npy"

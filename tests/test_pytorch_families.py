@@ -27,6 +27,7 @@ from planner.backend.vm.compile import compile_candidate  # noqa: E402
 from planner.errors import BadInput  # noqa: E402
 from planner.inputs.model import load_model  # noqa: E402
 from planner.runtime.session import TrainingSession  # noqa: E402
+from planner.tasks import TASKS  # noqa: E402
 from planner.types import Candidate  # noqa: E402
 from processes import PLANNED, planner  # noqa: E402
 
@@ -115,6 +116,8 @@ def _check_one_step(
     float64 autograd, or float64 autograd with one ReLU input that float32 cannot place on a side
     of its kink put on the other side (`tf.undecidable_kinks`)."""
     model = api.inspect(path)
+    if model.task.name != (task := tf._family(family).task):  # an output a classifier's could be (an autoencoder's)
+        model = model.with_task(TASKS[task])
     layers = layers or [layer.name for layer in model.layers]
     candidate = Candidate(tuple((name, "full") for name in layers), BATCH, "sgd", LR, grad_accum=accum, recompute=recompute)
     step = compile_candidate(model, candidate, BuildOptions(HOST))

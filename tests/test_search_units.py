@@ -26,6 +26,7 @@ from planner.search._recovery import ENV_RETRIES, _alive, process, recover_dead_
 from planner.search._samplers import AnchoredSampler, make_sampler, takes_anchors
 from planner.search._storage import ProcessStorage, storage_of, trial_id
 from planner.search.study import open_study
+from planner.tasks import CLASSIFICATION
 from planner.types import AccuracyResult, Candidate, Latency, MemoryBreakdown, TrialResult
 
 STAMP = {"process": process(), "worker": worker()}
@@ -351,7 +352,7 @@ class _Evaluator:
     """Records what a real evaluation records, then does `then` (returns constraints, or raises)."""
 
     def __init__(self, then=None) -> None:
-        self.settings, self.model, self.then = SimpleNamespace(seed=7), None, then
+        self.settings, self.model, self.then = SimpleNamespace(seed=7), SimpleNamespace(task=CLASSIFICATION), then
 
     def compiling(self) -> bool:
         return False

@@ -102,8 +102,9 @@ class Family:
     name: str
     input_shape: tuple[int, ...]  # one example, without the batch dimension (float input `x`)
     build: Callable[[], nn.Module]  # the architecture; its initial weights are all replaced
-    num_classes: int = NUM_CLASSES
+    num_classes: int = NUM_CLASSES  # the output's last size: classes, labels, regression targets
     tokens: Tokens | None = None  # text: `input_ids` and `attention_mask` instead of `x`
+    task: str = "classification"  # what the output is trained for (`planner.tasks`): its targets and loss
     # modules whose parameter the dynamo exporter folds into a value it stores (a position table
     # looked up at the fixed positions 0..L-1, weight norm's g * v / ||v||:
     # `planner.inputs.names.folded_values`): no layer there
@@ -561,11 +562,98 @@ OPERATOR_FAMILIES: dict[str, Family] = {
 }
 
 
+class FcAutoencoder(nn.Module):
+    """MLPerf Tiny's anomaly-detection autoencoder, narrowed: input [batch, 40] (log-mel frames),
+    Linear 40 -> 32 -> 16 -> 4 (the bottleneck) -> 16 -> 32 -> 40, ReLU between; the output
+    reconstructs the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        sizes = (40, 32, 16, 4, 16, 32, 40)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else torch.relu(layer(x))
+        return x
+
+
+class RegressionMLP(nn.Module):
+    """Sensor calibration: input [batch, 7], Linear(7->16), Tanh, Linear(16->3): three float targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(7, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class MultilabelCNN(nn.Module):
+    """Sound tagging: a spectrogram [batch, 1, 9, 11], Conv2d(1->6, 3, padding 1), ReLU,
+    Conv2d(6->8, 3, stride 2), ReLU, the mean over the map, Linear(8->5): five tags at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 8, 3, stride=2)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class BertTagger(nn.Module):
+    """Hugging Face's `BertForTokenClassification` from a small config (random weights): token ids
+    and an attention mask [batch, 12] -> logits [batch, 12, 10], a class per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _torchvision_models()
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=16,
+            num_labels=NUM_CLASSES,
+            pad_token_id=0,
+        )
+        self.model = transformers.BertForTokenClassification(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+# Models whose output is not a classifier's (tests/test_tasks.py): each trained for its task, its
+# loss and gradient checked against PyTorch's on the same weights and targets.
+TASK_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("fc_autoencoder", (40,), FcAutoencoder, num_classes=40, task="reconstruction"),
+        Family("regression_mlp", (7,), RegressionMLP, num_classes=3, task="regression"),
+        Family("multilabel_cnn", (1, 9, 11), MultilabelCNN, num_classes=5, task="multilabel"),
+        Family(
+            "bert_tagger",
+            (12,),
+            BertTagger,
+            tokens=Tokens(length=12, vocab=64),
+            task="token-classification",
+            folded_by_dynamo=frozenset({"model.bert.embeddings.position_embeddings"}),
+        ),
+    )
+}
+
+
 def _family(name: str) -> Family:
     try:
-        return FAMILIES.get(name) or OPERATOR_FAMILIES[name]
+        return FAMILIES.get(name) or OPERATOR_FAMILIES.get(name) or TASK_FAMILIES[name]
     except KeyError:
-        known = ", ".join([*FAMILIES, *OPERATOR_FAMILIES])
+        known = ", ".join([*FAMILIES, *OPERATOR_FAMILIES, *TASK_FAMILIES])
         raise KeyError(f"unknown model family {name!r}; known: {known}") from None
 
 
@@ -576,11 +664,41 @@ def _rng(family: str, purpose: str) -> np.random.Generator:
 
 def sample_batch(family: str, batch: int, seed: int = 0) -> tuple[np.ndarray | tuple[np.ndarray, ...], np.ndarray]:
     """A random input batch (`Family.draw`: one array, or a tuple of one per input) and random
-    labels (int64) for `family`."""
+    targets for `family`'s task: class indices (int64), 0/1 rows, standard normal floats, the
+    input itself (reconstruction), a class per token with -100 at padding and at a few tokens."""
     fam = _family(family)
     rng = np.random.default_rng([seed, zlib.crc32(family.encode())])
     xs = fam.draw(rng, batch)
-    return (xs[0] if len(xs) == 1 else tuple(xs)), rng.integers(0, fam.num_classes, batch).astype(np.int64)
+    x = xs[0] if len(xs) == 1 else tuple(xs)
+    C = fam.num_classes
+    match fam.task:
+        case "classification":
+            y = rng.integers(0, C, batch).astype(np.int64)
+        case "multilabel":
+            y = rng.integers(0, 2, (batch, C)).astype(np.float32)
+        case "regression":
+            y = rng.standard_normal((batch, C)).astype(np.float32)
+        case "reconstruction":
+            y = xs[0].astype(np.float32)
+        case "token-classification":
+            y = rng.integers(0, C, (batch, xs[0].shape[1])).astype(np.int64)
+            y[(xs[1] == 0) | (rng.random(y.shape) < 0.1)] = -100
+    return x, y
+
+
+def task_loss(task: str, outputs: torch.Tensor, y: np.ndarray) -> torch.Tensor:
+    """PyTorch's own loss of `task` (mean over the batch, as planner's): the reference."""
+    target = torch.as_tensor(np.asarray(y))
+    match task:
+        case "classification":
+            return nn.functional.cross_entropy(outputs, target.to(torch.int64))
+        case "multilabel":
+            return nn.functional.binary_cross_entropy_with_logits(outputs, target.to(outputs.dtype))
+        case "regression" | "reconstruction":
+            return nn.functional.mse_loss(outputs, target.to(outputs.dtype))
+        case "token-classification":
+            return nn.functional.cross_entropy(outputs.flatten(0, 1), target.flatten().to(torch.int64), ignore_index=-100)
+    raise ValueError(task)
 
 
 def _tensors(x: np.ndarray | tuple[np.ndarray, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -1115,7 +1233,8 @@ def reference_update(
     flip: Kink | None = None,
 ) -> dict[str, np.ndarray]:
     """Each named initializer of `onnx_path` after ONE plain SGD step, `w <- w - lr * dL/dw`,
-    `L` the mean cross-entropy of the logits for inputs `x` and int labels `y`; initializers
+    `L` the family's task's mean loss (`task_loss`: cross-entropy of the logits for int labels
+    `y`, for a classifier) for inputs `x` and targets `y`; initializers
     in `overrides` hold the values given there instead of the file's; `flip` puts one
     activation input on the other side of its kink (see `undecidable_kinks`).
 
@@ -1133,8 +1252,7 @@ def reference_update(
     model, mapping, inits = _with_onnx_weights(family, onnx_path, list(names), dtype, overrides)
     if flip is not None:
         _flip_at(model, flip)
-    logits = model(*_tensors(x, dtype))
-    loss = nn.functional.cross_entropy(logits, torch.as_tensor(np.asarray(y), dtype=torch.int64))
+    loss = task_loss(_family(family).task, model(*_tensors(x, dtype)), y)
     loss.backward()
     params = dict(model.named_parameters())
     out = {}

@@ -14,7 +14,7 @@ from planner.inputs import operators as operator_table
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
 from planner.inputs.model import Model, load_model
 from planner.inputs.settings import Settings
-from planner.plans.directory import MODEL_FILE, TOKENIZER_FILE, plan_tokenizer, prepare_out_dir, read_plan
+from planner.plans.directory import TOKENIZER_FILE, plan_model, plan_tokenizer, prepare_out_dir, read_plan
 from planner.plans.schema import Plan
 from planner.plans.select import target_record
 from planner.reports import content as report_content
@@ -72,7 +72,7 @@ def compile(plan_dir: str | Path, *, target: str, out: str | Path, tune_trials: 
     plan_dir = Path(plan_dir)
     Settings(tune_trials=tune_trials)
     original = read_plan(plan_dir)  # every file checked against its sha256 before the model is read
-    m = load_model(plan_dir / MODEL_FILE)
+    m = plan_model(plan_dir, original)
     hw = resolve_target(target)
     cache = check_cache_dir(cache_dir or default_cache_dir())
     prepare_out_dir(out, create=False)

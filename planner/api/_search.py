@@ -285,7 +285,7 @@ def _write_plans(
 
     def one(where: Path, within: HardwareTarget, judged: list[TrialRecord], picked: TrialRecord, extra: dict) -> Plan:
         compiled = backend.build(m, picked.measured().candidate)
-        did, noise = learned(picked, len(loaded.dataset.val))
+        did, noise = learned(picked, loaded.dataset.judged)
         judged_learning = {"learned": did, "accuracy_noise": noise}
         context = Context({**selection, **extra, **judged_learning}, study_info, settings.seed, backend, loaded.runner)
         written = assemble(m, loaded.dataset, within, judged, picked, pareto, compiled, context)

@@ -50,12 +50,14 @@ def check_cache_dir(path: str | Path) -> Path:
 
 @functools.cache
 def code_id() -> str:
-    """A hash of the source of the back ends and the runtime they build for: a changed graph
-    builder, memory model or weight layout must not reuse entries built by the old one, even
-    within one released version."""
+    """A hash of the source of the back ends, the runtime they build for, and the modes and tasks
+    that hand the step's graph its parts (a weight rebuilt from a mode's parts, a task's loss): a
+    changed graph builder, memory model, weight layout or loss must not reuse entries built by the
+    old one, even within one released version."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for path in sorted([*here.rglob("*.py"), *(here.parent / "runtime").rglob("*.py")]):
+    sources = [here, *(here.parent / part for part in ("runtime", "modes", "tasks"))]
+    for path in sorted(p for folder in sources for p in folder.rglob("*.py")):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

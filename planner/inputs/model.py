@@ -198,7 +198,7 @@ def load_model(path: str | Path) -> Model:
             f"{path}: planner needs exactly one output (logits, values or a reconstruction), found {len(graph.output)}"
         )
     model_inputs = tuple(_model_input(path, i) for i in inputs)
-    output = _model_output(path, graph.output[0])
+    output = _resolved(proto, _model_output(path, graph.output[0]), model_inputs)
     parameters = parameters_of(graph)
     return Model(
         path=path.absolute(),  # not resolved: its data files are beside the path given, a link included
@@ -249,6 +249,26 @@ def _model_output(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
     if len(dims) < 1:
         raise BadInput(f"{path}: output '{value.name}' is a scalar; planner needs one value or row per sample, [batch, ...]")
     return ModelInput(value.name, tuple(d.dim_value or d.dim_param or "?" for d in dims[1:]), "float32")
+
+
+def _resolved(proto: onnx.ModelProto, output: ModelInput, inputs: tuple[ModelInput, ...]) -> ModelInput:
+    """`output` with each size the exporter named apart from every input's (the legacy exporter's
+    `Addlogits_dim_1` for a tagger's sequence length) as ONNX's shape inference computes it from
+    the inputs: a size the inputs fix, or one of their named lengths that data binds."""
+    named = {d for i in inputs for d in i.shape if isinstance(d, str)}
+    if all(isinstance(d, int) or d in named for d in output.shape):
+        return output
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    copy.graph.output[0].type.tensor_type.ClearField("shape")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(copy, data_prop=True).graph.output[0].type.tensor_type.shape.dim
+    except Exception:  # inference fails on some graphs: the names stay, and a task needing the size says so
+        return output
+    sizes = tuple(d.dim_value or d.dim_param or "?" for d in inferred[1:])
+    if len(sizes) != len(output.shape):
+        return output
+    return ModelInput(output.name, tuple(s if isinstance(s, int) or s in named else o for s, o in zip(sizes, output.shape)))
 
 
 def _external_data(proto: onnx.ModelProto, path: Path) -> list[str]:

@@ -38,8 +38,9 @@ from planner.backend import ARTIFACT_STEM
 from planner.digest import file_sha256
 from planner.errors import BadInput, OutputUnwritable, reason
 from planner.inputs.data import Dataset
-from planner.inputs.model import Model
+from planner.inputs.model import Model, load_model
 from planner.plans.schema import READS, Plan, content_sha256
+from planner.tasks import task_named
 
 # The plan directory's files: every module names them through these
 PLAN_FILE = "plan.json"
@@ -326,6 +327,13 @@ def data_files(dataset: Dataset) -> dict[str, Path]:
     """The files the plan's data needs where the plan runs, as the plan directory holds them: text
     data's tokenizer, so new text becomes token ids as the measured text did."""
     return {TOKENIZER_FILE: dataset.tokenizer.path} if dataset.tokenizer is not None else {}
+
+
+def plan_model(plan_dir: Path, plan: Plan) -> Model:
+    """The plan's model as its step was built: its lengths bound as the plan measured them (a
+    sequence length), trained for the plan's task. Call after `read_plan` verified the files."""
+    model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
+    return model.with_task(task_named(plan.dataset.task))
 
 
 def plan_tokenizer(plan_dir: Path, plan: Plan) -> Path | None:

@@ -19,7 +19,7 @@ from planner.cachefile import default_cache_dir
 from planner.errors import BadInput, MeasureFailed, OutputUnwritable, StepNotLoadable
 from planner.inputs.data import Dataset, Tokenization, data_format, format_named, load_dataset
 from planner.inputs.defaults import DEFAULT_RUN_STEPS
-from planner.inputs.model import load_model, save_onnx
+from planner.inputs.model import save_onnx
 from planner.inputs.preprocess import Preprocess
 from planner.inputs.targets import HardwareTarget, load_target
 from planner.measurement import Session, runner_for, selfcheck
@@ -29,6 +29,7 @@ from planner.plans.directory import (
     MODEL_FILE,
     WEIGHTS_FILE,
     locked,
+    plan_model,
     plan_tokenizer,
     prepare_out_dir,
     read_plan,
@@ -37,7 +38,6 @@ from planner.plans.directory import (
     replace_files,
 )
 from planner.plans.schema import Plan
-from planner.tasks import task_named
 from planner.types import RunCheck, RunResult
 
 
@@ -84,11 +84,7 @@ def run_plan(
     with reading(plan_dir):  # no `plan --out` replaces the files between their check and their use
         plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
         # the lengths the plan was measured at (a sequence length): its step takes no other
-        model = (
-            load_model(plan_dir / MODEL_FILE)
-            .bind([i.static for i in plan.signature.inputs], "plan.json")
-            .with_task(task_named(plan.dataset.task))
-        )
+        model = plan_model(plan_dir, plan)
         dataset = _dataset(plan_dir, plan, Path(data or plan.dataset.source), model)
         dataset.check_batch(plan.signature.batch_size, "the plan")
         weights = _weights(plan_dir / WEIGHTS_FILE, model)

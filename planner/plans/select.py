@@ -83,7 +83,7 @@ def select(trials: list[TrialRecord], policy: Policy = "memory", accuracy_tolera
     return min(good, key=lambda t: (t.measured().memory.total, t.measured().latency.median, t.number))
 
 
-def learned(chosen: TrialRecord, n_val: int) -> tuple[bool, float]:
+def learned(chosen: TrialRecord, n_val: int) -> tuple[bool, float]:  # n_val: `Dataset.judged`
     """Whether the chosen trial's fine-tune beat the model's starting val metric by more than
     the split's noise — two of the standard errors screening judges by (`fidelity.margin`) — and
     that margin. A plan that learned nothing is still a plan (its latency and memory hold) but

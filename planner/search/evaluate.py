@@ -272,7 +272,7 @@ class Evaluator:
         if over:
             return Fidelity(screen, False, f"over {', '.join(over)}: fine-tuning longer cannot change that")
         metric = screen.measure
-        noise, points = margin(len(self.data.val), metric, screen.after), rivals()
+        noise, points = margin(self.data.judged, metric, screen.after), rivals()
         against = tuple(sorted(p.trial for p in points))
         if recipe:
             return Fidelity(screen, True, "one of the space's hand-made recipes: always fine-tuned in full", against)

@@ -46,9 +46,13 @@ def infer_task(
         if y is None and task.labelled:
             raise BadInput(f"{where}: {task.name} needs labels, and the data holds none")
         return task
-    for task in TASKS.values():
-        if task.refuses(output, inputs) is None and task.fits(y, output):
+    possible = [t for t in TASKS.values() if t.refuses(output, inputs) is None]
+    for task in possible:
+        if task.fits(y, output):
             return task
+    if y is not None:  # what the first task the model could train for finds wrong with the labels
+        for task in (t for t in possible if t.labelled):
+            task.targets(f"{where}: train", y, output)
     shape = "[batch" + "".join(f", {d}" for d in output.shape) + "]"
     held = "no labels" if y is None else f"labels of shape {tuple(y.shape)} ({y.dtype})"
     raise BadInput(

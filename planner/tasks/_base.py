@@ -82,6 +82,11 @@ class Task(ABC):
     def check_train(self, where: str, targets: np.ndarray) -> None:
         """Refuse training targets a fine-tune can learn nothing from."""
 
+    def judged(self, targets: np.ndarray | None, n: int) -> int:
+        """How many values the metric averages over `n` samples with these targets (how noisy it
+        is): a sample each, unless a task judges more (tokens, labels)."""
+        return n
+
     def __str__(self) -> str:
         return self.name
 
@@ -96,14 +101,14 @@ def shape_text(shape: tuple[int | str, ...]) -> str:
 def numeric(where: str, y: np.ndarray, what: str) -> np.ndarray:
     """`y` as numbers, or BadInput: names (strings) are class labels, not `what`."""
     if y.dtype.kind not in "biuf":
-        raise BadInput(f"{where}: labels are {y.dtype} (names?); {what} needs numbers")
+        raise BadInput(f"{where} labels are {y.dtype} (names?); {what} needs numbers")
     return y
 
 
 def finite(where: str, y: np.ndarray) -> np.ndarray:
     if y.dtype.kind == "f" and not np.isfinite(y).all():
         raise BadInput(
-            f"{where}: targets hold NaN or infinity at sample {int(np.flatnonzero(~np.isfinite(y.reshape(len(y), -1)).all(1))[0])}"
+            f"{where} targets hold NaN or infinity at sample {int(np.flatnonzero(~np.isfinite(y.reshape(len(y), -1)).all(1))[0])}"
         )
     return y
 
@@ -111,7 +116,7 @@ def finite(where: str, y: np.ndarray) -> np.ndarray:
 def same_shape(where: str, y: np.ndarray, shape: tuple[int, ...], task: str) -> None:
     if tuple(y.shape[1:]) != tuple(shape):
         raise BadInput(
-            f"{where}: targets of shape {tuple(y.shape)}, but for {task} the model's output {shape_text(shape)} needs "
+            f"{where} targets of shape {tuple(y.shape)}, but for {task} the model's output {shape_text(shape)} needs "
             f"{(len(y), *shape)}"
         )
 

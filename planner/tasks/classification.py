@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from planner.errors import BadInput
-from planner.tasks._base import LossGraph, Score, Task, log_softmax, numeric, shape_text
+from planner.tasks._base import LossGraph, Score, Task, log_softmax, shape_text
 from planner.types import ModelInput
 from planner.types._metric import ACCURACY
 
@@ -41,31 +41,36 @@ class Classification(Task):
         return ModelInput("labels", (), "int64")
 
     def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
-        return y is not None and y.ndim == 1 and (y.dtype.kind in "biuUS" or bool(np.all(y == np.round(y))))
+        if y is None or y.ndim != 1:
+            return False
+        return y.dtype.kind in "iuUS" or (y.dtype.kind == "f" and bool(np.all(y == np.round(y))))
 
     def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
+        """Class indices: integers, or floats that are whole numbers (labels often arrive as
+        floats from pandas or MATLAB); anything else is one line saying what is wrong."""
         n_classes = int(output.shape[0])
-        y = numeric(where, y, "a class index")
+        if y.dtype.kind not in "iuf":
+            raise BadInput(
+                f"{where} labels are {y.dtype}; planner needs class indices 0..{n_classes - 1} (integers) or class names"
+            )
         if y.ndim == 2 and y.shape[1] == n_classes:
             raise BadInput(
-                f"{where}: labels have shape {y.shape}, one-hot or scores; classification needs one class index per "
-                "sample (store y.argmax(axis=1)), or name the task: --task multilabel"
+                f"{where} labels have shape {y.shape}, one-hot or scores; planner needs one class index per sample "
+                "(store y.argmax(axis=1)), or for several labels a sample --task multilabel"
             )
         if y.ndim != 1:
-            raise BadInput(
-                f"{where}: labels have shape {y.shape}; classification needs one class index per sample, shape ({len(y)},)"
-            )
+            raise BadInput(f"{where} labels have shape {y.shape}; planner needs one class index per sample, shape ({len(y)},)")
         if y.dtype.kind == "f":
             whole = np.isfinite(y) & (y == np.round(y))
             if not whole.all():
                 i = int(np.argmin(whole))
                 raise BadInput(
-                    f"{where}: label {i} is {float(y[i]):g}, not a class index: float targets are regression "
-                    "(a model with one output per target, --task regression)"
+                    f"{where} labels must be whole class indices; label {i} is {float(y[i]):g} (float targets are "
+                    "regression: a model with one output per target, --task regression)"
                 )
         if len(y) and (y.min() < 0 or y.max() >= n_classes):
             raise BadInput(
-                f"{where}: labels must lie in [0, {n_classes - 1}] for a model with {n_classes} outputs; "
+                f"{where} labels must lie in [0, {n_classes - 1}] for a model with {n_classes} outputs; "
                 f"found {int(y.min())}..{int(y.max())}"
             )
         return y if y.dtype.kind in "iu" else y.astype(np.int64)

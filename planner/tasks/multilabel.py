@@ -56,13 +56,14 @@ class Multilabel(Task):
             and tuple(y.shape[1:]) == tuple(output.shape)
             and len(output.shape) == 1
             and bool(np.isin(y, (0, 1)).all())
+            and not bool((y.sum(axis=1) == 1).all())  # one-hot rows: a class each, meant as classification
         )
 
     def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
         y = numeric(where, y, "a 0/1 matrix of labels")
         same_shape(where, y, output.static, self.name)
         if not np.isin(y, (0, 1)).all():
-            raise BadInput(f"{where}: multi-label targets must be 0 or 1; found {float(y[~np.isin(y, (0, 1))][0]):g}")
+            raise BadInput(f"{where} multi-label targets must be 0 or 1; found {float(y[~np.isin(y, (0, 1))][0]):g}")
         return y.astype(np.uint8)
 
     def check_train(self, where: str, targets: np.ndarray) -> None:

@@ -49,7 +49,10 @@ class Regression(Task):
         return ModelInput("targets", output.static, "float32")
 
     def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
-        return y is not None and y.dtype.kind in "iuf" and _fits(y.shape[1:], output.shape)
+        """Numbers shaped as the output; not a matrix of 0/1 alone (labels, one-hot or several)."""
+        if y is None or y.dtype.kind not in "iuf" or not _fits(y.shape[1:], output.shape):
+            return False
+        return y.ndim == 1 or not bool(np.isin(y, (0, 1)).all())
 
     def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
         y = finite(where, numeric(where, y, "a float target"))

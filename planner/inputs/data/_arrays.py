@@ -48,12 +48,13 @@ from planner.inputs.data._base import (
     embeddings,
 )
 from planner.inputs.model import Model
-from planner.tasks import CLASSIFICATION, Task, infer_task
+from planner.tasks import CLASSIFICATION, TASKS, Task, infer_task
 from planner.types import ModelInput
 
 if TYPE_CHECKING:
     from planner.inputs.data._text import Tokenization
 
+RECONSTRUCTION = TASKS["reconstruction"]
 CHUNK_BYTES = 8 << 20  # what a validation or unpacking pass holds at a time
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip member's local file header (30 bytes)
 
@@ -281,11 +282,13 @@ def load_arrays(
     found = arrays.keys() | found_ys.keys()
     xs: dict[str, list[tuple[_Array, int, int]]]  # split -> each input's (array, first row, end row)
     given = {f"{k}_{s}" for k in keys for s in ("train", "val")}
-    if given | {"y_train", "y_val"} <= found or (given <= found and not found_ys):
+    # data without labels is an autoencoder's, for a model that can be one (or told it is)
+    unlabelled = not found_ys and (RECONSTRUCTION.refuses(model.output, model.inputs) is None or requested is RECONSTRUCTION)
+    if given | {"y_train", "y_val"} <= found or (given <= found and unlabelled):
         xs = {s: [(a, 0, a.shape[0] if a.shape else 0) for a in (arrays[f"{k}_{s}"] for k in keys)] for s in ("train", "val")}
         ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")} if found_ys else {}
         split = f"{keys[0]}_train/{keys[0]}_val as given"
-    elif {*keys, "y"} <= found or (keys[0] in found and not found_ys):
+    elif {*keys, "y"} <= found or (keys[0] in found and unlabelled):
         y = found_ys.get("y", np.zeros(arrays[keys[0]].shape[:1]))
         n = arrays[keys[0]].shape[0] if arrays[keys[0]].shape else 0
         if y.ndim == 0:

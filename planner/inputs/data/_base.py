@@ -152,6 +152,12 @@ class Dataset:
     tokenizer: Tokenization | None = None  # text only: how a text becomes the model's token ids
     task: Task = CLASSIFICATION  # what the labels are (`planner.tasks`): inferred, or named by the user
 
+    @property
+    def judged(self) -> int:
+        """How many values the val metric averages over (samples; a tagger's counted tokens): what
+        its noise shrinks with."""
+        return self.task.judged(self.val.labels, len(self.val))
+
     def check_batch(self, batch_size: int, whose: str) -> None:
         """Refuse a batch larger than the train split: its first step would hold fewer samples
         than the compiled step takes (and a batch of repeats is not the batch that was planned)."""

@@ -1,0 +1,200 @@
+"""Tasks beyond single-label classification, checked against PyTorch itself.
+
+Four models as PyTorch users export them (`torch_families.TASK_FAMILIES`), from both exporters:
+MLPerf Tiny's anomaly autoencoder (reconstruction), a regression MLP, a multi-label CNN and a
+Hugging Face BERT token tagger with padding ignored. For each, one SGD step of every layer is
+PyTorch's float64 autograd step of the task's own loss (`torch_families.task_loss`: MSE,
+BCE-with-logits, cross-entropy with ignore_index) within float32 noise, and `planner plan` and
+`planner run` train it on data it can learn, judged by the task's metric in its direction.
+
+The fast tier checks what the data says of the task: inference from the labels, and the bad
+inputs that are one line each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from planner.errors import BadInput
+from planner.inputs.data import load_dataset
+from planner.inputs.model import load_model
+from planner.tasks import TASKS
+
+
+def _linear(path: Path, n_in: int, out_shape: tuple[int, ...]) -> Path:
+    """x [batch, n_in] -> MatMul + Add -> [batch, *out_shape]: a model of any output, in ONNX."""
+    rng = np.random.default_rng(0)
+    n_out = int(np.prod(out_shape))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["flat"])]
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.3, (n_in, n_out)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.zeros(n_out, np.float32), "b"),
+    ]
+    out = "flat"
+    if len(out_shape) != 1:
+        inits.append(numpy_helper.from_array(np.array([-1, *out_shape], np.int64), "shape"))
+        nodes.append(helper.make_node("Reshape", ["flat", "shape"], ["out"]))
+        out = "out"
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", n_in])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", *out_shape])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _data(path: Path, x: np.ndarray, y: np.ndarray | None = None) -> Path:
+    np.savez(path, x=x.astype(np.float32), **({"y": y} if y is not None else {}))
+    return path
+
+
+X = np.random.default_rng(1).normal(size=(30, 6)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "out_shape, y, task",
+    [
+        ((3,), np.arange(30) % 3, "classification"),
+        ((3,), np.array(["a", "b", "c"] * 10), "classification"),
+        ((4,), (np.arange(120).reshape(30, 4) % 3 == 0).astype(np.float32), "multilabel"),
+        ((1,), np.linspace(-1, 1, 30), "regression"),
+        ((2,), np.random.default_rng(2).normal(size=(30, 2)), "regression"),
+        ((6,), None, "reconstruction"),
+    ],
+    ids=["indices", "names", "0/1 rows", "one float", "two floats", "no labels"],
+)
+def test_the_labels_and_the_output_say_the_task(tmp_path, out_shape, y, task):
+    """Without --task, the task is the one the model's output and the labels fit: class indices or
+    names are classes, 0/1 rows labels, floats targets, no labels an autoencoder's data."""
+    model = load_model(_linear(tmp_path / "m.onnx", 6, out_shape))
+    data = load_dataset(_data(tmp_path / "d.npz", X, y), model)
+    assert data.task is TASKS[task]
+    x, target = data.train.batch(np.arange(4))
+    assert target.shape == (4, *model.with_task(data.task).target.static)
+    if task == "reconstruction":
+        np.testing.assert_array_equal(target, x)
+
+
+@pytest.mark.parametrize(
+    "out_shape, y, task, message",
+    [
+        ((3,), np.linspace(0.1, 2.9, 30), None, "label 0 is 0.1 \\(float targets are regression"),
+        ((3,), np.linspace(0.1, 2.9, 30), "classification", "label 0 is 0.1 \\(float targets are regression"),
+        ((2, 2), np.linspace(0.1, 2.9, 30), None, "token classification needs one per token"),
+        ((2,), np.zeros((30, 3), np.float32), "regression", r"targets of shape \(24, 3\), but for regression"),
+        ((4,), np.full((30, 4), 2.0), "multilabel", "must be 0 or 1"),
+        ((5,), None, "reconstruction", "not shaped as its input"),
+        ((3,), None, "classification", r"expected arrays x_train, y_train, x_val, y_val \(or x, y\); found x"),
+        ((1,), np.full(30, 0.5), "regression", "every train target is 0.5"),
+        ((3,), np.arange(30) % 3, "unknown", "no task 'unknown'"),
+    ],
+    ids=[
+        "floats for a classifier",
+        "floats named classes",
+        "floats for a grid",
+        "wrong shape",
+        "not 0/1",
+        "output not the input",
+        "no labels",
+        "constant",
+        "unknown task",
+    ],
+)
+def test_labels_that_do_not_fit_the_task_are_one_line(tmp_path, out_shape, y, task, message):
+    model = load_model(_linear(tmp_path / "m.onnx", 6, out_shape))
+    with pytest.raises(BadInput, match=message) as caught:
+        load_dataset(_data(tmp_path / "d.npz", X, y), model, task=task)
+    assert "\n" not in str(caught.value)
+
+
+def test_per_token_labels_make_a_tagger_and_padding_is_ignored(tmp_path):
+    """Labels [N, length] for a [batch, length, classes] output: token classification, -100 kept
+    (the loss and the metric skip it), any other label out of the classes refused."""
+    model = load_model(_linear(tmp_path / "m.onnx", 6, (4, 3)))
+    y = np.random.default_rng(0).integers(0, 3, (30, 4))
+    y[:, -1] = -100
+    data = load_dataset(_data(tmp_path / "d.npz", X, y), model)
+    assert data.task is TASKS["token-classification"]
+    _, target = data.val.batch(np.arange(2))
+    assert target.dtype == np.int64 and (target[:, -1] == -100).all()
+    y[0, 0] = 3
+    with pytest.raises(BadInput, match="token label 3 is outside 0..2"):
+        load_dataset(_data(tmp_path / "bad.npz", X, y), model)
+
+
+# ------------------------------------------------------------------------ PyTorch's models and loss
+
+torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
+from test_pytorch_families import _check_layers, _check_one_step  # noqa: E402
+
+import torch_families as tf  # noqa: E402
+from planner import api  # noqa: E402
+from processes import PLANNED, planner  # noqa: E402
+
+CASES = [pytest.param(f, e, id=f"{f}-{e}", marks=pytest.mark.slow) for f in tf.TASK_FAMILIES for e in tf.EXPORTERS]
+
+
+@pytest.mark.parametrize("family, exporter", CASES)
+def test_one_sgd_step_of_each_task_matches_pytorch_autograd_in_float64(family, exporter):
+    """Every layer trained with the task's loss: each updated tensor within float32 noise of
+    PyTorch's float64 step with PyTorch's own loss (mean MSE, BCE-with-logits, cross-entropy
+    ignoring -100)."""
+    path = tf.export(family, exporter)
+    _check_layers(family, exporter, path)
+    _check_one_step(family, path)
+
+
+def _learnable(family: str, n: int) -> dict[str, np.ndarray]:
+    """`n` samples `family`'s model can learn from: targets a function of the inputs."""
+    x, _ = tf.sample_batch(family, n, seed=5)
+    rng = np.random.default_rng(7)
+    match tf.TASK_FAMILIES[family].task:
+        case "reconstruction":  # frames on a 4-dimensional subspace: what the bottleneck can hold
+            basis = rng.normal(size=(4, 40))
+            return {"x": (rng.normal(size=(n, 4)) @ basis / 2).astype(np.float32)}
+        case "regression":
+            return {"x": x, "y": (x @ rng.normal(size=(7, 3)) / 2).astype(np.float32)}
+        case "multilabel":
+            w = rng.normal(size=(x[:, 0].reshape(n, -1).shape[1], 5))
+            return {"x": x, "y": (x[:, 0].reshape(n, -1) @ w > 0).astype(np.float32)}
+        case "token-classification":
+            ids, mask = x
+            return {"input_ids": ids, "attention_mask": mask, "y": np.where(mask == 1, ids % 10, -100)}
+    raise ValueError(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(tf.TASK_FAMILIES))
+def test_each_task_plans_runs_and_reports_in_its_metric(family, tmp_path):
+    """`planner plan` on data the model can learn: plan.json records the task and its metric,
+    which improves in its own direction (an error down, a share up); `planner run` reproduces the
+    plan's step and says the metric by name; the report names it."""
+    path = tf.export(family, "dynamo")
+    task = tf.TASK_FAMILIES[family].task
+    np.savez(tmp_path / "data.npz", **_learnable(family, 160))
+    done = planner(
+        "plan", "--model", path, "--data", tmp_path / "data.npz", "--out", tmp_path / "plan", "--trials", "3",
+        "--accuracy-steps", "60", "--seed", "1",
+    )  # fmt: skip
+    assert done.returncode in PLANNED, done.stderr
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["dataset"]["task"] == task
+    acc = plan["metrics"]["accuracy"]
+    metric = TASKS[task].metric
+    assert acc["metric"] == metric.name
+    assert metric.gain(acc["before"], acc["after"]) > 0, acc
+    ran = planner("run", tmp_path / "plan", "--steps", "20", "--out", tmp_path / "ran")
+    assert ran.returncode == 0, ran.stderr
+    assert f"{metric.name} " in ran.stdout
+    report = (tmp_path / "plan" / "report.md").read_text()
+    assert f"val {metric.name}" in report
+    assert api.inspect(tmp_path / "ran" / "model.onnx").output.shape == api.inspect(path).output.shape
