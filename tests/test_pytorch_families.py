@@ -57,7 +57,10 @@ def test_layers_are_pytorch_modules_and_all_train(family, exporter):
 def _check_layers(family: str, exporter: str, path: Path) -> None:
     """Layer names are PyTorch's, every layer trains, and each parameter is one PyTorch tensor."""
     model = api.inspect(path)
-    assert {layer.name for layer in model.layers} == tf.pytorch_layer_names(family, exporter)
+    one = tf.tied_modules(family)  # modules sharing a tensor: one layer, named after either
+    assert {one.get(n, n) for n in (layer.name for layer in model.layers)} == {
+        one.get(n, n) for n in tf.pytorch_layer_names(family, exporter)
+    }
     assert [(layer.name, layer.problem) for layer in model.layers if not layer.trainable] == []
     params = [p for layer in model.layers for p in layer.params_for("full")]
     assert set(tf.parameter_map(family, path, params)) == set(params)  # raises on a non-PyTorch tensor

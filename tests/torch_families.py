@@ -629,6 +629,37 @@ class BertTagger(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+class CausalLM(nn.Module):
+    """A Hugging Face `*ForCausalLM` decoder from a small config (random weights): token ids and an
+    attention mask [batch, 12] -> logits [batch, 12, 64] over the vocabulary, its LM head tied to
+    the token embedding as GPT-2 and Llama ship it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        _torchvision_models()
+        import transformers
+
+        common = dict(vocab_size=64, pad_token_id=0, tie_word_embeddings=True)
+        if kind == "gpt2":
+            self.model = transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, **common)
+            )
+        else:
+            config = transformers.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=16,
+                **common,
+            )
+            self.model = transformers.LlamaForCausalLM(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
 # Models whose output is not a classifier's (tests/test_tasks.py): each trained for its task, its
 # loss and gradient checked against PyTorch's on the same weights and targets.
 TASK_FAMILIES: dict[str, Family] = {
@@ -644,6 +675,18 @@ TASK_FAMILIES: dict[str, Family] = {
             tokens=Tokens(length=12, vocab=64),
             task="token-classification",
             folded_by_dynamo=frozenset({"model.bert.embeddings.position_embeddings"}),
+        ),
+        Family(
+            "gpt2_lm",
+            (12,),
+            lambda: CausalLM("gpt2"),
+            num_classes=64,
+            tokens=Tokens(length=12, vocab=64),
+            task="causal-lm",
+            folded_by_dynamo=frozenset({"model.transformer.wpe"}),
+        ),
+        Family(
+            "llama_lm", (12,), lambda: CausalLM("llama"), num_classes=64, tokens=Tokens(length=12, vocab=64), task="causal-lm"
         ),
     )
 }
@@ -683,6 +726,10 @@ def sample_batch(family: str, batch: int, seed: int = 0) -> tuple[np.ndarray | t
         case "token-classification":
             y = rng.integers(0, C, (batch, xs[0].shape[1])).astype(np.int64)
             y[(xs[1] == 0) | (rng.random(y.shape) < 0.1)] = -100
+        case "causal-lm":  # each token's target the next one; none after the last, nor in the padding
+            y = np.full(xs[0].shape, -100, np.int64)
+            y[:, :-1] = xs[0][:, 1:]
+            y[xs[1] == 0] = -100
     return x, y
 
 
@@ -696,7 +743,7 @@ def task_loss(task: str, outputs: torch.Tensor, y: np.ndarray) -> torch.Tensor:
             return nn.functional.binary_cross_entropy_with_logits(outputs, target.to(outputs.dtype))
         case "regression" | "reconstruction":
             return nn.functional.mse_loss(outputs, target.to(outputs.dtype))
-        case "token-classification":
+        case "token-classification" | "causal-lm":
             return nn.functional.cross_entropy(outputs.flatten(0, 1), target.flatten().to(torch.int64), ignore_index=-100)
     raise ValueError(task)
 
@@ -868,6 +915,20 @@ def pytorch_layer_names(family: str, exporter: Exporter = "legacy") -> set[str]:
         else:
             names.update(f"{path}.{name}" if path else name for name in own)
     return names
+
+
+def tied_modules(family: str) -> dict[str, str]:
+    """Each module path of `family` that shares a parameter tensor with an earlier module (a
+    decoder's LM head tied to its token embedding) -> that earlier module's path: one layer in
+    planner, which an exporter names after either module (legacy: the embedding; dynamo: the head)."""
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for path, module in _seeded_module(family).named_modules():
+        for _, param in module.named_parameters(recurse=False):
+            first = owner.setdefault(id(param), path)
+            if first != path:
+                tied[path] = first
+    return tied
 
 
 # ------------------------------------------------------------------------------------- exporting

@@ -134,6 +134,59 @@ def tie_copies(graph: onnx.GraphProto) -> list[list[str]]:
     return apart
 
 
+def tie_transposes(graph: onnx.GraphProto) -> list[list[str]]:
+    """A 2-D initializer holding another's transpose bitwise, read as `Transpose` of it: one tensor.
+
+    Why: a language model whose LM head is tied to its token embedding (GPT-2, Llama and most
+    decoders with `tie_word_embeddings`) is written by both exporters as the table, which the
+    embedding's Gather reads, and its transpose, which the head's MatMul reads. Trained apart, the
+    embedding moves by the embedding's gradient and the head by its own, where PyTorch sums both
+    into the one tensor. They are tied when the readers' records name one parameter (the dynamo
+    exporter), or, without records (the legacy exporter), when the table is read by Gathers only
+    and the transpose by MatMuls and Gemms only: an embedding and its head. Other pairs are left
+    apart and returned, so that `planner inspect` can say which."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    order: dict[str, int] = {}
+    found: dict[tuple, str] = {}
+    pairs = []
+    for t in graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2 and t.dims[0] != t.dims[1] and math.prod(t.dims) > 1:
+            value = numpy_helper.to_array(t)
+            if np.unique(value).size < 2:
+                continue
+            order[t.name] = len(order)
+            flipped = np.ascontiguousarray(value.T)
+            other = found.get((flipped.shape, hashlib.sha256(flipped.tobytes()).hexdigest()))
+            if other is not None:
+                pairs.append((other, t.name))
+            found[(value.shape, hashlib.sha256(value.tobytes()).hexdigest())] = t.name
+
+    def gathered(name: str) -> bool:  # an embedding table: what a Gather reads rows of
+        return any(n.op_type == "Gather" and n.input[0] == name for n in readers.get(name, []))
+
+    tied: list[tuple[str, str]] = []
+    apart = []
+    for first, second in pairs:
+        table, copy = (second, first) if gathered(second) and not gathered(first) else (first, second)
+        records = [recorded_parameters(n) for n in readers.get(copy, []) + readers.get(table, [])]
+        same = bool(records) and bool(set.intersection(*records))
+        head = all(n.op_type == "Gather" and n.input[0] == table for n in readers.get(table, [])) and all(
+            n.op_type in ("MatMul", "Gemm") for n in readers.get(copy, [])
+        )
+        if same or (head and not any(records)):
+            tied.append((table, copy))
+        else:
+            apart.append([table, copy])
+    for table, copy in tied:
+        graph.initializer.remove(next(t for t in graph.initializer if t.name == copy))
+        at = next(i for i, n in enumerate(graph.node) if copy in n.input)  # after the embedding: it names the layer
+        graph.node.insert(at, onnx.helper.make_node("Transpose", [table], [copy], name=f"{copy}/tied", perm=[1, 0]))
+    return apart
+
+
 def _rename_reads(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:
     for node in graph.node:
         for i, name in enumerate(node.input):

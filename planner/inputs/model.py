@@ -20,7 +20,7 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from planner.errors import BadInput, first_line
-from planner.inputs.fixups import for_import, name_nodes, tie_copies, tie_identities
+from planner.inputs.fixups import for_import, name_nodes, tie_copies, tie_identities, tie_transposes
 from planner.inputs.layers import Layer, layers_of, parameters_of
 from planner.tasks import CLASSIFICATION, TASKS, Task
 from planner.types import ModelInput
@@ -184,7 +184,7 @@ def load_model(path: str | Path) -> Model:
         raise BadInput(f"{path} is not a valid ONNX model: {first_line(exc)}") from None
     name_nodes(proto.graph)
     tie_identities(proto.graph)
-    apart = tie_copies(proto.graph)
+    apart = tie_copies(proto.graph) + tie_transposes(proto.graph)
     graph = proto.graph
     init_names = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in init_names]

@@ -23,7 +23,18 @@ from planner.plans.directory import MODEL_FILE, TRIALS_FILE, read_plan
 from planner.plans.schema import ParetoEntry, Plan
 from planner.plans.select import choice_json, metrics_json, select
 from planner.search.urls import redact
-from planner.types import AccuracyResult, Latency, MemoryBreakdown, Mode, TrialRecord, TrialResult, TrialState, metric_named
+from planner.types import (
+    ACCURACY,
+    AccuracyResult,
+    Latency,
+    MemoryBreakdown,
+    Metric,
+    Mode,
+    TrialRecord,
+    TrialResult,
+    TrialState,
+    metric_named,
+)
 
 MEMORY_PARTS = ("activations", "trainable_params", "gradients", "optimizer_state", "frozen_params", "scratch")
 
@@ -40,6 +51,11 @@ class ReportContent:
     layers: list[dict]  # per layer: name, op, param_bytes, mode, label, color, params
     provenance: dict  # how every number was measured; versions; the study
     plan: Plan | None = None
+
+    @property
+    def metric(self) -> Metric:
+        """The metric the study's fine-tunes were judged by (accuracy, for a study with none complete)."""
+        return next((t.measured().accuracy.measure for t in self.trials if t.complete), ACCURACY)
 
     @property
     def budgets(self) -> list[dict]:

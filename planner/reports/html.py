@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from planner.modes import FROZEN
 from planner.reports.content import MEMORY_PARTS, ReportContent, recompute_note, updated
-from planner.types import ACCURACY, Measured, Metric, Mode, TrialRecord, TrialState, metric_named
+from planner.types import Measured, Mode, TrialRecord, TrialState, metric_named
 
 KIB = 1024
 COLORS = {
@@ -102,14 +102,14 @@ def pareto_figure(content: ReportContent) -> go.Figure:
         cols=2,
         shared_yaxes=True,
         horizontal_spacing=0.06,
-        subplot_titles=(f"val {_metric(content).name} vs step latency", f"val {_metric(content).name} vs peak memory"),
+        subplot_titles=(f"val {content.metric.name} vs step latency", f"val {content.metric.name} vs peak memory"),
     )
     accs = [t.measured().accuracy.after for t in content.trials if t.complete]
     lo = min(accs, default=0.0)
     hi = max(accs, default=1.0)
-    pad = max(0.02 if _metric(content).bounded else 0.0, (hi - lo) * 0.08)
+    pad = max(0.02 if content.metric.bounded else 0.0, (hi - lo) * 0.08)
     # where failed trials are drawn: worse than every measured value (below an accuracy, above an error)
-    floor = lo - pad if _metric(content).higher_is_better else hi + pad
+    floor = lo - pad if content.metric.higher_is_better else hi + pad
     for cat in ("fail", "infeasible", "screened", "feasible", "pareto", "chosen"):
         group = [t for t in content.trials if _category(t, content) == cat]
         for col, metric in ((1, "latency"), (2, "memory")):
@@ -157,7 +157,7 @@ def pareto_figure(content: ReportContent) -> go.Figure:
     fig.update_xaxes(title_text="peak memory (KiB)", row=1, col=2)
     low, high = min(floor, lo), max(floor, hi)
     fig.update_yaxes(
-        title_text=f"val {_metric(content).name} after fine-tuning", range=[low - pad / 2, high + pad / 2], row=1, col=1
+        title_text=f"val {content.metric.name} after fine-tuning", range=[low - pad / 2, high + pad / 2], row=1, col=1
     )
     fig.update_layout(height=460, margin={"t": 40, "b": 50, "l": 60, "r": 20}, legend={"orientation": "h", "y": -0.18})
     return fig
@@ -203,11 +203,6 @@ def _add_budgets(fig: go.Figure, content: ReportContent) -> None:
         fig.add_vline(x=ram / KIB, **BUDGET_LINE, annotation_text="RAM budget", row=1, col=2)
 
 
-def _metric(content: ReportContent) -> Metric:
-    """The metric the study's fine-tunes were judged by (accuracy, for a study with none complete)."""
-    return next((t.measured().accuracy.measure for t in content.trials if t.complete), ACCURACY)
-
-
 def _frontier(measured: list[Measured]) -> list[Measured]:
     """The trials no smaller trial beats in accuracy, by peak memory: what each budget can have."""
     front: list[Measured] = []
@@ -248,7 +243,7 @@ def history_figure(content: ReportContent) -> go.Figure:
     trials = sorted(content.trials, key=lambda t: t.number)
     fig = go.Figure()
     accs = [t.measured().accuracy.after for t in trials if t.complete]
-    metric = _metric(content)
+    metric = content.metric
     floor = min(accs, default=0.0) - 0.03 if metric.higher_is_better else max(accs, default=0.0) * 1.1
     for cat in ("fail", "infeasible", "screened", "feasible", "pareto", "chosen"):
         pts = [t for t in trials if _category(t, content) == cat]

@@ -32,7 +32,7 @@ def _budget_table(content: ReportContent) -> list[str]:
         "",
         "From the same trials; each directory is a whole plan (`planner run DIR/<budget>`).",
         "",
-        "| RAM budget | plan | trial | peak memory | val acc | latency ms (median) |",
+        f"| RAM budget | plan | trial | peak memory | val {content.metric.short} | latency ms (median) |",
         "|---|---|---|---|---|---|",
     ]
     by_number = {t.number: t for t in content.trials}
@@ -97,7 +97,7 @@ def render(content: ReportContent) -> str:
         "",
         "## Pareto front (feasible trials)",
         "",
-        "| trial | trainable | batch | lr | val acc | latency ms (median / p90) | peak memory |",
+        f"| trial | trainable | batch | lr | val {content.metric.short} | latency ms (median / p90) | peak memory |",
         "|---|---|---|---|---|---|---|",
     ]
     front = [(t, t.measured()) for t in content.trials if t.number in content.pareto and t.complete]

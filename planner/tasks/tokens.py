@@ -86,3 +86,29 @@ class TokenClassification(Task):
 
     def scorer(self) -> Score:
         return _TokenAccuracy()
+
+
+class _Perplexity(_TokenAccuracy):
+    def result(self) -> tuple[float, float]:
+        loss, _ = super().result()
+        return loss, float(np.exp(loss)) if np.isfinite(loss) else float("inf")
+
+
+class CausalLM(TokenClassification):
+    """Next-token prediction: logits `[batch, length, vocabulary]`, each token's target the token
+    after it (a corpus chunked into the model's length and one more, `-100` where no next token
+    counts), cross-entropy over the counted tokens, judged by perplexity (exp of that mean)."""
+
+    name = "causal-lm"
+    description = "next-token prediction over a text corpus: [batch, length, vocabulary] logits, cross-entropy, perplexity"
+    metric = METRICS["perplexity"]
+
+    def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
+        return False  # a corpus says so (`planner.inputs.data`), or --task: per-token ids read as tags otherwise
+
+    def check_train(self, where: str, targets: np.ndarray) -> None:
+        if not (targets != IGNORE_INDEX).any():
+            raise BadInput(f"{where}: no train token has a next token to predict")
+
+    def scorer(self) -> Score:
+        return _Perplexity()

@@ -18,6 +18,7 @@ class Metric:
     # relative to the best value, and no range is checked
     bounded: bool
     short: str  # the progress line's column
+    floor: float = 0.0  # the least an unbounded metric can be (an error 0, a perplexity 1)
 
     @property
     def direction(self) -> str:
@@ -42,7 +43,11 @@ class Metric:
         return f"{value:.3f}" if self.bounded else f"{value:.4g}"
 
     def valid(self, value: float) -> bool:
-        return 0.0 <= value <= 1.0 if self.bounded else value == value and abs(value) != float("inf")
+        """A value this metric can take: a share in [0, 1]; an error or a perplexity finite and not
+        negative (a perplexity at least 1)."""
+        if self.bounded:
+            return 0.0 <= value <= 1.0
+        return value == value and value != float("inf") and value >= self.floor
 
 
 ACCURACY = Metric("accuracy", higher_is_better=True, bounded=True, short="acc")
@@ -53,7 +58,7 @@ METRICS: dict[str, Metric] = {
         Metric("f1", higher_is_better=True, bounded=True, short="f1"),
         Metric("token_accuracy", higher_is_better=True, bounded=True, short="tok acc"),
         Metric("mse", higher_is_better=False, bounded=False, short="mse"),
-        Metric("perplexity", higher_is_better=False, bounded=False, short="ppl"),
+        Metric("perplexity", higher_is_better=False, bounded=False, short="ppl", floor=1.0),
     )
 }
 

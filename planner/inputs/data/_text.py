@@ -41,10 +41,11 @@ from planner.inputs.data._base import (
     embeddings,
     stratified_val,
 )
+from planner.inputs.data._corpus import CAUSAL_LM, is_corpus, load_corpus
 from planner.inputs.model import Model
 from planner.tasks import Task
 
-TEXT_SUFFIXES = (".jsonl",)  # JSON Lines: text data by its name; a .csv is text data by its header
+TEXT_SUFFIXES = (".jsonl", ".txt")  # JSON Lines and corpora: text data by their name; a .csv is text data by its header
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # the names tokenizers gives what it makes
 PAD_TOKENS = ("[PAD]", "<pad>")  # BERT's and SentencePiece models' padding tokens
 ENCODE_CHUNK = 256  # texts tokenised between progress reports
@@ -76,10 +77,11 @@ class Tokenization:
         }
 
     @classmethod
-    def of_file(cls, path: str | Path, max_length: int | None) -> Tokenization:
+    def of_file(cls, path: str | Path, max_length: int | None, padded: bool = True) -> Tokenization:
         """The tokenizer at `path`, for texts of `max_length` tokens (None: a model of any length,
         and the tokenizer's own max length): its own padding and truncation sides when it sets
-        them (else the right), its padding config's pad token, else its `[PAD]` or `<pad>`."""
+        them (else the right), its padding config's pad token, else its `[PAD]` or `<pad>`; none
+        for a corpus (not `padded`: its chunks are always full), recorded as id 0 and token ""."""
         path = Path(path)
         tokenizer, sha256 = _read(path, None)
         padding, truncation = tokenizer.padding or {}, tokenizer.truncation or {}
@@ -92,6 +94,8 @@ class Tokenization:
             max_length = int(truncation["max_length"])
         if padding:
             pad_id, pad_token = int(padding["pad_id"]), str(padding["pad_token"])
+        elif not padded:
+            pad_id, pad_token = 0, ""
         else:
             found = [(i, t) for t in PAD_TOKENS if (i := tokenizer.token_to_id(t)) is not None]
             if not found:
@@ -124,6 +128,10 @@ class Tokenization:
             pad_id=raw["pad_id"],
             pad_token=raw["pad_token"],
         )
+
+    def raw_tokenizer(self) -> tuple[Tokenizer, str]:
+        """The file's tokenizer as it is (checked to be the one with this sha256) and its sha256."""
+        return _read(self.path, self.sha256)
 
     def tokenizer(self) -> Tokenizer:
         """The file's tokenizer, checked to be the one with this sha256, set to make every text
@@ -231,7 +239,7 @@ def _jsonl(path: Path) -> list[_Record]:
     return records
 
 
-class _TokenRows(Rows):
+class TokenRows(Rows):
     """Tokenised texts: one array of ids, masks or type ids per model input, held whole."""
 
     def __init__(self, arrays: list[np.ndarray]) -> None:
@@ -286,7 +294,7 @@ def load_text(
             f"{spec.path}: the tokenizer's vocabulary has {vocabulary} tokens, but {model.path.name}'s embedding table "
             f"'{table.table}' has {table.rows} rows: it is not the tokenizer of this model"
         )
-    records = _jsonl(path) if path.suffix.lower() in TEXT_SUFFIXES else _csv(path)
+    records = _jsonl(path) if path.suffix.lower() == ".jsonl" else _csv(path)
     if not records:
         raise BadInput(f"{path} holds no texts: it needs rows text,label")
     for r in records:
@@ -331,7 +339,7 @@ def load_text(
         digest.update(json.dumps([s, len(index)]).encode())
         for a in (*arrays, labels[index]):
             digest.update(a.tobytes())
-        splits[s] = Split(_TokenRows(arrays), labels[index])
+        splits[s] = Split(TokenRows(arrays), labels[index])
     check_train_labels(path, splits["train"], splits["val"])
     return Dataset(
         source=path.resolve(),
@@ -376,6 +384,10 @@ class Text(Format):
                 f"{path} holds text: give the `tokenizer` that makes it the model's token ids (the tokenizer.json "
                 "of Hugging Face tokenizers the model was trained with)"
             )
+        if task is CAUSAL_LM or (task is None and is_corpus(path)):
+            length = text_length(model, path)
+            spec = tokenizer if isinstance(tokenizer, Tokenization) else Tokenization.of_file(tokenizer, length, padded=False)
+            return load_corpus(path, model, spec, progress)
         classes_only(path, "a text dataset", task)
         return load_text(path, model, tokenizer, classes, progress)
 
