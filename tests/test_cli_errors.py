@@ -307,6 +307,24 @@ def _(ctx):
     )
 
 
+@case("--task loss-in-model for a model whose first output is not a scalar")
+def _(ctx):
+    return Case(
+        ctx.plan("--task", "loss-in-model"),
+        "cannot be trained for loss-in-model: its output 'logits' is [batch, 3], not a scalar loss",
+    )
+
+
+@case("a model with two outputs, the first not a scalar loss")
+def _(ctx):
+    proto = onnx.load(ctx.model)
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("pre", onnx.TensorProto.FLOAT, ["N", 3]))
+    proto.graph.node[-1].output[0] = "pre"
+    proto.graph.node.append(onnx.helper.make_node("Identity", ["pre"], ["logits"], name="copy"))
+    onnx.save(proto, ctx.tmp / "two.onnx")
+    return Case(ctx.plan("--model", str(ctx.tmp / "two.onnx")), "found 2 outputs, the first of shape [N, 3]")
+
+
 @case("a .npy instead of a .npz")
 def _(ctx):
     path = ctx.tmp / "x.npy"

@@ -229,6 +229,10 @@ def _learnable(family: str, n: int) -> dict[str, np.ndarray]:
         case "token-classification":
             ids, mask = x
             return {"input_ids": ids, "attention_mask": mask, "y": np.where(mask == 1, ids % 10, -100)}
+        case "loss-in-model":  # the box and the class a function of the image: targets are inputs, no y
+            image = x[0]
+            feature = image.reshape(n, -1) @ rng.normal(size=(100, 4)) / 10
+            return {"x": image, "boxes": feature.astype(np.float32), "labels": feature[:, :3].argmax(axis=1)}
     raise ValueError(family)
 
 

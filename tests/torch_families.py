@@ -105,6 +105,9 @@ class Family:
     num_classes: int = NUM_CLASSES  # the output's last size: classes, labels, regression targets
     tokens: Tokens | None = None  # text: `input_ids` and `attention_mask` instead of `x`
     task: str = "classification"  # what the output is trained for (`planner.tasks`): its targets and loss
+    # inputs after `x` that a model computing its own loss takes its targets by: (name, shape, dtype);
+    # an integer one is a class index below `num_classes`
+    targets: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     # modules whose parameter the dynamo exporter folds into a value it stores (a position table
     # looked up at the fixed positions 0..L-1, weight norm's g * v / ||v||:
     # `planner.inputs.names.folded_values`): no layer there
@@ -112,14 +115,20 @@ class Family:
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        return ("x",) if self.tokens is None else ("input_ids", "attention_mask")
+        return (("x",) if self.tokens is None else ("input_ids", "attention_mask")) + tuple(t[0] for t in self.targets)
 
     def draw(self, rng: np.random.Generator, batch: int) -> list[np.ndarray]:
         """A batch of inputs, one array per input: standard normal floats (what BatchNorm was
         calibrated on), or token ids and masks."""
         if self.tokens is not None:
             return self.tokens.draw(rng, batch)
-        return [rng.standard_normal((batch, *self.input_shape)).astype(np.float32)]
+        targets = [
+            rng.integers(0, self.num_classes, (batch, *shape)).astype(dtype)
+            if dtype.startswith("int")
+            else rng.standard_normal((batch, *shape)).astype(dtype)
+            for _, shape, dtype in self.targets
+        ]
+        return [rng.standard_normal((batch, *self.input_shape)).astype(np.float32), *targets]
 
 
 def torchvision() -> types.ModuleType:
@@ -660,6 +669,28 @@ class CausalLM(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+class Detector(nn.Module):
+    """A one-object detector that computes its own loss, as ORT training and ExecuTorch take one:
+    an image [batch, 1, 10, 10], its box [batch, 4] and class [batch] (int64) in; a conv trunk,
+    a box head and a class head; out the scalar loss, smooth-L1 of the box plus cross-entropy of
+    the class (and, second, the class logits, which planner does not train)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 8, 3, stride=2, padding=1)
+        self.box = nn.Linear(8, 4)
+        self.cls = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x)))).mean(dim=(2, 3))
+        logits = self.cls(h)
+        d = self.box(h) - boxes  # smooth L1, written out: the legacy exporter has no smooth_l1_loss
+        box = torch.where(d.abs() < 1.0, 0.5 * d * d, d.abs() - 0.5).mean()
+        loss = box + nn.functional.cross_entropy(logits, labels)
+        return loss, logits
+
+
 # Models whose output is not a classifier's (tests/test_tasks.py): each trained for its task, its
 # loss and gradient checked against PyTorch's on the same weights and targets.
 TASK_FAMILIES: dict[str, Family] = {
@@ -687,6 +718,14 @@ TASK_FAMILIES: dict[str, Family] = {
         ),
         Family(
             "llama_lm", (12,), lambda: CausalLM("llama"), num_classes=64, tokens=Tokens(length=12, vocab=64), task="causal-lm"
+        ),
+        Family(
+            "detector",
+            (1, 10, 10),
+            Detector,
+            num_classes=3,
+            task="loss-in-model",
+            targets=(("boxes", (4,), "float32"), ("labels", (), "int64")),
         ),
     )
 }
@@ -726,6 +765,8 @@ def sample_batch(family: str, batch: int, seed: int = 0) -> tuple[np.ndarray | t
         case "token-classification":
             y = rng.integers(0, C, (batch, xs[0].shape[1])).astype(np.int64)
             y[(xs[1] == 0) | (rng.random(y.shape) < 0.1)] = -100
+        case "loss-in-model":  # the targets are inputs: the step's own is unused
+            y = np.zeros(batch, np.float32)
         case "causal-lm":  # each token's target the next one; none after the last, nor in the padding
             y = np.full(xs[0].shape, -100, np.int64)
             y[:, :-1] = xs[0][:, 1:]
@@ -737,6 +778,8 @@ def task_loss(task: str, outputs: torch.Tensor, y: np.ndarray) -> torch.Tensor:
     """PyTorch's own loss of `task` (mean over the batch, as planner's): the reference."""
     target = torch.as_tensor(np.asarray(y))
     match task:
+        case "loss-in-model":  # the model's first output
+            return outputs[0] if isinstance(outputs, tuple) else outputs
         case "classification":
             return nn.functional.cross_entropy(outputs, target.to(torch.int64))
         case "multilabel":
@@ -834,6 +877,8 @@ def _normalize_head(model: nn.Module, fam: Family, rng: np.random.Generator) -> 
     """Scale the classifier (the last module owning a weight) so logits have std 1 on random
     inputs: softmax neither saturated nor flat, every sample's gradient counts. Without it the
     std ranges 0.2 (mobilenet_v3_small) to 5 (regnet_x_400mf, whose residual stream grows)."""
+    if fam.task == "loss-in-model":  # its output is a loss, not logits to scale
+        return
     head = [m for m in model.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)][-1]
     with torch.no_grad():
         scale = 1.0 / float(model(*map(torch.from_numpy, fam.draw(rng, 32))).std())
@@ -1001,6 +1046,7 @@ def torch_export(
     exporter: Exporter,
     opset: int | None = None,
     max_length: int | None = None,
+    outputs: Sequence[str] = ("logits",),
 ) -> None:
     """`model` on `args` (inputs `names`, output `logits`) written to `path` by `exporter`, the batch
     dynamic (and with `max_length`, axis 1 too: a sequence up to that long); dynamo's weights in
@@ -1008,7 +1054,7 @@ def torch_export(
     batch = torch.export.Dim("batch")
     dims = {0: batch} if max_length is None else {0: batch, 1: torch.export.Dim("sequence", max=max_length)}
     axes = {0: "batch"} if max_length is None else {0: "batch", 1: "sequence"}
-    common = dict(input_names=list(names), output_names=["logits"], opset_version=opset)
+    common = dict(input_names=list(names), output_names=list(outputs), opset_version=opset)
     with quiet():
         if exporter == "dynamo":
             torch.onnx.export(
@@ -1023,7 +1069,12 @@ def torch_export(
             )
         else:
             torch.onnx.export(
-                model, args, str(path), dynamo=False, dynamic_axes={**{n: axes for n in names}, "logits": {0: "batch"}}, **common
+                model,
+                args,
+                str(path),
+                dynamo=False,
+                dynamic_axes={**{n: axes for n in names}, **{o: {0: "batch"} for o in outputs if o != "loss"}},
+                **common,
             )
 
 
@@ -1070,8 +1121,17 @@ def _why(exc: Exception) -> str:
 def _export_to(family: str, exporter: Exporter, path: Path, opset: int | None, dynamic_length: bool) -> None:
     args = tuple(_tensors(sample_batch(family, 2, seed=1)[0], torch.float32))  # batch 2: a batch of 1 would be specialized
     length = _family(family).input_shape[0] if dynamic_length else None
+    fam = _family(family)
+    outputs = ("loss", "logits") if fam.task == "loss-in-model" else ("logits",)
     torch_export(
-        torch_module(family), args, path, names=_family(family).input_names, exporter=exporter, opset=opset, max_length=length
+        torch_module(family),
+        args,
+        path,
+        names=fam.input_names,
+        exporter=exporter,
+        opset=opset,
+        max_length=length,
+        outputs=outputs,
     )
 
 

@@ -193,9 +193,13 @@ def load_model(path: str | Path) -> Model:
     batches = {d.dim_value if d.HasField("dim_value") else d.dim_param for i in inputs for d in i.type.tensor_type.shape.dim[:1]}
     if len(batches) > 1:
         raise BadInput(f"{path}: the inputs' first dimensions differ ({', '.join(map(str, batches))}); each must be the batch")
+    first = graph.output[0].type.tensor_type
+    if len(graph.output) > 1 and first.HasField("shape") and len(first.shape.dim) == 0:
+        del graph.output[1:]  # a model that computes its own loss first: the rest (its logits, say) is not trained
     if len(graph.output) != 1:
         raise BadInput(
-            f"{path}: planner needs exactly one output (logits, values or a reconstruction), found {len(graph.output)}"
+            f"{path}: planner needs one output (logits, values or a reconstruction) or a scalar loss first, "
+            f"found {len(graph.output)} outputs, the first of shape {_shape_text(first)}"
         )
     model_inputs = tuple(_model_input(path, i) for i in inputs)
     output = _resolved(proto, _model_output(path, graph.output[0]), model_inputs)
@@ -228,8 +232,8 @@ def _model_input(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
     """One graph input as a `ModelInput`, or BadInput when planner cannot feed it."""
     tensor = value.type.tensor_type
     dims = tensor.shape.dim
-    if len(dims) < 2:
-        raise BadInput(f"{path}: input '{value.name}' must be [batch, ...], got rank {len(dims)}")
+    if len(dims) < 1:  # [batch] is a value a sample (a class index a model computing its loss takes)
+        raise BadInput(f"{path}: input '{value.name}' must be [batch, ...], got a scalar")
     if any(not d.HasField("dim_value") and not d.dim_param for d in dims[1:]):
         raise BadInput(f"{path}: input '{value.name}' has an unnamed dynamic dimension; name it (dynamic_axes) or fix it")
     if tensor.elem_type not in _INPUT_TYPES:
@@ -246,9 +250,13 @@ def _model_output(path: Path, value: onnx.ValueInfoProto) -> ModelInput:
         kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
         raise BadInput(f"{path}: output '{value.name}' is {kind}; planner trains models whose output is float32")
     dims = tensor.shape.dim
-    if len(dims) < 1:
-        raise BadInput(f"{path}: output '{value.name}' is a scalar; planner needs one value or row per sample, [batch, ...]")
+    if not dims:  # the batch's loss, computed by the model itself
+        return ModelInput(value.name, (), "float32", batched=False)
     return ModelInput(value.name, tuple(d.dim_value or d.dim_param or "?" for d in dims[1:]), "float32")
+
+
+def _shape_text(tensor: onnx.TypeProto.Tensor) -> str:
+    return "[" + ", ".join(str(d.dim_value or d.dim_param or "?") for d in tensor.shape.dim) + "]"
 
 
 def _resolved(proto: onnx.ModelProto, output: ModelInput, inputs: tuple[ModelInput, ...]) -> ModelInput:
@@ -256,7 +264,7 @@ def _resolved(proto: onnx.ModelProto, output: ModelInput, inputs: tuple[ModelInp
     `Addlogits_dim_1` for a tagger's sequence length) as ONNX's shape inference computes it from
     the inputs: a size the inputs fix, or one of their named lengths that data binds."""
     named = {d for i in inputs for d in i.shape if isinstance(d, str)}
-    if all(isinstance(d, int) or d in named for d in output.shape):
+    if all(isinstance(d, int) or d in named for d in output.shape) or not output.batched:
         return output
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)

@@ -31,7 +31,7 @@ from planner.backend.mcu.cvalues import label_dtype
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import HardwareTarget, Mcu
 from planner.measurement._base import Measurement, Runner, Session
-from planner.runtime.session import Inputs, example_batch, score
+from planner.runtime.session import Inputs, example_batch, padded, score
 from planner.runtime.weights import from_step, to_step
 from planner.types import Latency, StepSignature
 
@@ -207,14 +207,13 @@ class QemuSession:
         for i in range(0, len(arrays[0]), B):
             parts = [a[i : i + B] for a in arrays]
             pad = B - len(parts[0])
-            if pad:  # repeats of the last sample, as the VM session pads
-                parts = [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
+            parts = padded(parts, arrays, B, self.sig.batched_output)
             self.board.write(b"P", *parts)
             (rc,) = struct.unpack("<i", self.board.read(4))
             logits = np.frombuffer(self.board.read(4 * B * int(np.prod(C))), np.float32).reshape(B, *C)
             if rc != 0:
                 raise CandidateFailed(f"a prediction failed on the emulated board (code {rc})")
-            chunks.append(logits[: B - pad])
+            chunks.append(logits[: B - pad] if self.sig.batched_output else np.full(B - pad, logits.flat[0], np.float32))
         return np.concatenate(chunks) if chunks else np.zeros((0, *C), np.float32)
 
     def evaluate_chunks(self, chunks: Iterable[tuple[Inputs, np.ndarray]]) -> tuple[float, float]:

@@ -68,6 +68,19 @@ def score(
     return scorer.result()
 
 
+def padded(parts: list[np.ndarray], arrays: list[np.ndarray], batch: int, batched: bool) -> list[np.ndarray]:
+    """A last micro-batch `parts` (of `arrays`) filled to `batch` samples: with repeats of its last
+    sample (a padding row is a valid input, a token id or a mask, too; each sample's output is its
+    own), or, for a model whose output is its batch's loss, with the chunk's first samples, so that
+    no one sample weighs in many times."""
+    pad = batch - len(parts[0])
+    if not pad:
+        return parts
+    if batched:
+        return [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
+    return [np.resize(np.concatenate([p, a]), (batch, *p.shape[1:])) for p, a in zip(parts, arrays)]
+
+
 class TrainingSession:
     """A compiled step loaded on `device` with a full set of weights."""
 
@@ -133,17 +146,18 @@ class TrainingSession:
         return float(out[0].numpy()) / self.sig.loss_scale
 
     def outputs(self, x: Inputs) -> np.ndarray:
-        """The model's outputs for any number of samples (the compiled batch is padded for the last chunk)."""
-        B = self.sig.micro_batch
+        """The model's outputs for any number of samples (the compiled batch is padded for the last
+        chunk). A model whose output is its batch's loss gives each sample its micro-batch's loss,
+        a short last micro-batch filled with the chunk's first samples (not one sample repeated)."""
+        B, batched = self.sig.micro_batch, self.sig.batched_output
         arrays = self._inputs(x)
         chunks = []
         for i in range(0, len(arrays[0]), B):
             parts = [a[i : i + B] for a in arrays]
             pad = B - len(parts[0])
-            if pad:  # repeats of the last sample: a padding row is a valid input (a token id, a mask) too
-                parts = [np.concatenate([p, np.repeat(p[-1:], pad, axis=0)]) for p in parts]
+            parts = padded(parts, arrays, B, batched)
             out = self.vm[PREDICT_FUNC](*map(self._put, parts), *self.frozen, *self.trainable).numpy()
-            chunks.append(out[: B - pad])
+            chunks.append(out[: B - pad] if batched else np.full(B - pad, float(out), np.float32))
         return np.concatenate(chunks) if chunks else np.zeros((0, *self.sig.output_shape), "float32")
 
     def evaluate(self, x: Inputs, y: np.ndarray) -> tuple[float, float]:

@@ -13,6 +13,7 @@ import numpy as np
 from planner.errors import BadInput
 from planner.tasks._base import IGNORE_INDEX, LossGraph, Score, Task
 from planner.tasks.classification import Classification
+from planner.tasks.loss import LossInModel
 from planner.tasks.multilabel import Multilabel
 from planner.tasks.regression import Reconstruction, Regression
 from planner.tasks.tokens import CausalLM, TokenClassification
@@ -21,7 +22,8 @@ from planner.types import ModelInput
 # in the order inference tries them: whole-number labels of one per sample are classes before
 # they are numbers to regress, 0/1 matrices are labels before they are targets
 TASKS: dict[str, Task] = {
-    t.name: t for t in (Classification(), Multilabel(), TokenClassification(), CausalLM(), Regression(), Reconstruction())
+    t.name: t
+    for t in (Classification(), Multilabel(), TokenClassification(), CausalLM(), Regression(), Reconstruction(), LossInModel())
 }
 CLASSIFICATION = TASKS["classification"]
 

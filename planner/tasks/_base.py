@@ -52,10 +52,25 @@ class Task(ABC):
     metric: ClassVar[Metric]
     labelled: ClassVar[bool] = True  # the data holds targets; else the targets are the inputs
 
-    @abstractmethod
+    scalar_output: ClassVar[bool] = False  # the model's output is the batch's loss, no batch dimension
+
     def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         """Why a model with this output (shape after the batch) cannot be trained for this task;
         None when it can."""
+        if self.scalar_output and output.batched:
+            return f"its output '{output.name}' is {shape_text(output.shape)}, not a scalar loss"
+        if not self.scalar_output and not output.batched:
+            return f"its output '{output.name}' is a scalar (a loss the model computes itself: --task loss-in-model)"
+        return self._refuses(output, inputs)
+
+    @abstractmethod
+    def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+        """`refuses`, for an output batched as the task needs."""
+
+    def unlabelled(self, n: int) -> np.ndarray | None:
+        """What a split of `n` samples without labels holds as targets: None, the inputs
+        themselves (an autoencoder's); a task whose targets are labels has none to give."""
+        raise BadInput(f"{self.name} needs labels, and the data holds none")
 
     @abstractmethod
     def target(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> ModelInput:

@@ -32,7 +32,7 @@ class Classification(Task):
     description = "one class per sample: [batch, classes] logits, cross-entropy, accuracy"
     metric = ACCURACY
 
-    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+    def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         if len(output.shape) != 1 or not isinstance(output.shape[0], int) or output.shape[0] < 2:
             return f"its output '{output.name}' is {shape_text(output.shape)}, not logits [batch, classes] of 2 or more"
         return None

@@ -41,7 +41,7 @@ class Multilabel(Task):
     description = "several labels per sample: [batch, labels] logits, 0/1 targets, binary cross-entropy, micro F1"
     metric = METRICS["f1"]
 
-    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+    def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         if len(output.shape) != 1 or not isinstance(output.shape[0], int):
             return f"its output '{output.name}' is {shape_text(output.shape)}, not logits [batch, labels]"
         return None

@@ -40,7 +40,7 @@ class Regression(Task):
     description = "float targets: [batch] or [batch, k] outputs, mean squared error"
     metric = METRICS["mse"]
 
-    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+    def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         if not all(isinstance(d, int) for d in output.shape):
             return f"its output '{output.name}' {shape_text(output.shape)} has dynamic sizes"
         return None
@@ -84,7 +84,7 @@ class Reconstruction(Task):
     metric = METRICS["mse"]
     labelled = False
 
-    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+    def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         if len(inputs) != 1 or inputs[0].integer:
             return "it takes no single float input to reconstruct"
         if tuple(output.shape) != tuple(inputs[0].shape):
@@ -99,6 +99,9 @@ class Reconstruction(Task):
 
     def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
         raise BadInput(f"{where}: reconstruction trains without labels; the data's labels would be ignored (drop y)")
+
+    def unlabelled(self, n: int) -> np.ndarray | None:
+        return None
 
     def loss(self, g: LossGraph, outputs: Any, targets: Any) -> Any:
         return _mse(g, outputs, targets)

@@ -35,7 +35,7 @@ class TokenClassification(Task):
     description = "a class per token: [batch, length, classes] logits, -100 for padding, cross-entropy, token accuracy"
     metric = METRICS["token_accuracy"]
 
-    def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
+    def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         if len(output.shape) != 2 or not isinstance(output.shape[1], int):
             return f"its output '{output.name}' is {shape_text(output.shape)}, not logits [batch, length, classes]"
         return None

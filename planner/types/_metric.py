@@ -7,6 +7,7 @@ direction from the result itself and never assumes "higher accuracy".
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -59,6 +60,7 @@ METRICS: dict[str, Metric] = {
         Metric("token_accuracy", higher_is_better=True, bounded=True, short="tok acc"),
         Metric("mse", higher_is_better=False, bounded=False, short="mse"),
         Metric("perplexity", higher_is_better=False, bounded=False, short="ppl", floor=1.0),
+        Metric("loss", higher_is_better=False, bounded=False, short="loss", floor=-math.inf),
     )
 }
 

@@ -17,6 +17,8 @@ class ModelInput:
     name: str
     shape: tuple[int | str, ...]  # without the batch dimension; a str is a dynamic length (`sequence`)
     dtype: str = "float32"
+    # False: no batch dimension at all — an output that is the batch's scalar loss (`loss-in-model`)
+    batched: bool = True
 
     @property
     def integer(self) -> bool:
@@ -30,11 +32,12 @@ class ModelInput:
         return tuple(int(d) for d in self.shape)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, **({} if self.batched else {"batched": False})}
 
     @classmethod
     def from_json(cls, d: dict) -> ModelInput:
-        return cls(str(d["name"]), tuple(n if isinstance(n, str) else int(n) for n in d["shape"]), str(d["dtype"]))
+        shape = tuple(n if isinstance(n, str) else int(n) for n in d["shape"])
+        return cls(str(d["name"]), shape, str(d["dtype"]), bool(d.get("batched", True)))
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,15 @@ class StepSignature:
     # (what `recompute: auto` chose); empty when the step keeps every activation it needs
     kept: tuple[str, ...] = ()
     task: str = "classification"  # whose loss the step computes (`planner.tasks`)
-    output: tuple[int, ...] = ()  # one sample's output shape (a classifier's: `(n_classes,)`)
+    # one sample's output shape (None: a signature from before tasks, a classifier's `(n_classes,)`);
+    # `()` and not `batched_output`: the model's output is the batch's scalar loss
+    output: tuple[int, ...] | None = None
     target: ModelInput = ModelInput("labels", (), "int64")  # one sample's target, the step's last argument
+    batched_output: bool = True
 
     @property
     def output_shape(self) -> tuple[int, ...]:
-        return self.output or (self.n_classes,)
+        return self.output if self.output is not None else (self.n_classes,)
 
     def with_lr(self, lr: float) -> StepSignature:
         """The signature of the same step run with learning rate `lr` (its last optimizer state)."""
@@ -97,6 +103,7 @@ class StepSignature:
             kept=tuple(map(str, d.get("kept", ()))),
             task=str(d.get("task", "classification")),  # written before tasks: a classifier's
             output=tuple(int(n) for n in d.get("output", (d["n_classes"],))),
+            batched_output=bool(d.get("batched_output", True)),
             target=ModelInput.from_json(d["target"]) if "target" in d else ModelInput("labels", (), "int64"),
         )
 

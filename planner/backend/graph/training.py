@@ -111,6 +111,7 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
         kept=kept,
         task=model.task.name,
         output=model.output.static,
+        batched_output=model.output.batched,
         target=target,
     )
     return out, sig

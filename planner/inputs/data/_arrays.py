@@ -54,7 +54,6 @@ from planner.types import ModelInput
 if TYPE_CHECKING:
     from planner.inputs.data._text import Tokenization
 
-RECONSTRUCTION = TASKS["reconstruction"]
 CHUNK_BYTES = 8 << 20  # what a validation or unpacking pass holds at a time
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip member's local file header (30 bytes)
 
@@ -282,8 +281,12 @@ def load_arrays(
     found = arrays.keys() | found_ys.keys()
     xs: dict[str, list[tuple[_Array, int, int]]]  # split -> each input's (array, first row, end row)
     given = {f"{k}_{s}" for k in keys for s in ("train", "val")}
-    # data without labels is an autoencoder's, for a model that can be one (or told it is)
-    unlabelled = not found_ys and (RECONSTRUCTION.refuses(model.output, model.inputs) is None or requested is RECONSTRUCTION)
+    # data without labels is an autoencoder's, or a model's that computes its own loss: for a model
+    # that can be one (or is told it is)
+    unlabelled = not found_ys and any(
+        not t.labelled and (t is requested or (requested is None and t.refuses(model.output, model.inputs) is None))
+        for t in TASKS.values()
+    )
     if given | {"y_train", "y_val"} <= found or (given <= found and unlabelled):
         xs = {s: [(a, 0, a.shape[0] if a.shape else 0) for a in (arrays[f"{k}_{s}"] for k in keys)] for s in ("train", "val")}
         ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")} if found_ys else {}
@@ -326,7 +329,7 @@ def load_arrays(
                 if progress is not None:
                     progress(done, total)
             rows.append(_ArrayRows(array, start, stop, spec.dtype))
-        labels = _labels(path, s, len(rows[0]), ys[s], model.output, task) if ys else None
+        labels = _labels(path, s, len(rows[0]), ys[s], model.output, task) if ys else task.unlabelled(len(rows[0]))
         splits[s] = Split(rows[0] if len(rows) == 1 else _InputRows(rows), labels)
     check_train_labels(path, splits["train"], splits["val"], task)
     return Dataset(

@@ -1,7 +1,8 @@
 """ONNX operators written as other ONNX operators, where TVM would import them without a gradient.
 
 TVM's ONNX frontend lowers a padding, a tile, an einsum or a resize straight to TIR kernels of its
-own (`call_tir`), which Relax's gradient pass cannot see through, and it imports `Celu` not at all.
+own (`call_tir`), which Relax's gradient pass cannot see through, and it imports `Celu` and the losses a model computing its own loss holds (`SoftmaxCrossEntropyLoss`,
+`NegativeLogLikelihoodLoss`) not at all.
 Each is rewritten here into operators whose gradients planner has and proves (slices and
 concatenations, broadcasts, matrix products, gathers), before TVM reads the graph: once, for every
 later stage — the layer table judges what TVM will see, and the operator table's finite-difference
@@ -21,6 +22,7 @@ import numpy as np
 import onnx
 
 from planner.inputs.decompose._einsum import einsum
+from planner.inputs.decompose._losses import negative_log_likelihood, softmax_cross_entropy
 from planner.inputs.decompose._resize import resize
 from planner.inputs.decompose._shapes import auto_pad, celu, cumsum, dropout, hyperbolic, pad, power, tile, topk
 from planner.inputs.decompose._writer import Context, Shapes, Writer
@@ -40,6 +42,8 @@ _REWRITES: dict[str, Callable[[onnx.NodeProto, Context, Writer], bool]] = {
     "Dropout": dropout,
     "Resize": resize,
     "Einsum": einsum,
+    "SoftmaxCrossEntropyLoss": softmax_cross_entropy,
+    "NegativeLogLikelihoodLoss": negative_log_likelihood,
 }
 
 

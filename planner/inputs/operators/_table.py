@@ -48,6 +48,13 @@ def _resize_unsupported(node: Node) -> bool:
     )
 
 
+def _weighted(node: Node) -> bool:
+    return len(node.proto.input) > 2 and bool(node.proto.input[2])
+
+
+_WEIGHTED = Form(Support.REFUSED, "class weights", "planner writes these losses without class weights", _weighted)
+
+
 # --- the table --------------------------------------------------------------------------------
 
 
@@ -118,6 +125,13 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _t("Shrink", "`nn.Hardshrink`, `nn.Softshrink`"),
         _t("Softmax", "`nn.Softmax`, attention"),
         _t("LogSoftmax", "`nn.LogSoftmax`"),
+        _t(
+            "SoftmaxCrossEntropyLoss",
+            "`F.cross_entropy` inside a model that computes its own loss (written as LogSoftmax and a one-hot sum)",
+            grads=(0,),
+            forms=(_WEIGHTED,),
+        ),
+        _t("NegativeLogLikelihoodLoss", "`F.nll_loss` inside a model that computes its own loss", grads=(0,), forms=(_WEIGHTED,)),
         _f("Hardmax", "`F.one_hot(x.argmax())`-like selections", _STEP),
     ),
     "Normalization": (
