@@ -168,7 +168,7 @@ def test_copies_nothing_ties_are_said_by_inspect(tmp_path):
     assert res.returncode == 0, res.stderr
     assert {frozenset(g) for g in json.loads(res.stdout)["copies"]} == copies
     res = planner("inspect", str(tmp_path / "albert.onnx"))
-    assert res.returncode == 0 and "hold equal values and nothing in the file ties them" in res.stdout, res.stdout[-500:]
+    assert res.returncode == 0 and "and nothing in the file ties them" in res.stdout, res.stdout[-500:]
 
 
 def test_parameter_map_refuses_two_initializers_of_one_tensor(tmp_path):

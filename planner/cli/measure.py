@@ -133,7 +133,15 @@ def inspect(
         copies = [list(group) for group in m.copies]
         print(
             json.dumps(
-                {"model": str(m.path), "sha256": m.sha256, "inputs": described, "layers": rows, "copies": copies}, indent=2
+                {
+                    "model": str(m.path),
+                    "sha256": m.sha256,
+                    "inputs": described,
+                    "output": m.output.to_json(),
+                    "layers": rows,
+                    "copies": copies,
+                },
+                indent=2,
             )
         )
         return
@@ -141,7 +149,9 @@ def inspect(
         f"{i.name} [batch, {', '.join(map(str, i.shape))}]{'' if i.dtype == 'float32' else ' ' + i.dtype}" for i in m.inputs
     )
     # escaped: rich reads `[batch, 3, 32, 32]` (or a bracket in a name) as markup and drops it
-    table = Table(title=escape(f"{m.path.name}: input{'s' if len(m.inputs) > 1 else ''} {inputs}, {m.n_classes} classes"))
+    out = m.output
+    output = f"output {out.name} " + (f"[batch, {', '.join(map(str, out.shape))}]" if out.batched else "a scalar loss")
+    table = Table(title=escape(f"{m.path.name}: input{'s' if len(m.inputs) > 1 else ''} {inputs}; {output}"))
     # a layer's name is what schemes and spaces refer to: shown whole, never cut
     table.add_column("layer", no_wrap=True, min_width=max((len(r["layer"]) for r in rows), default=5))
     for col in ("op", "parameters", "bytes", "output", "trainable"):
@@ -153,7 +163,8 @@ def inspect(
     stdout.print(table)
     for group in m.copies:  # what planner cannot tie is said, not silently trained apart
         stdout.print(
-            f"note: {', '.join(group)} hold equal values and nothing in the file ties them; if they are one PyTorch "
+            f"note: {', '.join(group)} hold equal values (or one the other's transpose) and nothing in the file ties them; "
+            "if they are one PyTorch "
             "parameter written once per use, planner trains them apart (export with dynamo=False to keep it one tensor)",
             markup=False,
             highlight=False,
