@@ -23,7 +23,7 @@ import yaml
 
 import planner
 from planner.errors import NoFeasiblePlan
-from planner.search.records import to_record
+from planner.search.records import records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
         )
     except NoFeasiblePlan:
         study = optuna.load_study(study_name="planner", storage=f"sqlite:///{(out / 'plan' / 'study.db').resolve()}")
-        done = sorted((to_record(t) for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.memory.total)
+        done = sorted((t for t in records(study) if t.complete), key=lambda t: t.memory.total)
         print(
             f"no plan under {full_peak // 8 / 2**20:.2f} MiB (1/8 of full update {full_peak / 2**20:.2f} MiB) in "
             f"{len(done)} trials; the leanest:"

@@ -54,3 +54,23 @@ def test_every_package_of_planner_is_in_the_wheel():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "planner").rglob("__init__.py")}
     assert found - listed == set(), "add them to [tool.setuptools] packages"
+
+
+def test_every_name_a_benchmark_takes_from_planner_exists():
+    """benchmarks/ are scripts no test runs end to end (they take minutes to hours): each name they
+    import from planner must still be there, so a moved or renamed function breaks here, not in
+    the next person's benchmark run."""
+    import ast
+    import importlib
+
+    missing = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "planner":
+                module = importlib.import_module(node.module)
+                missing += [
+                    f"{script.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None
+                ]
+    assert missing == [], missing
