@@ -53,7 +53,9 @@ def autoencoder(path: Path) -> Path:
     torch.manual_seed(0)
     model = ToyAdmos().eval()
     x = torch.zeros(2, 640)
-    torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}})
+    torch.onnx.export(
+        model, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}}
+    )
     return path
 
 
