@@ -10,8 +10,8 @@ dynamo=False)`. Its dataset cannot be downloaded here, so a stand-in: "normal" f
 are a random 6-dimensional subspace of the 640 values plus a little noise, machine B's the same
 subspace turned a little, louder by 20 %. The model is pretrained in full on machine A on this
 host (`planner measure` a full scheme, then `planner run`), then `planner plan --target
-cortex-m4-qemu --budgets 256KiB,512KiB` fine-tunes it for machine B on its normal frames only
-(`reconstruction`: no labels; every candidate built as firmware, its SRAM read from the linked
+cortex-m4-qemu --space sparse-update --budgets 256KiB,512KiB` fine-tunes it for machine B on its normal frames only
+(`reconstruction`: no labels; the `sparse-update` space; every candidate built as firmware, its SRAM read from the linked
 ELF, its step's instructions counted on qemu's Cortex-M4). Prints per budget the plan chosen,
 its SRAM, its instructions per step and its val MSE before and after.
 """
@@ -91,6 +91,7 @@ def main() -> None:
         data=target,
         target=TARGET,
         budgets=BUDGETS,
+        space="sparse-update",
         trials=args.trials,
         accuracy_steps=args.steps,
         out=out / "plan",
@@ -104,7 +105,7 @@ def main() -> None:
             continue
         p = json.loads((plan_dir / "plan.json").read_text())
         m = p["metrics"]
-        trains = ", ".join(f"{t['layer']}:{t['update_mode']}" for t in p["choice"]["trainable"])
+        trains = ", ".join(f"{t['layer']}:{t['mode']}" for t in p["choice"]["trainable"])
         print(
             f"| {budget.budget_bytes // 1024} KiB | {trains} (batch {p['choice']['batch_size']}) | "
             f"{m['peak_memory_bytes']['total'] / 1024:.1f} KiB | {m['step_latency_ms']['median'] * 25e3:,.0f} | "

@@ -181,6 +181,29 @@ class EncoderClassifier(nn.Module):
         return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
 
 
+def small_config(kind: str, **common):
+    """A Hugging Face config of `kind` (bert, gpt2, llama) from small sizes: width 32, 2 layers of 2
+    heads, feed-forward 64, 16 positions; `common` beside them (vocabulary, labels, padding id)."""
+    _torchvision_models()  # transformers imports torchvision: its C-op registrations stubbed first
+    import transformers
+
+    if kind == "bert":
+        return transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=16, **common
+        )
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, **common)
+    return transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        **common,
+    )
+
+
 class SequenceClassifier(nn.Module):
     """A Hugging Face `*ForSequenceClassification` model built from a small config (random
     weights, nothing downloaded), called as exported models are: `(input_ids, attention_mask)`
@@ -192,17 +215,7 @@ class SequenceClassifier(nn.Module):
         import transformers
 
         common = dict(vocab_size=64, num_labels=NUM_CLASSES, pad_token_id=0)
-        if kind == "bert":
-            config = transformers.BertConfig(
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                intermediate_size=64,
-                max_position_embeddings=16,
-                **common,
-            )
-            self.model = transformers.BertForSequenceClassification(config)
-        elif kind == "albert":
+        if kind == "albert":
             # three layers sharing one layer group: every layer reads the same weights. Exact GELU
             # (ALBERT's default is tanh-GELU, "gelu_new"), so the check is about the sharing alone:
             # tanh-GELU has a family of its own (gelu_decoder)
@@ -219,20 +232,13 @@ class SequenceClassifier(nn.Module):
                 **common,
             )
             self.model = transformers.AlbertForSequenceClassification(config)
-        elif kind == "gpt2":
-            config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, **common)
-            self.model = transformers.GPT2ForSequenceClassification(config)
         else:
-            config = transformers.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=16,
-                **common,
-            )
-            self.model = transformers.LlamaForSequenceClassification(config)
+            kinds = {
+                "bert": transformers.BertForSequenceClassification,
+                "gpt2": transformers.GPT2ForSequenceClassification,
+                "llama": transformers.LlamaForSequenceClassification,
+            }
+            self.model = kinds[kind](small_config(kind, **common))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -619,20 +625,11 @@ class BertTagger(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        _torchvision_models()
         import transformers
 
-        config = transformers.BertConfig(
-            vocab_size=64,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=16,
-            num_labels=NUM_CLASSES,
-            pad_token_id=0,
+        self.model = transformers.BertForTokenClassification(
+            small_config("bert", vocab_size=64, num_labels=NUM_CLASSES, pad_token_id=0)
         )
-        self.model = transformers.BertForTokenClassification(config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -645,25 +642,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, kind: str) -> None:
         super().__init__()
-        _torchvision_models()
+        config = small_config(kind, vocab_size=64, pad_token_id=0, tie_word_embeddings=True)
         import transformers
 
-        common = dict(vocab_size=64, pad_token_id=0, tie_word_embeddings=True)
-        if kind == "gpt2":
-            self.model = transformers.GPT2LMHeadModel(
-                transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, **common)
-            )
-        else:
-            config = transformers.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=16,
-                **common,
-            )
-            self.model = transformers.LlamaForCausalLM(config)
+        self.model = (transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM)(config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
