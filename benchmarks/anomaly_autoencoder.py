@@ -10,8 +10,8 @@ dynamo=False)`. Its dataset cannot be downloaded here, so a stand-in: "normal" f
 are a random 6-dimensional subspace of the 640 values plus a little noise, machine B's the same
 subspace turned a little, louder by 20 %. The model is pretrained in full on machine A on this
 host (`planner measure` a full scheme, then `planner run`), then `planner plan --target
-cortex-m4-qemu --space sparse-update --budgets 256KiB,512KiB` fine-tunes it for machine B on its normal frames only
-(`reconstruction`: no labels; the `sparse-update` space; every candidate built as firmware, its SRAM read from the linked
+cortex-m4-qemu --budgets 256KiB,512KiB` fine-tunes it for machine B on its normal frames only
+(`reconstruction`: no labels; the default space; every candidate built as firmware, its SRAM read from the linked
 ELF, its step's instructions counted on qemu's Cortex-M4). Prints per budget the plan chosen,
 its SRAM, its instructions per step and its val MSE before and after.
 """
@@ -91,7 +91,6 @@ def main() -> None:
         data=target,
         target=TARGET,
         budgets=BUDGETS,
-        space="sparse-update",
         trials=args.trials,
         accuracy_steps=args.steps,
         out=out / "plan",
