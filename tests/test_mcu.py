@@ -33,7 +33,7 @@ from planner.measurement.qemu import QemuSession
 from planner.runtime.session import TrainingSession, example_batch
 from planner.search.evaluate import EvalSettings, Evaluator
 from planner.types import Candidate, TrialRecord, TrialResult, TrialState
-from processes import planner
+from processes import PLANNED, planner
 
 DIGITS = shipped("examples") / "digits"
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_a_plan_for_an_emulated_board_reproduces_its_accuracy_when_run_there(tmp
     done = subprocess.run(
         [*cli, "plan", "--target", "cortex-m4-qemu", "--out", str(out), "--trials", "2", "--accuracy-steps", steps], **common
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode in PLANNED, done.stderr  # what is reproduced, not whether 40 steps learned
     plan = json.loads((out / "plan.json").read_text())
     assert plan["step"]["kind"] == "c-firmware" and plan["target"]["device"] == "qemu:mps2-an386"
     assert "instructions per step" in plan["measurement"]["latency"]

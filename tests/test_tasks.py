@@ -246,7 +246,7 @@ def test_each_task_plans_runs_and_reports_in_its_metric(family, tmp_path):
     task = tf.TASK_FAMILIES[family].task
     np.savez(tmp_path / "data.npz", **_learnable(family, 160))
     done = planner(
-        "plan", "--model", path, "--data", tmp_path / "data.npz", "--out", tmp_path / "plan", "--trials", "3",
+        "plan", "--model", path, "--data", tmp_path / "data.npz", "--out", tmp_path / "plan", "--trials", "2",
         "--accuracy-steps", "60", "--seed", "1",
     )  # fmt: skip
     assert done.returncode in PLANNED, done.stderr
@@ -275,7 +275,7 @@ def test_a_decoder_fine_tunes_on_a_text_corpus_by_next_token(tmp_path):
     tok = word_tokenizer(tmp_path / "tok.json", SENTENCES, pad=None)
     corpus = _corpus(tmp_path / "notes.txt", 400)
     done = planner(
-        "plan", "--model", path, "--data", corpus, "--tokenizer", tok, "--out", tmp_path / "plan", "--trials", "3",
+        "plan", "--model", path, "--data", corpus, "--tokenizer", tok, "--out", tmp_path / "plan", "--trials", "2",
         "--accuracy-steps", "60", "--seed", "1",
     )  # fmt: skip
     assert done.returncode in PLANNED, done.stderr
