@@ -156,3 +156,29 @@ def test_in_place_updates_train_exactly_like_copies_in_less_memory(tiny_model, o
         np.testing.assert_array_equal(runs["in-place"][1][name], w, err_msg=name)
     for a, b in zip(runs["copy"][2], runs["in-place"][2], strict=True):
         np.testing.assert_array_equal(b, a)
+
+
+def test_training_graphs_built_in_several_threads_at_once_are_each_whole(tiny_model):
+    """A search builds in several threads (trials on parallel boards; a memory estimate beside a
+    compile), and Relax's block builder is one per process: each build, and the model's import
+    inside it, must hold it alone — or one breaks the other, and a candidate is blamed for it."""
+    import threading
+
+    from planner.backend.graph.training import build_training_module
+
+    model, failures = load_model(tiny_model), []
+
+    def build(batch: int) -> None:
+        for k in range(3):  # a new batch each time: each imports the model afresh
+            candidate = Candidate(trainable=(("fc", "full"),), batch_size=batch + k, optimizer="adam", lr=0.01)
+            try:
+                build_training_module(model, candidate)
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                failures.append(f"batch {batch + k}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=build, args=(b,)) for b in (3, 11, 19)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []

@@ -194,11 +194,13 @@ def run_study(
         )
         with pipeline.attach(storage_of(study)) if pipeline is not None else contextlib.nullcontext():
             _in_threads(run_one, n_jobs, remaining, more, halt)
-    if halt.error is not None:
-        raise type(halt.error)(
-            f"{first_line(halt.error)}; the trial was queued again and the study holds {_finished(study)} finished "
-            "trials: rerun the same command once that is fixed"
+    if halt.error is not None:  # the same error (its type, its exit code), saying what became of the study
+        error = halt.error
+        error.args = (
+            f"{first_line(error)}; the trial was queued again and the study holds {_finished(study)} finished "
+            "trials: rerun the same command once that is fixed",
         )
+        raise error
     if halt.hard:
         raise KeyboardInterrupt
     return records(study)

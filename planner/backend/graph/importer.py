@@ -50,6 +50,12 @@ class Imported:
 _IMPORTED: OrderedDict[tuple[str, int], Imported] = OrderedDict()
 _IMPORTS_KEPT = 16
 _IMPORTED_LOCK = threading.Lock()  # builds run in several threads
+# Relax's Python block builder keeps one "current" builder per process, which every function built
+# with `with bb.function(...)` sets: TVM's ONNX frontend, a task's loss, planner's own functions.
+# Two trials building at once (parallel boards; a memory estimate beside a compile) broke each other
+# ("BlockBuilder.current() must be self", an assertion in the frontend) and a candidate was blamed.
+# Every such build holds this lock (re-entrant: a step's build imports its model inside it).
+BUILDING = threading.RLock()
 _CHECK_BATCH = 2  # the batch `check_importable` imports at: the ops TVM must read are the same at any batch
 
 
@@ -66,23 +72,24 @@ def imported(model: Model, batch: int) -> Imported:
     once per model and batch while it is among the last `_IMPORTS_KEPT` used (shapes are folded for
     the batch, see `planner.fixups`)."""
     key = (model.key, batch)
-    with _IMPORTED_LOCK:
-        if key in _IMPORTED:
-            _IMPORTED.move_to_end(key)
-            return _IMPORTED[key]
-    try:
-        result = to_relax(model.import_proto(batch))
-    except _FrontendError as exc:  # every operator of the model is one the operator table accepts
-        raise PlannerBug(
-            f"TVM could not import {model.path.name}, whose every operator the operator table accepts", str(exc)
-        ) from None
-    expected = len(model.inputs) + len(model.initializers)
-    if len(result.func.params) != expected:  # the frontend keeps initializers in graph order
-        raise CandidateFailed(f"ONNX import produced {len(result.func.params)} parameters, expected {expected}")
-    with _IMPORTED_LOCK:
-        _IMPORTED[key] = result
-        if len(_IMPORTED) > _IMPORTS_KEPT:
-            _IMPORTED.popitem(last=False)
+    with BUILDING:
+        with _IMPORTED_LOCK:
+            if key in _IMPORTED:
+                _IMPORTED.move_to_end(key)
+                return _IMPORTED[key]
+        try:
+            result = to_relax(model.import_proto(batch))
+        except _FrontendError as exc:  # every operator of the model is one the operator table accepts
+            raise PlannerBug(
+                f"TVM could not import {model.path.name}, whose every operator the operator table accepts", str(exc)
+            ) from None
+        expected = len(model.inputs) + len(model.initializers)
+        if len(result.func.params) != expected:  # the frontend keeps initializers in graph order
+            raise CandidateFailed(f"ONNX import produced {len(result.func.params)} parameters, expected {expected}")
+        with _IMPORTED_LOCK:
+            _IMPORTED[key] = result
+            if len(_IMPORTED) > _IMPORTS_KEPT:
+                _IMPORTED.popitem(last=False)
     return result
 
 

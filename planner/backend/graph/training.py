@@ -26,7 +26,7 @@ from tvm.relax.training import SetupTrainer
 from planner.backend.graph import gradients as grads
 from planner.backend.graph import recompute
 from planner.backend.graph.bands import banded
-from planner.backend.graph.importer import imported
+from planner.backend.graph.importer import BUILDING, imported
 from planner.backend.graph.tir import accumulate_kernel, scale_kernel
 from planner.backend.graph.trainer import TaskLoss, fill, low_precision, make_optimizer, runtime_lr, update_lr
 from planner.backend.graph.weights import as_stored, stored_weights
@@ -37,11 +37,16 @@ from planner.runtime.weights import origin
 from planner.types import Candidate, Recompute, StepSignature
 
 
-@grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix
 def build_training_module(model: Model, candidate: Candidate, *, bands: bool = False) -> tuple[tvm.IRModule, StepSignature]:
     """The candidate's training module (unlegalized) and the signature of its step; with `bands`,
     its frozen first layers computed in row bands where that lowers its peak (`backend.bands`:
-    for a microcontroller's SRAM)."""
+    for a microcontroller's SRAM). One build at a time in a process (`importer.BUILDING`)."""
+    with BUILDING:
+        return _build(model, candidate, bands)
+
+
+@grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix
+def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModule, StepSignature]:
     how = stored_weights(model, candidate)
     frozen, trainable = how.frozen, how.trainable
     if not trainable:
