@@ -116,6 +116,15 @@ def test_labels_that_do_not_fit_the_task_are_one_line(tmp_path, out_shape, y, ta
     assert "\n" not in str(caught.value)
 
 
+def test_a_model_bound_to_its_task_keeps_the_weights_it_read(tmp_path):
+    """Binding a task (or a length) copies the model description, not its weights: those already
+    read are the copy's, not read from the graph again."""
+    model = load_model(_linear(tmp_path / "m.onnx", 4, (3,)))
+    weights = model.initializers
+    bound = model.with_task(TASKS["regression"])
+    assert bound.task.name == "regression" and bound.initializers is weights
+
+
 def test_per_token_labels_make_a_tagger_and_padding_is_ignored(tmp_path):
     """Labels [N, length] for a [batch, length, classes] output: token classification, -100 kept
     (the loss and the metric skip it), any other label out of the classes refused."""
@@ -286,3 +295,54 @@ def test_a_decoder_fine_tunes_on_a_text_corpus_by_next_token(tmp_path):
     ran = planner("run", tmp_path / "plan", "--steps", "10", "--out", tmp_path / "ran")
     assert ran.returncode == 0, ran.stderr
     assert "perplexity " in ran.stdout
+
+
+HEADS = [
+    pytest.param(family, exporter, recompute, id=f"{family}-{exporter}-{recompute}", marks=pytest.mark.slow)
+    for family, exporter, recompute in (
+        ("gpt2_lm", "legacy", "none"),
+        ("gpt2_lm", "dynamo", "auto"),
+        ("llama_lm", "legacy", "auto"),
+        ("llama_lm", "dynamo", "none"),
+        ("bert_tagger", "legacy", "none"),
+        ("bert_tagger", "dynamo", "none"),
+    )
+]
+
+
+@pytest.mark.parametrize("family, exporter, recompute", HEADS)
+def test_a_head_in_chunks_of_tokens_trains_like_pytorch_and_never_holds_the_logits(
+    family, exporter, recompute, monkeypatch, tmp_path
+):
+    """A token cross-entropy whose logits are over `head.CHUNK_BYTES` is computed a chunk of
+    tokens at a time (here 8 of the batch's 24, so three chunks; a tagger's 10 classes leave a
+    row shorter than one vector, the decoders' 64 are whole vectors): no tensor of the step holds
+    every token's logits, and one SGD step of every layer — the decoders' LM heads tied to their
+    embeddings, the tagger's with its bias — is PyTorch's float64 autograd step, with activations
+    recomputed or not."""
+    from test_pytorch_families import BATCH
+    from tvm import relax
+
+    from planner.backend.graph import head
+    from planner.backend.lower import pipeline
+    from planner.runtime.convention import STEP_FUNC
+    from planner.types import Candidate
+
+    model = api.inspect(path := tf.export(family, exporter)).with_task(TASKS[tf.TASK_FAMILIES[family].task])
+    length, vocab = (int(d) for d in model.output.shape)
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path))  # the chunk size is no part of a build's cache key
+    monkeypatch.setattr(head, "CHUNK_BYTES", 8 * vocab * 4)
+    monkeypatch.setattr(pipeline, "_GRAPHS", type(pipeline._GRAPHS)())  # nor of the graphs a process keeps
+    layers = tuple((layer.name, "full") for layer in model.layers)
+    mod, _ = pipeline.training_module(model, Candidate(layers, BATCH, "sgd", 0.1, recompute=recompute))
+    whole = {(BATCH, length, vocab), (BATCH * length, vocab)}
+    shapes = {
+        tuple(int(d) for d in b.var.ty.shape)
+        for block in mod[STEP_FUNC].body.blocks
+        for b in block.bindings
+        if isinstance(b.var.ty, relax.TensorType) and b.var.ty.shape is not None
+    }
+    assert (8, vocab) in shapes
+    if family != "llama_lm":  # (this Llama's MLP is as wide as its vocabulary: [2, 12, 64] is its up-projection)
+        assert not shapes & whole, shapes & whole
+    _check_one_step(family, path, recompute=recompute)

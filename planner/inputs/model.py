@@ -73,7 +73,7 @@ class Model:
         """The model trained for `task` (BadInput when its output cannot be)."""
         if (why := task.refuses(self.output, self.inputs)) is not None:
             raise BadInput(f"{self.path.name} cannot be trained for {task.name}: {why}")
-        return replace(self, task=task)
+        return self._replaced(task=task)
 
     @property
     def unbound(self) -> tuple[str, ...]:
@@ -105,7 +105,16 @@ class Model:
             replace(i, shape=tuple(bound.get(d, d) if isinstance(d, str) else d for d in i.shape)) for i in self.inputs
         )
         output = replace(self.output, shape=tuple(bound.get(d, d) if isinstance(d, str) else d for d in self.output.shape))
-        return replace(self, inputs=inputs, output=output, lengths={**self.lengths, **bound})
+        return self._replaced(inputs=inputs, output=output, lengths={**self.lengths, **bound})
+
+    def _replaced(self, **changes) -> Model:
+        """`replace(self, **changes)` keeping the initializers already read: neither the graph nor
+        its parameter list changes, and reading them again was a second conversion of every
+        weight (a 124M decoder's 0.5 GB) each time the data bound a task or a length."""
+        copy = replace(self, **changes)
+        if "initializers" in self.__dict__:
+            copy.__dict__["initializers"] = self.__dict__["initializers"]
+        return copy
 
     @cached_property
     def initializers(self) -> dict[str, np.ndarray]:

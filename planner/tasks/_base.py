@@ -53,6 +53,10 @@ class Task(ABC):
     labelled: ClassVar[bool] = True  # the data holds targets; else the targets are the inputs
 
     scalar_output: ClassVar[bool] = False  # the model's output is the batch's loss, no batch dimension
+    # The loss is the mean softmax cross-entropy over the last axis of every row whose target is not
+    # IGNORE_INDEX: a back end may then compute the last projection and the loss in chunks of rows
+    # (a language model's [batch, length, vocabulary] logits never whole).
+    token_cross_entropy: ClassVar[bool] = False
 
     def refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         """Why a model with this output (shape after the batch) cannot be trained for this task;

@@ -34,6 +34,7 @@ class TokenClassification(Task):
     name = "token-classification"
     description = "a class per token: [batch, length, classes] logits, -100 for padding, cross-entropy, token accuracy"
     metric = METRICS["token_accuracy"]
+    token_cross_entropy = True
 
     def _refuses(self, output: ModelInput, inputs: tuple[ModelInput, ...]) -> str | None:
         if len(output.shape) != 2 or not isinstance(output.shape[1], int):

@@ -13,6 +13,7 @@ from tvm import relax
 from tvm.relax.training.loss import Loss
 from tvm.relax.training.optimizer import SGD, Adam, MomentumSGD, Optimizer
 
+from planner.backend.graph.head import Head, cross_entropy
 from planner.errors import CandidateFailed
 from planner.tasks import Task
 from planner.types import Candidate, Precision
@@ -92,24 +93,38 @@ class _Graph:
 
 class TaskLoss(Loss):
     """The task's mean loss (`planner.tasks.Task.loss`) times a constant: static loss scaling for
-    fp16 training."""
+    fp16 training. With a `head` and its `chunk`, the backbone gives the head's input and weight
+    (`head.Head.outputs`) and the loss is its token cross-entropy in chunks (`head.cross_entropy`)."""
 
-    def __init__(self, task: Task, scale: float) -> None:
-        super().__init__("loss", 1, "mean")
-        self.task, self.scale = task, scale
+    def __init__(self, task: Task, scale: float, head: Head | None = None, chunk: int = 0) -> None:
+        super().__init__("loss", 1 if head is None else len(head.outputs), "mean")
+        self.task, self.scale, self.head, self.chunk = task, scale, head, chunk
+        self.kernels: dict[relax.GlobalVar, tvm.tirx.PrimFunc] = {}  # what the loss calls: `with_kernels` adds them
 
-    def __call__(self, predictions: relax.TensorType, targets: relax.TensorType) -> relax.Function:
+    def __call__(self, *types: relax.TensorType) -> relax.Function:
         bb = relax.BlockBuilder()
-        outputs, labels = relax.Var("predictions", predictions), relax.Var("targets", targets)
-        with bb.function(self._loss_name, [outputs, labels]):
+        values = [relax.Var(f"predictions{i}", t) for i, t in enumerate(types[:-1])]
+        labels = relax.Var("targets", types[-1])
+        with bb.function(self._loss_name, [*values, labels]):
             with bb.dataflow():
-                floats = outputs if predictions.dtype == "float32" else bb.emit(relax.op.astype(outputs, "float32"))
-                loss = self.task.loss(_Graph(bb), floats, labels)
-                if self.scale != 1.0:
-                    loss = bb.emit(loss * relax.const(self.scale, "float32"))
+                if self.head is not None:
+                    scale = relax.const(self.scale, "float32")
+                    loss = cross_entropy(bb, self.head, values, labels, self.chunk, scale, self.kernels)
+                else:
+                    (outputs,) = values
+                    floats = outputs if types[0].dtype == "float32" else bb.emit(relax.op.astype(outputs, "float32"))
+                    loss = self.task.loss(_Graph(bb), floats, labels)
+                    if self.scale != 1.0:
+                        loss = bb.emit(loss * relax.const(self.scale, "float32"))
                 out = bb.emit_output(loss)
             bb.emit_func_output(out)
         return bb.get()[self._loss_name]
+
+    def with_kernels(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """`mod`, which holds this loss, with the kernels the loss calls."""
+        for gv, kernel in self.kernels.items():
+            mod[gv] = kernel
+        return mod
 
 
 class _Adam(Adam):

@@ -23,8 +23,8 @@ import tvm
 from tvm import relax
 from tvm.relax.training import SetupTrainer
 
+from planner.backend.graph import adapters, head, recompute
 from planner.backend.graph import gradients as grads
-from planner.backend.graph import recompute
 from planner.backend.graph.bands import banded
 from planner.backend.graph.importer import BUILDING, imported
 from planner.backend.graph.tir import accumulate_kernel, scale_kernel
@@ -61,6 +61,7 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
     names = list(model.initializers)
     if how.layouts or how.quantized:
         func, names = as_stored(func, n_inputs, names, how)
+        func = adapters.factored(func)
     xs, pvars = func.params[:n_inputs], func.params[n_inputs:]
     by_name = dict(zip(names, pvars))
     params = [*xs] + [by_name[n] for n in frozen] + [by_name[n] for n in trainable]
@@ -78,12 +79,16 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
     prefix, differentiated = _frozen_prefix(full, n_inputs, len(trainable))
 
     def differentiate(func: relax.Function) -> tvm.IRModule:
+        func, loss = _with_loss(func, model, loss_scale, len(trainable))
         try:
-            return SetupTrainer(TaskLoss(model.task, loss_scale), optimizer, [full.ret_ty, labels], legalize=False)(
+            trainer = SetupTrainer(loss, optimizer, [*_types(func.ret_ty), labels], legalize=False)(
                 source.with_kernels({PREDICT_FUNC: func}, backbone.attrs)
             )
         except Exception as exc:  # every op of the model is one the operator table says trains or runs frozen
             raise PlannerBug("the gradient of a model the operator table accepts could not be built", last_line(exc)) from None
+        if loss.head is not None:
+            trainer["backbone_loss_adjoint"] = head.unmarked(trainer["backbone_loss_adjoint"])
+        return loss.with_kernels(trainer)
 
     kept: tuple[str, ...] = ()
     n_leading = n_inputs if prefix is None else len(prefix.ret_ty.fields)  # the differentiated part's non-weight inputs
@@ -120,6 +125,26 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
         target=target,
     )
     return out, sig
+
+
+def _with_loss(func: relax.Function, model: Model, scale: float, n_trainable: int) -> tuple[relax.Function, TaskLoss]:
+    """`func` and the loss it trains with: the task's, or — for a token cross-entropy whose
+    logits are over `head.CHUNK_BYTES` and come from a projection — `func` giving the
+    projection's input and weight instead, and the loss computing them in chunks
+    (`planner.backend.graph.head`)."""
+    chunk = head.rows(func) if model.task.token_cross_entropy else None
+    found = head.find(func, n_trainable) if chunk is not None else None
+    if chunk is None or found is None:
+        return func, TaskLoss(model.task, scale)
+    params = [relax.Var(v.name, v.ty) for v in func.params]
+    mapping = dict(zip(func.params, params))
+    split = _function(PREDICT_FUNC, params, list(func.body.blocks[0].bindings), relax.Tuple(found.outputs), mapping, several=True)
+    split = relax.analysis.remove_all_unused(split)  # the logits
+    return split.with_attr("global_symbol", PREDICT_FUNC), TaskLoss(model.task, scale, found, chunk)
+
+
+def _types(ty: relax.Type) -> list[relax.Type]:
+    return list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
 
 
 def inference_form(mod: tvm.IRModule) -> tvm.IRModule:
@@ -242,12 +267,14 @@ def _function(
     kept: frozenset = frozenset(),
     ended: frozenset = frozenset(),
     numbered: str | None = None,
+    several: bool = False,
 ) -> relax.Function:
     """A dataflow function of `params` that re-emits `bindings` and returns `output`, the old
     variables of the params (and of each binding) replaced through `mapping`. Old variables in
     `kept` (params or bindings) are marked `start_checkpoint`, those in `ended` (bindings)
     `end_checkpoint`, and read through the mark (see `planner.backend.graph.recompute`); with
-    `numbered`, the i-th binding is named `{numbered}{i}`."""
+    `numbered`, the i-th binding is named `{numbered}{i}`; with `several`, `output` is a tuple whose
+    fields are each an output."""
 
     def mark(old: relax.Var, new: relax.Expr) -> relax.Expr:
         if old in ended:
@@ -262,7 +289,10 @@ def _function(
             for i, binding in enumerate(bindings):
                 var_name = binding.var.name if numbered is None else f"{numbered}{i}"
                 mapping[binding.var] = mark(binding.var, bb.emit(_Renamed(mapping).visit_expr(binding.value), var_name))
-            out = bb.emit_output(_Renamed(mapping).visit_expr(output))
+            if several:  # a backbone's outputs, as AppendLoss reads them: a tuple of outputs, not an output tuple
+                out = relax.Tuple([bb.emit_output(_Renamed(mapping).visit_expr(f)) for f in output.fields])
+            else:
+                out = bb.emit_output(_Renamed(mapping).visit_expr(output))
         bb.emit_func_output(out)
     return bb.get()[name]
 

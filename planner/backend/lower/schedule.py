@@ -34,7 +34,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
 
-from planner.backend.lower.fast_math import _vector_erf, _vector_exp
+from planner.backend.lower.fast_math import _vector_erf_tanh, _vector_exp
 from planner.backend.lower.kernels import TAPS_STRIDES
 from planner.backend.lower.schedule_plans import (
     Block,
@@ -269,7 +269,7 @@ _RULE = DefaultCPU()  # one per process, so its memo serves every compile
 
 def default_schedule() -> tvm.transform.Pass:
     """Schedules every kernel not scheduled yet with `DefaultCPU`, its `erf`s made vectorisable
-    first and the `exp`s it vectorises after (`_vector_erf`, `_vector_exp`)."""
-    erf = tirx.transform.prim_func_pass(_vector_erf, opt_level=0, name="planner.VectorErf")
+    first and the `exp`s it vectorises after (`_vector_erf_tanh`, `_vector_exp`)."""
+    erf = tirx.transform.prim_func_pass(_vector_erf_tanh, opt_level=0, name="planner.VectorErfTanh")
     exp = tirx.transform.prim_func_pass(_vector_exp, opt_level=0, name="planner.VectorExp")
     return tvm.transform.Sequential([erf, dlight.ApplyDefaultSchedule(_RULE), exp])

@@ -151,7 +151,15 @@ _TRIGONOMETRY = {
     "relax.atanh": lambda x, one: one / (one - x * x),
 }
 
+
+def _no_grad_grad(orig_var, orig_call, output_grad, ctx):
+    """y = no_grad(x) in a forward pass: none for x. The mark stops the gradient pass where a
+    value's gradient is given rather than derived (`planner.backend.graph.head`)."""
+    return [no_grad(orig_call.args[0])]
+
+
 GRADIENTS: Gradients = {
+    "relax.grad.no_grad": (_no_grad_grad, False),
     **{op: (_unary(derivative), False) for op, derivative in _TRIGONOMETRY.items()},
     **{op: (_zero_grad, False) for op in ("relax.floor", "relax.ceil", "relax.round", "relax.sign")},
     "relax.mod": (_mod_grad, False),
