@@ -346,3 +346,37 @@ def test_a_head_in_chunks_of_tokens_trains_like_pytorch_and_never_holds_the_logi
     if family != "llama_lm":  # (this Llama's MLP is as wide as its vocabulary: [2, 12, 64] is its up-projection)
         assert not shapes & whole, shapes & whole
     _check_one_step(family, path, recompute=recompute)
+
+
+@pytest.mark.parametrize(
+    "task, loss", [("regression", "mse_loss"), ("regression-l1", "l1_loss"), ("regression-huber", "huber_loss")]
+)
+def test_each_regression_loss_steps_as_pytorchs(task, loss, tmp_path):
+    """One SGD step of a linear model under each regression loss is PyTorch's float64 step with
+    its own loss (`huber_loss` at its default delta 1, on targets spread so both of its branches
+    count), and the task is judged by its metric (MSE, or the mean absolute error for the robust
+    losses)."""
+    import tvm
+
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
+    from planner.runtime.session import TrainingSession
+    from planner.types import Candidate
+
+    model = load_model(_linear(tmp_path / "m.onnx", 6, (2,))).with_task(TASKS[task])
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(8, 6)).astype(np.float32), (rng.normal(size=(8, 2)) * 2).astype(np.float32)
+    lr = 0.5
+    candidate = Candidate(tuple((layer.name, "full") for layer in model.layers), 8, "sgd", lr)
+    step = compile_candidate(model, candidate, BuildOptions(tvm.target.Target({"kind": "llvm"})))
+    session = TrainingSession(step.library, step.signature, model.initializers)
+    session.step(x, y)
+    after = session.weights()
+    w, b = (torch.tensor(model.initializers[n], dtype=torch.float64, requires_grad=True) for n in ("w", "b"))
+    predicted = torch.from_numpy(x).double() @ w + b
+    target = torch.from_numpy(y).double()
+    getattr(torch.nn.functional, loss)(predicted, target).backward()
+    assert ((predicted - target).abs() < 1).any() and ((predicted - target).abs() > 1).any()
+    for name, p in (("w", w), ("b", b)):
+        np.testing.assert_allclose(after[name], (p - lr * p.grad).detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert TASKS[task].metric.name == ("mse" if task == "regression" else "mae")

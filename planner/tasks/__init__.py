@@ -15,7 +15,7 @@ from planner.tasks._base import IGNORE_INDEX, LossGraph, Score, Task
 from planner.tasks.classification import Classification
 from planner.tasks.loss import LossInModel
 from planner.tasks.multilabel import Multilabel
-from planner.tasks.regression import Reconstruction, Regression
+from planner.tasks.regression import Reconstruction, Regression, RegressionHuber, RegressionL1
 from planner.tasks.tokens import CausalLM, TokenClassification
 from planner.types import ModelInput
 
@@ -23,7 +23,17 @@ from planner.types import ModelInput
 # they are numbers to regress, 0/1 matrices are labels before they are targets
 TASKS: dict[str, Task] = {
     t.name: t
-    for t in (Classification(), Multilabel(), TokenClassification(), CausalLM(), Regression(), Reconstruction(), LossInModel())
+    for t in (
+        Classification(),
+        Multilabel(),
+        TokenClassification(),
+        CausalLM(),
+        Regression(),
+        RegressionL1(),
+        RegressionHuber(),
+        Reconstruction(),
+        LossInModel(),
+    )
 }
 CLASSIFICATION = TASKS["classification"]
 

@@ -1,6 +1,8 @@
 """Regression and reconstruction: float outputs against float targets, mean squared error.
 
 `regression` reads its targets from the data (`[N]` or `[N, k]`, as the model's output);
+`regression-l1` and `regression-huber` train the same targets with PyTorch's `l1_loss` and
+`huber_loss` (delta 1), robust to outliers among them, judged by the mean absolute error;
 `reconstruction` (an autoencoder) has none: the target is the input itself, trained on normal
 data to reconstruct it (anomaly detection scores a sample by its reconstruction error)."""
 
@@ -27,6 +29,13 @@ class _Mse(Score):
 
     def result(self) -> tuple[float, float]:
         return self.sum / self.n, self.sum / self.n
+
+
+class _Mae(_Mse):
+    def add(self, outputs: np.ndarray, targets: np.ndarray) -> None:
+        d = outputs.astype(np.float64) - targets.reshape(outputs.shape)
+        self.sum += float(np.abs(d).sum())
+        self.n += d.size
 
 
 def _mse(g: LossGraph, outputs: Any, targets: Any) -> Any:
@@ -70,6 +79,35 @@ class Regression(Task):
 
     def scorer(self) -> Score:
         return _Mse()
+
+
+class RegressionL1(Regression):
+    name = "regression-l1"
+    description = "float targets, mean absolute error (L1): robust to outlying targets; judged by it"
+    metric = METRICS["mae"]
+
+    def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
+        return False  # named with --task: the same targets read as `regression` (MSE) otherwise
+
+    def loss(self, g: LossGraph, outputs: Any, targets: Any) -> Any:
+        return g.emit(g.op.mean(g.emit(g.op.abs(g.emit(g.op.subtract(outputs, targets))))))
+
+    def scorer(self) -> Score:
+        return _Mae()
+
+
+class RegressionHuber(RegressionL1):
+    name = "regression-huber"
+    description = "float targets, Huber loss (delta 1: squared near, absolute far), judged by mean absolute error"
+
+    def loss(self, g: LossGraph, outputs: Any, targets: Any) -> Any:
+        """mean(0.5 d² where |d| < 1, else |d| - 0.5): PyTorch's `huber_loss` at its default delta."""
+        op = g.op
+        d = g.emit(op.subtract(outputs, targets))
+        size = g.emit(op.abs(d))
+        near = g.emit(op.multiply(g.emit(op.multiply(d, d)), g.const(0.5)))
+        far = g.emit(op.subtract(size, g.const(0.5)))
+        return g.emit(op.mean(g.emit(op.where(g.emit(op.less(size, g.const(1.0))), near, far))))
 
 
 def _fits(y_shape: tuple[int, ...], out_shape: tuple[int | str, ...]) -> bool:
