@@ -116,6 +116,49 @@ def test_labels_that_do_not_fit_the_task_are_one_line(tmp_path, out_shape, y, ta
     assert "\n" not in str(caught.value)
 
 
+def _flagged(path: Path, flags: np.ndarray) -> Path:
+    """Normal train samples and val samples with their anomaly flags: an anomaly detector's data."""
+    np.savez(path, x_train=X[:20], x_val=X[20:], y_val=flags)
+    return path
+
+
+def test_val_flags_alone_make_an_anomaly_detector_judged_by_auc(tmp_path):
+    """`x_train`, `x_val` and `y_val` alone: the train samples are normal and their own targets,
+    the val flags say which val samples are anomalous, and the AUC of the reconstruction error
+    orders them: 1.0 when the flagged samples are rebuilt worst, 0.0 when best, ties half."""
+    from planner.runtime.session import score
+
+    model = load_model(_linear(tmp_path / "m.onnx", 6, (6,)))
+    flags = np.array([0, 1] * 5)
+    data = load_dataset(_flagged(tmp_path / "d.npz", flags), model)
+    assert data.task.name == "anomaly" and data.task.metric.name == "auc" and data.train.labels is None
+    np.testing.assert_array_equal(data.val.labels, flags)
+    x, y = next(data.val.chunks(10))
+    error = np.where(flags == 1, 2.0, 1.0)[:, None]  # the flagged samples rebuilt worst
+
+    def rebuilt(how: np.ndarray):
+        return lambda inputs: inputs + how
+
+    assert score("anomaly", rebuilt(error), [(x, y)])[1] == 1.0
+    assert score("anomaly", rebuilt(3.0 - error), [(x, y)])[1] == 0.0
+    assert score("anomaly", rebuilt(np.ones((10, 1))), [(x, y)])[1] == 0.5
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (np.zeros(10), "flags are all 0: an AUC needs normal and anomalous"),
+        (np.arange(10) % 3, "one 0/1 anomaly flag per sample"),
+    ],
+    ids=["one kind", "not 0/1"],
+)
+def test_anomaly_flags_that_cannot_judge_are_one_line(tmp_path, flags, message):
+    model = load_model(_linear(tmp_path / "m.onnx", 6, (6,)))
+    with pytest.raises(BadInput, match=message) as caught:
+        load_dataset(_flagged(tmp_path / "d.npz", flags), model)
+    assert "\n" not in str(caught.value)
+
+
 def test_a_model_bound_to_its_task_keeps_the_weights_it_read(tmp_path):
     """Binding a task (or a length) copies the model description, not its weights: those already
     read are the copy's, not read from the graph again."""
@@ -380,3 +423,31 @@ def test_each_regression_loss_steps_as_pytorchs(task, loss, tmp_path):
     for name, p in (("w", w), ("b", b)):
         np.testing.assert_allclose(after[name], (p - lr * p.grad).detach().numpy(), rtol=1e-5, atol=1e-6)
     assert TASKS[task].metric.name == ("mse" if task == "regression" else "mae")
+
+
+@pytest.mark.slow
+def test_an_anomaly_detector_plans_runs_and_reports_its_auc(tmp_path):
+    """MLPerf Tiny's autoencoder shape on normal frames (a 4-dimensional subspace) with val frames
+    half of which are off it: `planner plan` infers `anomaly` from the val flags, trains on the
+    normal frames, and the AUC of the reconstruction error rises; `planner run` and the report
+    say it by name."""
+    path = tf.export("fc_autoencoder", "dynamo")
+    rng = np.random.default_rng(7)
+    basis = rng.normal(size=(4, 40))
+    normal = (rng.normal(size=(200, 4)) @ basis / 2).astype(np.float32)
+    odd = (rng.normal(size=(20, 40)) * normal.std()).astype(np.float32)
+    x_val = np.concatenate([normal[160:], odd])
+    np.savez(tmp_path / "data.npz", x_train=normal[:160], x_val=x_val, y_val=np.repeat([0, 1], [40, 20]))
+    done = planner(
+        "plan", "--model", path, "--data", tmp_path / "data.npz", "--out", tmp_path / "plan", "--trials", "3",
+        "--accuracy-steps", "150", "--seed", "1", "--space", "full",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    acc = plan["metrics"]["accuracy"]
+    assert plan["dataset"]["task"] == "anomaly" and acc["metric"] == "auc"
+    assert acc["after"] > acc["before"] + 0.1, acc  # 0.662 -> 0.879 when written
+    ran = planner("run", tmp_path / "plan", "--steps", "20", "--out", tmp_path / "ran")
+    assert ran.returncode == 0, ran.stderr
+    assert "auc " in ran.stdout
+    assert "val auc" in (tmp_path / "plan" / "report.md").read_text()

@@ -62,9 +62,10 @@ def score(
 ) -> tuple[float, float]:
     """(mean loss, the task's metric) over chunks with their targets, from a session's
     `outputs_of`: one scoring for every session, wherever its step runs."""
-    scorer = task_named(task).scorer()
+    judged = task_named(task)
+    scorer = judged.scorer()
     for x, y in chunks:
-        scorer.add(outputs_of(x), y)
+        scorer.add(outputs_of(x), judged.compared(x, y))
     return scorer.result()
 
 

@@ -15,7 +15,7 @@ from planner.tasks._base import IGNORE_INDEX, LossGraph, Score, Task
 from planner.tasks.classification import Classification
 from planner.tasks.loss import LossInModel
 from planner.tasks.multilabel import Multilabel
-from planner.tasks.regression import Reconstruction, Regression, RegressionHuber, RegressionL1
+from planner.tasks.regression import AnomalyDetection, Reconstruction, Regression, RegressionHuber, RegressionL1
 from planner.tasks.tokens import CausalLM, TokenClassification
 from planner.types import ModelInput
 
@@ -32,6 +32,7 @@ TASKS: dict[str, Task] = {
         RegressionL1(),
         RegressionHuber(),
         Reconstruction(),
+        AnomalyDetection(),
         LossInModel(),
     )
 }

@@ -89,6 +89,11 @@ class Task(ABC):
     def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
         """Raw labels as the step's targets, checked (BadInput saying what is wrong)."""
 
+    def compared(self, inputs: Any, targets: np.ndarray) -> Any:
+        """What the scorer judges outputs against: the targets (an anomaly detector's val
+        samples and their flags, since it scores a sample by how well it rebuilds it)."""
+        return targets
+
     @abstractmethod
     def loss(self, g: LossGraph, outputs: Any, targets: Any) -> Any:
         """The mean loss of a batch, a float32 scalar, in Relax, from the model's `outputs` (float32)

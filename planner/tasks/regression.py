@@ -1,6 +1,8 @@
 """Regression and reconstruction: float outputs against float targets, mean squared error.
 
 `regression` reads its targets from the data (`[N]` or `[N, k]`, as the model's output);
+`anomaly` trains as `reconstruction` and judges by how well each val sample's reconstruction
+error tells the anomalous ones (flagged 1 in `y_val`) from the normal: the ROC AUC;
 `regression-l1` and `regression-huber` train the same targets with PyTorch's `l1_loss` and
 `huber_loss` (delta 1), robust to outliers among them, judged by the mean absolute error;
 `reconstruction` (an autoencoder) has none: the target is the input itself, trained on normal
@@ -146,3 +148,50 @@ class Reconstruction(Task):
 
     def scorer(self) -> Score:
         return _Mse()
+
+
+class _Auc(Score):
+    """Each sample's reconstruction error (mean square over its values) against its 0/1 anomaly
+    flag: the mean error, and the probability that an anomalous sample's error is above a normal
+    one's (ties count half), the ROC AUC."""
+
+    def __init__(self) -> None:
+        self.errors: list[np.ndarray] = []
+        self.flags: list[np.ndarray] = []
+
+    def add(self, outputs: np.ndarray, targets: Any) -> None:
+        inputs, flags = targets
+        d = outputs.astype(np.float64) - np.asarray(inputs, np.float64).reshape(outputs.shape)
+        self.errors.append((d * d).reshape(len(d), -1).mean(axis=1))
+        self.flags.append(np.asarray(flags).reshape(-1))
+
+    def result(self) -> tuple[float, float]:
+        errors, flags = np.concatenate(self.errors), np.concatenate(self.flags).astype(bool)
+        _, inverse, counts = np.unique(errors, return_inverse=True, return_counts=True)
+        ranks = (np.cumsum(counts) - (counts - 1) / 2.0)[inverse]  # 1-based, ties at their mean rank
+        n_bad, n_good = int(flags.sum()), int((~flags).sum())
+        auc = (ranks[flags].sum() - n_bad * (n_bad + 1) / 2.0) / (n_bad * n_good) if n_bad and n_good else 0.5
+        return float(errors.mean()), float(auc)
+
+
+class AnomalyDetection(Reconstruction):
+    name = "anomaly"
+    description = "an autoencoder trained on normal samples; val samples flagged 0/1 (y_val), judged by ROC AUC"
+    metric = METRICS["auc"]
+
+    def fits(self, y: np.ndarray | None, output: ModelInput) -> bool:
+        return False  # the data says so: train samples without labels, val samples with flags
+
+    def targets(self, where: str, y: np.ndarray, output: ModelInput) -> np.ndarray:
+        y = numeric(where, y, "an anomaly flag (0 normal, 1 anomalous)")
+        if y.ndim != 1 or not np.isin(y, (0, 1)).all():
+            raise BadInput(f"{where} labels must be one 0/1 anomaly flag per sample (1: anomalous), [N]; got shape {y.shape}")
+        if len(np.unique(y)) < 2:
+            raise BadInput(f"{where} flags are all {int(y[0])}: an AUC needs normal and anomalous samples")
+        return y.astype(np.uint8)
+
+    def compared(self, inputs: Any, targets: np.ndarray) -> Any:
+        return inputs, targets
+
+    def scorer(self) -> Score:
+        return _Auc()

@@ -58,6 +58,7 @@ METRICS: dict[str, Metric] = {
         ACCURACY,
         Metric("f1", higher_is_better=True, bounded=True, short="f1"),
         Metric("token_accuracy", higher_is_better=True, bounded=True, short="tok acc"),
+        Metric("auc", higher_is_better=True, bounded=True, short="auc"),
         Metric("mse", higher_is_better=False, bounded=False, short="mse"),
         Metric("mae", higher_is_better=False, bounded=False, short="mae"),
         Metric("perplexity", higher_is_better=False, bounded=False, short="ppl", floor=1.0),

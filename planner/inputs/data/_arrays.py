@@ -273,7 +273,8 @@ def load_arrays(
     """`x_train/y_train/x_val/y_val` as they are, or `x/y` with the last 20 % as val: the members
     of a `.npz`, or the `.npy` files of a folder. A model of several inputs takes one array per
     input instead of `x`, named as the input (`input_ids_train`, `attention_mask_train`, ...).
-    Without labels (no `y`), the inputs are their own targets: an autoencoder's data. The labels
+    Without labels (no `y`), the inputs are their own targets: an autoencoder's data; with `y_val`
+    alone, 0/1 flags of the anomalous val samples (task `anomaly`: judged by ROC AUC). The labels
     say the task unless the user `requested` one (`planner.tasks.infer_task`)."""
     folder = path.is_dir()
     keys = sample_names(model)
@@ -287,10 +288,12 @@ def load_arrays(
         not t.labelled and (t is requested or (requested is None and t.refuses(model.output, model.inputs) is None))
         for t in TASKS.values()
     )
-    if given | {"y_train", "y_val"} <= found or (given <= found and unlabelled):
+    flagged = given <= found and set(found_ys) == {"y_val"}  # normal train samples, val ones flagged
+    if given | {"y_train", "y_val"} <= found or (given <= found and unlabelled) or flagged:
         xs = {s: [(a, 0, a.shape[0] if a.shape else 0) for a in (arrays[f"{k}_{s}"] for k in keys)] for s in ("train", "val")}
-        ys = {s: found_ys[f"y_{s}"] for s in ("train", "val")} if found_ys else {}
+        ys = {s: found_ys[f"y_{s}"] for s in ("train", "val") if f"y_{s}" in found_ys}
         split = f"{keys[0]}_train/{keys[0]}_val as given"
+        requested = requested or (TASKS["anomaly"] if flagged else None)
     elif {*keys, "y"} <= found or (keys[0] in found and unlabelled):
         y = found_ys.get("y", np.zeros(arrays[keys[0]].shape[:1]))
         n = arrays[keys[0]].shape[0] if arrays[keys[0]].shape else 0
@@ -306,7 +309,7 @@ def load_arrays(
         what = ".npy files" if folder else "arrays"
         wanted = ", ".join([*(f"{k}_train" for k in keys), "y_train", *(f"{k}_val" for k in keys), "y_val"])
         raise BadInput(f"{path}: expected {what} {wanted} (or {', '.join(keys)}, y); found {', '.join(names) or 'none'}")
-    task = infer_task(str(path), ys["train"] if ys else None, model.output, model.inputs, requested.name if requested else None)
+    task = infer_task(str(path), ys.get("train"), model.output, model.inputs, requested.name if requested else None)
     named = [ys[s].dtype.kind in "US" and task is CLASSIFICATION for s in ys]
     if any(named):  # class names: mapped over both splits together, so an index means one class
         if not all(named):
@@ -329,7 +332,7 @@ def load_arrays(
                 if progress is not None:
                     progress(done, total)
             rows.append(_ArrayRows(array, start, stop, spec.dtype))
-        labels = _labels(path, s, len(rows[0]), ys[s], model.output, task) if ys else task.unlabelled(len(rows[0]))
+        labels = _labels(path, s, len(rows[0]), ys[s], model.output, task) if s in ys else task.unlabelled(len(rows[0]))
         splits[s] = Split(rows[0] if len(rows) == 1 else _InputRows(rows), labels)
     check_train_labels(path, splits["train"], splits["val"], task)
     return Dataset(
