@@ -91,11 +91,33 @@ def _portable_specials(source: str) -> str:
     return _SPECIALS.sub(lambda m: _SPELLED[m.group(1)], source)
 
 
+# math intrinsics TVM's C code generator has no lowering for (it stops at "Unresolved call"), and
+# the C99 <math.h> function each is: `fabsf` for float32, `fabs` for float64
+_LIBM = {"tirx.fabs": "fabs", "tirx.exp2": "exp2", "tirx.fmod": "fmod"}
+
+
+def _libm_calls(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with each intrinsic of `_LIBM` written as a call of its C99 function.
+
+    Why: TVM lowers these for LLVM only; a model with an `Abs` (an L1 or smooth-L1 loss, a
+    detector's box loss) failed on every microcontroller target at its first candidate."""
+
+    def libm(call: tvm.ir.Call) -> tirx.PrimExpr:
+        name = _LIBM.get(getattr(call.op, "name", ""))
+        if name is None:
+            return call
+        suffix = "f" if str(call.args[0].ty) == "float32" else ""
+        return tirx.call_pure_extern(str(call.ty), name + suffix, *call.args)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (tvm.ir.Call, libm)))
+
+
 def kernels_source(lowered: tvm.IRModule) -> str:
-    """Every kernel (PrimFunc) of `lowered` as one C file, by TVM's C code generator, its float
-    constants exact (`_exact_literals`) and its infinities C99's (`_portable_specials`)."""
+    """Every kernel (PrimFunc) of `lowered` as one C file, by TVM's C code generator, its math
+    intrinsics C99's (`_libm_calls`), its float constants exact (`_exact_literals`) and its
+    infinities C99's (`_portable_specials`)."""
     funcs = {
-        gv.name_hint: f.with_attr("global_symbol", gv.name_hint)
+        gv.name_hint: _libm_calls(f).with_attr("global_symbol", gv.name_hint)
         for gv, f in lowered.functions_items()
         if isinstance(f, tirx.PrimFunc)
     }

@@ -433,7 +433,7 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
         batch=sig.batch_size,
         predict_batch=sig.micro_batch,
         n_inputs=n_inputs,
-        n_classes=sig.output_shape[-1],
+        n_classes=sig.output_shape[-1] if sig.output_shape else 1,  # (a scalar output: the model's own loss)
         output_size=output_size(sig),
         target_size=target_size(sig),
         task=sig.task,
@@ -441,6 +441,8 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
         label_what=(
             "a class index, 0 to PLANNER_N_CLASSES - 1: the smallest type that holds it"
             if sig.task == "classification"
+            else "unused (zeros): the model computes its own loss from its inputs"
+            if sig.task == "loss-in-model"
             else "a class index per token, -100 for padding"
             if sig.target.integer
             else "a float target"
