@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +141,32 @@ def test_int8_frozen_weights_lora_and_adam_train_as_the_vm_on_the_board(tiny_mod
     _close(got, expected)
 
 
+def test_int8_frozen_convolutions_are_read_from_flash_and_train_as_the_vm(tmp_path):
+    """A frozen dense convolution stored int8 is multiplied where it lies, in flash: the step
+    holds no dequantized copy of it in SRAM (DS-CNN's pointwise weights: 16 KiB each), so the
+    int8 step takes the SRAM of the fp32 one but for its depthwise weights (still dequantized,
+    by TVM's kernels), and it trains as the VM — with the input gradient crossing every frozen
+    convolution on its way to the first layer's bias."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import zoo
+
+    path = zoo.save(zoo.ds_cnn(), tmp_path / "ds_cnn.onnx")
+    candidate = Candidate(
+        (("conv1", "bias"), ("classifier", "full")), batch_size=2, optimizer="sgd", lr=0.01, frozen_weights="int8"
+    )
+    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path)
+    _close(got, expected)
+    for kernel in ("conv2d_gemm_s8", "conv2d_input_grad_gemm_s8"):
+        assert any(name.startswith(kernel) for name, _ in firmware.calls), kernel
+
+    model = load_model(path)
+    backend = backend_for(load_target("cortex-m4-qemu"), cache_dir=tmp_path)
+    lean = Candidate((("b3.pw_bn", "bias"), ("classifier", "bias")), batch_size=1, optimizer="sgd", lr=0.01)
+    sram = {w: backend.build(model, replace(lean, frozen_weights=w)).memory.total for w in ("fp32", "int8")}
+    depthwise = sum(4 * model.initializers[f"b{i}.dw.weight"].size for i in range(4))
+    assert sram["int8"] <= sram["fp32"] + depthwise, sram
+
+
 def test_weights_that_are_not_the_firmwares_are_refused(tmp_path):
     """Frozen weights are compiled into flash: a session given others says so, not trains wrong."""
     model = load_model(DIGITS / "model.onnx")
@@ -200,14 +227,17 @@ def test_a_plan_for_an_emulated_board_reproduces_its_accuracy_when_run_there(tmp
 def test_the_portable_sgemm_is_blas_for_every_transposition_and_odd_size(tmp_path):
     """planner's C sgemm (the microcontroller kernels' products) against numpy: row-major,
     each operand plain or transposed, sizes around its 4x4 blocks, leading dimensions wider than
-    the operands, beta 0 (C's old values ignored, NaN included) and 1."""
+    the operands, beta 0 (C's old values ignored, NaN included) and 1. Its int8 form (a frozen
+    weight read where it lies, each stored row times its scale) computes bit for bit what the
+    fp32 sgemm computes on the dequantized weight: the copy it no longer makes."""
     from planner.backend.mcu._firmware import RUNTIME
 
     library = tmp_path / "sgemm.so"
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(library), str(RUNTIME / "sgemm.c")], check=True)
-    sgemm = ctypes.CDLL(str(library)).planner_sgemm
+    sgemm, sgemm_s8 = ctypes.CDLL(str(library)).planner_sgemm, ctypes.CDLL(str(library)).planner_sgemm_s8
     f, i, p = ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
     sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+    sgemm_s8.argtypes = [i, i, i, i, i, i, f, p, i, p, p, i, f, p, i]
     rng = np.random.default_rng(0)
     for m, n, k in [(1, 1, 1), (4, 4, 4), (5, 7, 3), (16, 9, 13), (3, 8, 0), (9, 4, 33)]:
         for ta, tb in [(111, 111), (111, 112), (112, 111), (112, 112)]:
@@ -221,10 +251,19 @@ def test_the_portable_sgemm_is_blas_for_every_transposition_and_odd_size(tmp_pat
                 op_a = a[:, :m].T if ta == 112 else a[:, :k]
                 op_b = b[:, :k].T if tb == 112 else b[:, :n]
                 expected = op_a.astype(np.float64) @ op_b + beta * np.nan_to_num(c[:, :n].astype(np.float64))
+                q = rng.integers(-127, 128, size=a.shape).astype(np.int8)
+                scale = rng.uniform(0.001, 0.1, size=a.shape[0]).astype(np.float32)
+                dequantized = q.astype(np.float32) * scale[:, None]
+                via_copy, in_place = c.copy(), c.copy()
                 args = (101, ta, tb, m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta)
                 assert sgemm(*args, c.ctypes.data, c.shape[1]) == 0
                 np.testing.assert_allclose(c[:, :n], expected, rtol=1e-5, atol=1e-5, err_msg=f"{m}x{n}x{k} {ta} {tb} {beta}")
                 np.testing.assert_array_equal(c[:, n:], padding)  # nothing written past n
+                copy = (101, ta, tb, m, n, k, 1.0, dequantized.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta)
+                assert sgemm(*copy, via_copy.ctypes.data, c.shape[1]) == 0
+                read = (101, ta, tb, m, n, k, 1.0, q.ctypes.data, a.shape[1], scale.ctypes.data, b.ctypes.data, b.shape[1])
+                assert sgemm_s8(*read, beta, in_place.ctypes.data, c.shape[1]) == 0
+                np.testing.assert_array_equal(in_place, via_copy, err_msg=f"int8 {m}x{n}x{k} {ta} {tb} {beta}")
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import tvm
 from tvm import relax
 
 from planner.backend.graph.memory import tensor_bytes
+from planner.backend.graph.weights import read_in_place
 
 # ops whose output row r reads row r of each operand alone (operands of the same shape, or
 # broadcast over rows: a per-channel scale, a bias)
@@ -224,7 +225,8 @@ def candidates(func: relax.Function, n_inputs: int, n_trainable: int) -> list[Pl
         data.add(b.var)
         members.append(i)
     ops = _summary(func, bindings, data)
-    sizes = {i: op.nbytes for i, op in enumerate(ops)}
+    in_flash = read_in_place(bindings)
+    sizes = {i: 0 if b.var in in_flash else op.nbytes for i, (b, op) in enumerate(zip(bindings, ops))}
     unbanded = _peak(ops, range(len(ops)), sizes)
     work = sum(sizes[i] for i in members)  # bytes the members write, unbanded
     plans = []

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import tvm
 from tvm import relax
 
 from planner import modes
@@ -152,3 +153,53 @@ def _itself(var: relax.Var) -> relax.Expr:
 
 def _dequantized(q: relax.Var, s: relax.Var, dtype: str) -> relax.Expr:
     return relax.op.astype(q, dtype) * s
+
+
+def dequantized(weight: relax.Expr, bound: dict[relax.Var, relax.Expr]) -> tuple[relax.Var, relax.Var] | None:
+    """(q, scale) if `weight` is bound (in `bound`) to a 4-D int8 weight dequantized as
+    `as_stored` writes it, `astype(q, "float32") * scale` with one scale per output channel
+    (o, 1, 1, 1); else None. A kernel that reads q where it lies and scales each value as it
+    reads it computes what the dequantized copy would have held, without the copy
+    (`planner.backend.sgemm.gemm.int8_weights`)."""
+    value = bound.get(weight) if isinstance(weight, relax.Var) else None
+    if not (isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.multiply"))):
+        return None
+    cast, s = (bound.get(value.args[0]) if isinstance(value.args[0], relax.Var) else None), value.args[1]
+    if not (isinstance(cast, relax.Call) and cast.op.same_as(tvm.ir.Op.get("relax.astype"))):
+        return None
+    q = cast.args[0]
+    if not (isinstance(q, relax.Var) and isinstance(s, relax.Var) and q.ty.dtype == "int8" and s.ty.dtype == "float32"):
+        return None
+    shape, scales = q.ty.shape, s.ty.shape
+    if shape is None or scales is None or len(shape) != 4 or len(scales) != 4:
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in (*shape, *scales)):
+        return None
+    return (q, s) if [int(d) for d in scales] == [int(shape[0]), 1, 1, 1] else None
+
+
+def read_in_place(bindings: list[relax.VarBinding]) -> set[relax.Var]:
+    """The bindings (the cast and the scaling) of each dequantized int8 weight (`dequantized`)
+    that only dense convolutions read, as their weight: a microcontroller's portable kernels read
+    those in flash, so the copy never takes SRAM. What plans the step's memory before it is
+    lowered (`planner.backend.graph.bands`) counts them as nothing."""
+    bound = {b.var: b.value for b in bindings}
+    readers: dict[relax.Var, list[relax.Expr]] = {}
+    for b in bindings:
+        for v in relax.analysis.free_vars(b.value):
+            readers.setdefault(v, []).append(b.value)
+    out: set[relax.Var] = set()
+    for b in bindings:
+        found = dequantized(b.var, bound)
+        if found is not None and all(_dense_weight_of(r, b.var) for r in readers.get(b.var, [])):
+            out |= {b.var, b.value.args[0]}
+    return out
+
+
+def _dense_weight_of(call: relax.Expr, weight: relax.Var) -> bool:
+    """Whether `call` is an ungrouped convolution (forward or transposed) reading `weight` as its weight alone."""
+    if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)):
+        return False
+    if call.op.name not in ("relax.nn.conv2d", "relax.nn.conv2d_transpose") or int(call.attrs.groups) != 1:
+        return False
+    return call.args[1].same_as(weight) and not call.args[0].same_as(weight)

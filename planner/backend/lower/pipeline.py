@@ -34,6 +34,8 @@ def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_
     # planner's legalization first; TVM's own after it is then a no-op
     passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels, cache=cache_dir)] + cpu.legalize_passes(target)
     mod = sparse.embedding_sgd(mod, threads=gemm.pool_threads(target))
+    if kernels is Kernels.PORTABLE:  # int8 frozen weights read where they lie (flash), not copied
+        mod = gemm.int8_weights(mod, gemm.pool_threads(target), gemm.limits_for(kernels), cache=cache_dir)
     with target:
         fused = tvm.transform.Sequential(passes)(mod)
     if kernels.sgemm:

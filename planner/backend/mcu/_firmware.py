@@ -43,7 +43,6 @@ LINKER = f"{ARTIFACT_STEM}.ld"
 MAKEFILE = f"{ARTIFACT_STEM}.mk"
 BLOB_ALIGN = 16  # each weight in the blob: any load the kernels make of it is aligned
 STACK_BYTES = 8 * 1024  # the stack the linker script reserves: the driver, a kernel, libm
-DLTENSOR_BYTES = 40  # sizeof(DLTensor) on a 32-bit core (pointers 4, byte_offset 8 and aligned)
 # gcc for the board: no contraction (the step the VM computes, in the same order), each function and
 # object in a section of its own so the link drops what nothing calls
 CFLAGS = ["-O2", "-ffp-contract=off", "-ffunction-sections", "-fdata-sections", "-std=gnu11"]
@@ -293,7 +292,7 @@ class SramPlan:
     batch: int  # the inputs, labels and logits buffers
     trainable: int  # trainable weights (their parts: a LoRA's adapters, a ratio's trained share)
     optimizer: int  # optimizer state, the step count and the learning rate
-    scratch: int  # the kernels' workspace pool, the tensors' descriptors, the stack
+    scratch: int  # the kernels' workspace pool, the stack
 
     @property
     def total(self) -> int:
@@ -310,7 +309,7 @@ def plan_sram(step: CStep, sig: StepSignature, weights: dict[str, np.ndarray]) -
         batch=sig.batch_size * (sample + _target_bytes(sig)) + 4 * sig.micro_batch * output_size(sig),
         trainable=sum(stored[n].nbytes for n in sig.trainable),
         optimizer=sum(int(np.prod(s, dtype=np.int64)) * np.dtype(t).itemsize for s, t, _ in sig.optim_states),
-        scratch=step.workspace_bytes + DLTENSOR_BYTES * step.tensors + STACK_BYTES,
+        scratch=step.workspace_bytes + STACK_BYTES,  # (the tensors' descriptors are constants, in flash)
     )
 
 

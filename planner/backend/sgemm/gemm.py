@@ -32,6 +32,7 @@ import tvm
 from tvm import relax
 
 from planner import cachefile
+from planner.backend.graph.weights import dequantized
 from planner.backend.sgemm import gemm_kernels, im2col
 from planner.backend.sgemm.gemm_kernels import (
     CALLS,
@@ -157,6 +158,35 @@ def kernels_dir(cache: Path) -> Path:
     return cache / "kernels-tir"
 
 
+def _forward(call: relax.Call) -> Conv | None:
+    """The `Conv` of a layer's forward `relax.nn.conv2d` the forward kernel computes; None for any other."""
+    a = call.attrs
+    if not (
+        _static(call, ("NCHW", "OIHW", "NCHW"))
+        and all(int(d) == 1 for d in a.dilation)
+        and max(_ints(call.args[1].ty.shape)[2:]) <= MAX_KERNEL
+    ):
+        return None
+    n, c, h, w = _ints(call.args[0].ty.shape)
+    o, _, kh, kw = _ints(call.args[1].ty.shape)
+    _, _, oh, ow = _ints(call.ty.shape)
+    sh, sw = _ints(a.strides)
+    return Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
+
+
+def _input_grad(call: relax.Call) -> Conv | None:
+    """The `Conv` of a `relax.nn.conv2d_transpose` as TVM's input gradient writes it (NCHW dy, the
+    IOHW view of the layer's OIHW weight); None for any other."""
+    a = call.attrs
+    if not (_static(call, ("NCHW", "IOHW", "NCHW")) and all(int(d) == 1 for d in a.dilation)):
+        return None
+    n, o, oh, ow = _ints(call.args[0].ty.shape)
+    _, c, kh, kw = _ints(call.args[1].ty.shape)
+    _, _, h, w = _ints(call.ty.shape)
+    sh, sw = _ints(a.strides)
+    return Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
+
+
 def conv2d(
     bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering, threads: int, limits: Limits, cache: Path | None
 ) -> relax.Expr:
@@ -171,16 +201,8 @@ def conv2d(
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
         gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits, cache), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
-    if (
-        _static(call, ("NCHW", "OIHW", "NCHW"))
-        and all(int(d) == 1 for d in a.dilation)
-        and max(_ints(call.args[1].ty.shape)[2:]) <= MAX_KERNEL
-    ):
-        n, c, h, w = _ints(call.args[0].ty.shape)
-        o, _, kh, kw = _ints(call.args[1].ty.shape)
-        _, _, oh, ow = _ints(call.ty.shape)
-        sh, sw = _ints(a.strides)
-        s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
+    s = _forward(call)
+    if s is not None:
         gv = bb.add_func(_built(forward_kernel, s, threads, limits, cache), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
@@ -191,16 +213,69 @@ def conv2d_transpose(
 ) -> relax.Expr:
     """`relax.nn.conv2d_transpose` as TVM's input gradient writes it (NCHW dy, the IOHW view of
     the layer's OIHW weight) through OpenBLAS."""
-    a = call.attrs
-    if not (_static(call, ("NCHW", "IOHW", "NCHW")) and all(int(d) == 1 for d in a.dilation)):
+    s = _input_grad(call)
+    if s is None:
         return fallback(bb, call)
-    n, o, oh, ow = _ints(call.args[0].ty.shape)
-    _, c, kh, kw = _ints(call.args[1].ty.shape)
-    _, _, h, w = _ints(call.ty.shape)
-    sh, sw = _ints(a.strides)
-    s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
     gv = bb.add_func(_built(input_grad_kernel, s, threads, limits, cache), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
+
+
+_KERNELS_S8 = {
+    "relax.nn.conv2d": (_forward, functools.partial(forward_kernel, quantized=True), "conv2d_gemm_s8"),
+    "relax.nn.conv2d_transpose": (_input_grad, functools.partial(input_grad_kernel, quantized=True), "conv2d_input_grad_gemm_s8"),
+}
+
+
+def int8_weights(mod: tvm.IRModule, threads: int, limits: Limits, *, cache: Path | None) -> tvm.IRModule:
+    """`mod` with each dense convolution (forward, and the input gradient that reads the same
+    weight) whose weight is a frozen int8 weight dequantized (`astype(q) * scale`, one scale per
+    output channel: `planner.backend.graph.weights`) computed by a kernel that reads the int8
+    weight where it lies (`GEMM_S8`), the dequantized copy no longer made.
+
+    Why: on a microcontroller the frozen weights are flash, and the copy was SRAM: MobileNetV2's
+    last 1x1 convolution's is 573 KB, most of the board's, alive while its one kernel runs. The
+    product computes each weight's value as the copy held it (`q * scale` in fp32), so the step
+    computes what it did with the copy. The portable sgemm alone has `GEMM_S8`: a microcontroller's
+    step only (`kernels: portable`)."""
+    builder = relax.BlockBuilder(mod)
+    rewritten: list[str] = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+        blocks, changed = [], False
+        for block in func.body.blocks:
+            bindings = []
+            for b in block.bindings:
+                value = _int8_weight_call(builder, b.value, bound, threads, limits, cache)
+                changed |= value is not None
+                bindings.append(b if value is None else relax.VarBinding(b.var, value))
+            blocks.append(
+                relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings)
+            )
+        if changed:
+            body = relax.SeqExpr(blocks, func.body.body)
+            builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
+            rewritten.append(gv.name_hint)
+    if not rewritten:
+        return mod
+    return relax.transform.DeadCodeElimination(rewritten)(builder.get())
+
+
+def _int8_weight_call(
+    builder: relax.BlockBuilder, value: relax.Expr, bound: dict, threads: int, limits: Limits, cache: Path | None
+) -> relax.Expr | None:
+    """`value` as a call of an int8-weight kernel (`_KERNELS_S8`), if it is a convolution the
+    gemm kernels compute whose weight is a dequantized int8 weight; else None."""
+    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in _KERNELS_S8):
+        return None
+    conv_of, kernel, name = _KERNELS_S8[value.op.name]
+    quantized = dequantized(value.args[1], bound)
+    s = conv_of(value) if quantized is not None else None
+    if s is None:
+        return None
+    gv = builder.add_func(_built(kernel, s, threads, limits, cache), name)
+    return relax.call_tir(gv, relax.Tuple([value.args[0], *quantized]), out_ty=value.ty)
 
 
 _weight_grad_accumulating = functools.partial(weight_grad_kernel, accumulate=True)

@@ -36,6 +36,9 @@ from planner.backend.sgemm.im2col import Conv, col2im_macro, copy_macros, im2col
 
 # the library call and the kernels' attributes (`_attrs`), all but CONV shared with `matmul`'s kernels
 GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
+# the portable sgemm's product by an int8 A whose stored rows each have a scale (runtime/sgemm.c): a
+# frozen weight stored int8 read where it lies, never dequantized into a copy (microcontrollers only)
+GEMM_S8 = "planner_sgemm_s8"
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
@@ -151,17 +154,28 @@ def _nothing(a0, a1, a2, a3, a4, a5, a6, a7):
     T.evaluate(0)
 
 
-def _sgemm(trans, mnk, a, b, beta, c):
+def _sgemm(trans, mnk, a, b, beta, c, scale=None):
     """C = A·B + beta·C through cblas_sgemm (row major, alpha 1): `trans` is A's and B's flag,
-    `mnk` the product's sizes, and `a`, `b`, `c` each an operand's address and leading dimension."""
+    `mnk` the product's sizes, and `a`, `b`, `c` each an operand's address and leading dimension.
+    With a `scale` (the address of one fp32 per stored row of A), A is int8 and the product is
+    the portable sgemm's `GEMM_S8`, each of A's values times its row's scale."""
     (ta, tb), (m, n, k), (pa, lda), (pb, ldb), (pc, ldc) = trans, mnk, a, b, c
+    if scale is not None:
+        return T.call_extern("int32", GEMM_S8, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, scale, pb, ldb, beta, pc, ldc)
     return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, pb, ldb, beta, pc, ldc)
 
 
-def forward_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
+def _scales(quantized: bool):
+    """The `scale` argument of `_sgemm` for a kernel's weight scales buffer: its address if the
+    kernel's weight is int8 (`quantized`), else none (the buffer then stands in unread)."""
+    return (lambda sc: sc.data) if quantized else (lambda sc: None)
+
+
+def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = False) -> tvm.tirx.PrimFunc:
     """y_n = W · col(x_n). The pool's threads take the tiles in turn (contiguous shares), each
     building its own tile's columns, multiplying them into its workspace and copying the product
-    out image by image: one parallel region, no thread waits for another."""
+    out image by image: one parallel region, no thread waits for another. `quantized`: W is int8
+    with a scale per output channel, the kernel `(x, w, scale, y)` (`GEMM_S8`)."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
     per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the product
@@ -172,14 +186,10 @@ def forward_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
     _, scatter = copy_macros(s)
     scatter, product = _in_place(s, t, scatter, lambda th: th * per + k * t.width)
 
-    @T.prim_func(private=True)
-    def conv2d_gemm(
-        x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-        y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-    ):
-        T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
+    scales = _scales(quantized)
+
+    @T.macro
+    def forward(x, wt, sc, y, ws):
         for th in T.parallel(threads):
             for i in range(th * share, T.min((th + 1) * share, tiles)):
                 for j in range(t.count(s, i // bands)):
@@ -203,6 +213,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
                         (T.address_of(ws[th * per]), t.width),
                         T.float32(0),
                         (product(y, ws, th, i // bands, i % bands), t.ld(s)),
+                        scales(sc),
                     )
                 )
                 for j in range(t.count(s, i // bands)):
@@ -216,6 +227,31 @@ def forward_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
                         t.row(i % bands),
                         t.span(s, i % bands),
                     )
+
+    if quantized:
+
+        @T.prim_func(private=True)
+        def conv2d_gemm_s8(
+            x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+            wt: T.Buffer((o, s.c, s.kh, s.kw), "int8"),
+            sc: T.Buffer((o, 1, 1, 1), "float32"),
+            y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        ):
+            T.func_attr(_attrs(s))
+            ws = T.decl_buffer((threads * per,), "float32")
+            forward(x, wt, sc, y, ws)
+
+        return conv2d_gemm_s8
+
+    @T.prim_func(private=True)
+    def conv2d_gemm(
+        x: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+        y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+    ):
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        forward(x, wt, wt, y, ws)
 
     return conv2d_gemm
 
@@ -393,10 +429,11 @@ def _weight_grad_by_tiles(s: Conv, threads: int, limits: Limits, accumulate: boo
     return conv2d_weight_grad_gemm
 
 
-def input_grad_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFunc:
+def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = False) -> tvm.tirx.PrimFunc:
     """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each gathering its
     tiles' dy, multiplying them into its own columns and adding those back onto its own images:
-    a band's taps overlap the next band's rows, so an image is never split between threads."""
+    a band's taps overlap the next band's rows, so an image is never split between threads.
+    `quantized`: W is int8 with a scale per output channel, the kernel `(dy, w, scale, dx)`."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
     per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the gathered dy
@@ -406,14 +443,10 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFun
     col2im = col2im_macro(s)
     gather, gradient = _in_place(s, t, gather, lambda th: th * per + k * t.width)
 
-    @T.prim_func(private=True)
-    def conv2d_input_grad_gemm(
-        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
-        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
-        dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
-    ):
-        T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
+    scales = _scales(quantized)
+
+    @T.macro
+    def input_grad(dy, wt, sc, dx, ws):
         for th in T.parallel(threads):
             for g in range(th * share, T.min((th + 1) * share, groups)):
                 for j, ci, y in T.grid(t.count(s, g), s.c, s.h):  # (a whole image as one vector: LLVM aborts)
@@ -430,9 +463,35 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits) -> tvm.tirx.PrimFun
                             (gradient(dy, ws, th, g, b), t.ld(s)),
                             T.float32(0),
                             (T.address_of(ws[th * per]), t.width),
+                            scales(sc),
                         )
                     )
                     for j in range(t.count(s, g)):
                         col2im(ws, th * per, t.width, dx, t.image(g, j), t.row(b), t.span(s, b), j * t.run(s))
+
+    if quantized:
+
+        @T.prim_func(private=True)
+        def conv2d_input_grad_gemm_s8(
+            dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+            wt: T.Buffer((o, s.c, s.kh, s.kw), "int8"),
+            sc: T.Buffer((o, 1, 1, 1), "float32"),
+            dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+        ):
+            T.func_attr(_attrs(s))
+            ws = T.decl_buffer((threads * per,), "float32")
+            input_grad(dy, wt, sc, dx, ws)
+
+        return conv2d_input_grad_gemm_s8
+
+    @T.prim_func(private=True)
+    def conv2d_input_grad_gemm(
+        dy: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
+        wt: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
+        dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
+    ):
+        T.func_attr(_attrs(s))
+        ws = T.decl_buffer((threads * per,), "float32")
+        input_grad(dy, wt, wt, dx, ws)
 
     return conv2d_input_grad_gemm
