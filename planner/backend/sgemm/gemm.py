@@ -201,9 +201,9 @@ def conv2d(
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
         gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits, cache), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
-    s = _forward(call)
-    if s is not None:
-        gv = bb.add_func(_built(forward_kernel, s, threads, limits, cache), "conv2d_gemm")
+    forward = _forward(call)
+    if forward is not None:
+        gv = bb.add_func(_built(forward_kernel, forward, threads, limits, cache), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
@@ -272,7 +272,7 @@ def _int8_weight_call(
     conv_of, kernel, name = _KERNELS_S8[value.op.name]
     quantized = dequantized(value.args[1], bound)
     s = conv_of(value) if quantized is not None else None
-    if s is None:
+    if s is None or quantized is None:
         return None
     gv = builder.add_func(_built(kernel, s, threads, limits, cache), name)
     return relax.call_tir(gv, relax.Tuple([value.args[0], *quantized]), out_ty=value.ty)
