@@ -60,7 +60,7 @@ def pristine(tiny_model, tmp_path_factory):
     cache = tmp_path_factory.mktemp("pristine") / "cache"
     with pytest.MonkeyPatch.context() as mp:  # lowered afresh: an earlier test's kernels never reach this cache
         mp.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
-        gemm._built.cache_clear()
+        gemm.built.cache_clear()
         step = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     copy = tmp_path_factory.mktemp("reference") / LIB_NAME
     shutil.copyfile(step.library, copy)
@@ -174,7 +174,7 @@ PARSED_KERNEL_DAMAGE = {
 
 @pytest.mark.parametrize("damage", PARSED_KERNEL_DAMAGE)
 def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkeypatch):
-    """The OpenBLAS convolutions' TIR is kept parsed in the cache (`gemm._built`): an intact entry
+    """The OpenBLAS convolutions' TIR is kept parsed in the cache (`gemm.built`): an intact entry
     loads as the very kernel parsing makes (the same step to the byte), a damaged one is parsed
     again from the source and stored again whole."""
     model, _, fresh, library, losses = pristine
@@ -185,7 +185,7 @@ def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkey
     shutil.rmtree(cache / "steps")
     shutil.rmtree(link.objects_dir(cache, HOST))
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())  # this process lowers again
-    gemm._built.cache_clear()
+    gemm.built.cache_clear()
 
     inodes = [e.stat().st_ino for e in entries]
 
@@ -203,7 +203,7 @@ def test_a_kernel_parsed_after_its_source_changed_is_not_kept(pristine, tmp_path
     started with."""
     model = pristine[0]
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
-    gemm._built.cache_clear()
+    gemm.built.cache_clear()
     monkeypatch.setattr(gemm, "_source_id", lambda: "another source")
     compile_candidate(model, _candidate(model), BuildOptions(HOST, tmp_path / "cache"))
     assert not list(gemm.kernels_dir(tmp_path / "cache").glob("*.json"))

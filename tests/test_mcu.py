@@ -289,6 +289,53 @@ def test_dense_convolutions_take_at_most_4_instructions_per_mac_on_the_cortex_m4
     assert max(dense.values()) <= 4.0, dense
 
 
+def test_the_portable_depthwise_convolution_is_numpys_for_every_shape(tmp_path):
+    """planner's C depthwise convolution (the microcontroller's, `runtime/dwconv.c`) against numpy's
+    sums over a zero-padded image in float64: kernels 1, 3, 5 and 7 (3x3 its unrolled interior),
+    odd and even maps narrower and wider than the kernel, strides 1 to 3, padding none, symmetric
+    and TensorFlow's uneven "same", several images and channels. Its int8 form equals the fp32 one
+    on the dequantized filter bit for bit."""
+    from planner.backend.mcu._firmware import RUNTIME
+
+    library = tmp_path / "dwconv.so"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(library), str(RUNTIME / "dwconv.c")], check=True)
+    lib = ctypes.CDLL(str(library))
+    i, p = ctypes.c_int32, ctypes.c_void_p
+    lib.planner_dwconv.argtypes = [p, p, p, *[i] * 12]
+    lib.planner_dwconv_s8.argtypes = [p, p, p, p, *[i] * 12]
+    rng = np.random.default_rng(0)
+    cases = 0
+    for k in (1, 3, 5, 7):
+        for h, w in ((1, 1), (2, 9), (7, 6), (8, 8), (13, 4)):
+            for stride in (1, 2, 3):
+                for pads in ((0, 0, 0, 0), (k // 2,) * 4, (k // 2, (k - 1) // 2, (k - 1) // 2, k // 2)):
+                    pt, pl, pb, pr = pads
+                    oh, ow = (h + pt + pb - k) // stride + 1, (w + pl + pr - k) // stride + 1
+                    if oh < 1 or ow < 1:
+                        continue
+                    n, c = 2, 3
+                    x = rng.normal(size=(n, c, h, w)).astype(np.float32)
+                    q = rng.integers(-127, 128, size=(c, 1, k, k)).astype(np.int8)
+                    scale = rng.uniform(0.01, 0.1, size=c).astype(np.float32)
+                    f = q.astype(np.float32) * scale[:, None, None, None]
+                    padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+                    expected = np.zeros((n, c, oh, ow))
+                    for ki in range(k):
+                        for kj in range(k):
+                            taps = padded[
+                                :, :, ki : ki + stride * (oh - 1) + 1 : stride, kj : kj + stride * (ow - 1) + 1 : stride
+                            ]
+                            expected += taps * f[None, :, 0, ki, kj, None, None]
+                    y, y_q = (np.full((n, c, oh, ow), np.nan, np.float32) for _ in range(2))
+                    sizes = (n, c, h, w, k, k, oh, ow, stride, stride, pt, pl)
+                    assert lib.planner_dwconv(x.ctypes.data, f.ctypes.data, y.ctypes.data, *sizes) == 0
+                    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5, err_msg=f"k{k} {h}x{w} s{stride} {pads}")
+                    assert lib.planner_dwconv_s8(x.ctypes.data, q.ctypes.data, scale.ctypes.data, y_q.ctypes.data, *sizes) == 0
+                    np.testing.assert_array_equal(y_q, y)
+                    cases += 1
+    assert cases > 150
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("frozen_start", [False, True], ids=["first-bias", "frozen-start-in-bands"])
 def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_start, tmp_path):

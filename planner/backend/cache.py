@@ -50,16 +50,20 @@ def check_cache_dir(path: str | Path) -> Path:
 
 @functools.cache
 def code_id() -> str:
-    """A hash of the source of the back ends, the runtime they build for, and the modes and tasks
-    that hand the step's graph its parts (a weight rebuilt from a mode's parts, a task's loss): a
-    changed graph builder, memory model, weight layout or loss must not reuse entries built by the
-    old one, even within one released version."""
+    """A hash of the source of the back ends (a board's C runtime and linker script included), the
+    runtime they build for, and the modes and tasks that hand the step's graph its parts (a weight
+    rebuilt from a mode's parts, a task's loss): a changed graph builder, memory model, weight
+    layout, loss or C kernel must not reuse entries built by the old one, even within one
+    released version."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
     sources = [here, *(here.parent / part for part in ("runtime", "modes", "tasks"))]
-    for path in sorted(p for folder in sources for p in folder.rglob("*.py")):
-        h.update(path.read_bytes())
+    for path in sorted(p for folder in sources for p in folder.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
+        h.update(path.relative_to(here.parent).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
+
+
+_SOURCE_SUFFIXES = frozenset({".py", ".c", ".h", ".ld", ".S"})
 
 
 def entry_key(model: Model, candidate: dict, build: dict) -> str:

@@ -180,8 +180,9 @@ def dequantized(weight: relax.Expr, bound: dict[relax.Var, relax.Expr]) -> tuple
 
 def read_in_place(bindings: list[relax.VarBinding]) -> set[relax.Var]:
     """The bindings (the cast and the scaling) of each dequantized int8 weight (`dequantized`)
-    that only dense convolutions read, as their weight: a microcontroller's portable kernels read
-    those in flash, so the copy never takes SRAM. What plans the step's memory before it is
+    that only convolutions read as their weight, dense ones or a depthwise one's forward: a
+    microcontroller's portable kernels (`planner.backend.lower.portable`) read those in flash, so
+    the copy never takes SRAM. What plans the step's memory before it is
     lowered (`planner.backend.graph.bands`) counts them as nothing."""
     bound = {b.var: b.value for b in bindings}
     readers: dict[relax.Var, list[relax.Expr]] = {}
@@ -191,15 +192,18 @@ def read_in_place(bindings: list[relax.VarBinding]) -> set[relax.Var]:
     out: set[relax.Var] = set()
     for b in bindings:
         found = dequantized(b.var, bound)
-        if found is not None and all(_dense_weight_of(r, b.var) for r in readers.get(b.var, [])):
+        if found is not None and all(_reads_in_place(r, b.var) for r in readers.get(b.var, [])):
             out |= {b.var, b.value.args[0]}
     return out
 
 
-def _dense_weight_of(call: relax.Expr, weight: relax.Var) -> bool:
-    """Whether `call` is an ungrouped convolution (forward or transposed) reading `weight` as its weight alone."""
-    if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)):
+def _reads_in_place(call: relax.Expr, weight: relax.Var) -> bool:
+    """Whether `call` reads `weight` as its weight alone in a convolution the portable kernels read
+    int8 weights in place for: an ungrouped one (forward or transposed), a depthwise forward."""
+    if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)) or not call.args[1].same_as(weight):
         return False
-    if call.op.name not in ("relax.nn.conv2d", "relax.nn.conv2d_transpose") or int(call.attrs.groups) != 1:
+    if call.args[0].same_as(weight) or call.op.name not in ("relax.nn.conv2d", "relax.nn.conv2d_transpose"):
         return False
-    return call.args[1].same_as(weight) and not call.args[0].same_as(weight)
+    groups = int(call.attrs.groups)
+    depthwise = call.op.name == "relax.nn.conv2d" and int(weight.ty.shape[1]) == 1 and groups == int(weight.ty.shape[0])
+    return groups == 1 or depthwise

@@ -25,6 +25,7 @@ import tvm_ffi
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
+from planner.backend.lower import portable
 from planner.backend.sgemm import gemm, gemm_kernels, matmul
 from planner.backend.sgemm.gemm import Lowering
 from planner.runtime.libraries import load_openblas
@@ -240,6 +241,8 @@ def legalize(target: tvm.target.Target, kernels: Kernels, *, cache: Path | None 
             # TVM's JIT) resolves the sgemm symbol against this process, or calls address zero
             load_openblas()
         tvms = tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")
+        if kernels == Kernels.PORTABLE:  # a microcontroller's depthwise convolutions through its C kernel
+            tvms = functools.partial(portable.depthwise, fallback=tvms)
         ops["relax.nn.conv2d"] = functools.partial(gemm.conv2d, fallback=tvms, threads=threads, limits=limits, cache=cache)
         ops["relax.nn.conv2d_transpose"] = functools.partial(
             gemm.conv2d_transpose, fallback=conv2d_transpose_taps, threads=threads, limits=limits, cache=cache

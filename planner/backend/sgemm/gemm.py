@@ -12,7 +12,7 @@ dilated, other dtypes or layouts, symbolic shapes) falls back to the lowering pl
 without OpenBLAS.
 
 A kernel's TVMScript takes 100-200 ms to parse, so each is parsed once per process and kept
-parsed in the compile cache (`_built`), under the source of the modules it is parsed from
+parsed in the compile cache (`built`), under the source of the modules it is parsed from
 (`_source_id`). This module holds no TVMScript: it decides which kernel a call gets, and keeps
 what parsing made.
 """
@@ -32,7 +32,6 @@ import tvm
 from tvm import relax
 
 from planner import cachefile
-from planner.backend.graph.weights import dequantized
 from planner.backend.sgemm import gemm_kernels, im2col
 from planner.backend.sgemm.gemm_kernels import (
     CALLS,
@@ -106,7 +105,7 @@ _MADE_BY = _source_id()  # the source this process runs
 
 
 @functools.lru_cache(maxsize=1024)
-def _built(
+def built(
     kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, limits: Limits, cache: Path | None
 ) -> tvm.tirx.PrimFunc:
     """`kernel(s, threads, limits)`, made once per process (under the module's `constants()`) and,
@@ -154,11 +153,11 @@ def _conv_of(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
 
 
 def kernels_dir(cache: Path) -> Path:
-    """Where the compile cache `cache` keeps parsed kernels (`_built`)."""
+    """Where the compile cache `cache` keeps parsed kernels (`built`)."""
     return cache / "kernels-tir"
 
 
-def _forward(call: relax.Call) -> Conv | None:
+def forward_conv(call: relax.Call) -> Conv | None:
     """The `Conv` of a layer's forward `relax.nn.conv2d` the forward kernel computes; None for any other."""
     a = call.attrs
     if not (
@@ -174,7 +173,7 @@ def _forward(call: relax.Call) -> Conv | None:
     return Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
 
 
-def _input_grad(call: relax.Call) -> Conv | None:
+def input_grad_conv(call: relax.Call) -> Conv | None:
     """The `Conv` of a `relax.nn.conv2d_transpose` as TVM's input gradient writes it (NCHW dy, the
     IOHW view of the layer's OIHW weight); None for any other."""
     a = call.attrs
@@ -199,11 +198,11 @@ def conv2d(
         _, _, kh, kw = _ints(call.ty.shape)
         sh, sw = _ints(a.dilation)
         s = Conv(n, c, h, w, o, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
-        gv = bb.add_func(_built(weight_grad_kernel, s, threads, limits, cache), "conv2d_weight_grad_gemm")
+        gv = bb.add_func(built(weight_grad_kernel, s, threads, limits, cache), "conv2d_weight_grad_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
-    forward = _forward(call)
+    forward = forward_conv(call)
     if forward is not None:
-        gv = bb.add_func(_built(forward_kernel, forward, threads, limits, cache), "conv2d_gemm")
+        gv = bb.add_func(built(forward_kernel, forward, threads, limits, cache), "conv2d_gemm")
         return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
     return fallback(bb, call)
 
@@ -213,69 +212,11 @@ def conv2d_transpose(
 ) -> relax.Expr:
     """`relax.nn.conv2d_transpose` as TVM's input gradient writes it (NCHW dy, the IOHW view of
     the layer's OIHW weight) through OpenBLAS."""
-    s = _input_grad(call)
+    s = input_grad_conv(call)
     if s is None:
         return fallback(bb, call)
-    gv = bb.add_func(_built(input_grad_kernel, s, threads, limits, cache), "conv2d_input_grad_gemm")
+    gv = bb.add_func(built(input_grad_kernel, s, threads, limits, cache), "conv2d_input_grad_gemm")
     return relax.call_tir(gv, relax.Tuple([call.args[0], call.args[1]]), out_ty=call.ty)
-
-
-_KERNELS_S8 = {
-    "relax.nn.conv2d": (_forward, functools.partial(forward_kernel, quantized=True), "conv2d_gemm_s8"),
-    "relax.nn.conv2d_transpose": (_input_grad, functools.partial(input_grad_kernel, quantized=True), "conv2d_input_grad_gemm_s8"),
-}
-
-
-def int8_weights(mod: tvm.IRModule, threads: int, limits: Limits, *, cache: Path | None) -> tvm.IRModule:
-    """`mod` with each dense convolution (forward, and the input gradient that reads the same
-    weight) whose weight is a frozen int8 weight dequantized (`astype(q) * scale`, one scale per
-    output channel: `planner.backend.graph.weights`) computed by a kernel that reads the int8
-    weight where it lies (`GEMM_S8`), the dequantized copy no longer made.
-
-    Why: on a microcontroller the frozen weights are flash, and the copy was SRAM: MobileNetV2's
-    last 1x1 convolution's is 573 KB, most of the board's, alive while its one kernel runs. The
-    product computes each weight's value as the copy held it (`q * scale` in fp32), so the step
-    computes what it did with the copy. The portable sgemm alone has `GEMM_S8`: a microcontroller's
-    step only (`kernels: portable`)."""
-    builder = relax.BlockBuilder(mod)
-    rewritten: list[str] = []
-    for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-        blocks, changed = [], False
-        for block in func.body.blocks:
-            bindings = []
-            for b in block.bindings:
-                value = _int8_weight_call(builder, b.value, bound, threads, limits, cache)
-                changed |= value is not None
-                bindings.append(b if value is None else relax.VarBinding(b.var, value))
-            blocks.append(
-                relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings)
-            )
-        if changed:
-            body = relax.SeqExpr(blocks, func.body.body)
-            builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
-            rewritten.append(gv.name_hint)
-    if not rewritten:
-        return mod
-    return relax.transform.DeadCodeElimination(rewritten)(builder.get())
-
-
-def _int8_weight_call(
-    builder: relax.BlockBuilder, value: relax.Expr, bound: dict, threads: int, limits: Limits, cache: Path | None
-) -> relax.Expr | None:
-    """`value` as a call of an int8-weight kernel (`_KERNELS_S8`), if it is a convolution the
-    gemm kernels compute whose weight is a dequantized int8 weight; else None."""
-    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name in _KERNELS_S8):
-        return None
-    conv_of, kernel, name = _KERNELS_S8[value.op.name]
-    quantized = dequantized(value.args[1], bound)
-    s = conv_of(value) if quantized is not None else None
-    if s is None or quantized is None:
-        return None
-    gv = builder.add_func(_built(kernel, s, threads, limits, cache), name)
-    return relax.call_tir(gv, relax.Tuple([value.args[0], *quantized]), out_ty=value.ty)
 
 
 _weight_grad_accumulating = functools.partial(weight_grad_kernel, accumulate=True)
@@ -312,7 +253,7 @@ def accumulate_in_place(mod: tvm.IRModule, func: str, threads: int, limits: Limi
         if not source.args[0].name_hint.startswith("conv2d_weight_grad_gemm") or kernel.attrs.get(CONV) is None:
             continue
         s = Conv(*(int(d) for d in kernel.attrs[CONV]))
-        gv = builder.add_func(_built(_weight_grad_accumulating, s, threads, limits, cache), "conv2d_weight_grad_gemm_accumulate")
+        gv = builder.add_func(built(_weight_grad_accumulating, s, threads, limits, cache), "conv2d_weight_grad_gemm_accumulate")
         x, dy = source.args[1].fields
         fused[b.var] = relax.op.call_tir_inplace(gv, relax.Tuple([x, dy, total]), 2, call.ty)
     if not fused:

@@ -50,7 +50,7 @@ MIN_PIXELS = 256  # output pixels per image from which that thin product costs m
 @dataclass(frozen=True)
 class Limits:
     """How much workspace a kernel's tiling may take: a kernel made under other limits is another
-    kernel (`gemm._built` keys them by these)."""
+    kernel (`gemm.built` keys them by these)."""
 
     band_bytes: int  # all threads' tiles
     private_bytes: int  # every thread's own copy of dW, in all, when a weight gradient is split by tiles

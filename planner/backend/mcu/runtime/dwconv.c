@@ -1,0 +1,90 @@
+/* planner's portable depthwise convolution for microcontrollers: y = conv(x, w), NCHW, one filter per
+   channel (groups = channels), undilated, any kernel size, stride and zero padding; the convolution
+   planner's kernels call (`planner_dwconv`), and the same with an int8 filter read where it lies, each
+   channel's filter times its scale (`planner_dwconv_s8`, frozen weights stored int8).
+
+   Why: TVM's depthwise convolution emitted as C took 25 instructions per multiply-accumulate on a
+   Cortex-M4 (MobileNetV2-w0.35 at 128x128: 76 M instructions a step, as many as all its dense
+   convolutions). Here each channel's filter is read once into registers, and each output pixel whose
+   taps all fall inside the image (nearly all) sums them unrolled, its input rows a stride apart: a load
+   and a multiply-add per tap. The pixels near the border take the same sums over the taps that read the
+   image alone. Each sum runs over the taps in order, row by row, as TVM's own convolution sums them. */
+#include <stdint.h>
+
+/* Where the FPU fuses a multiply-add (VFMA: Cortex-M4F, M7, M55) each tap is one instruction, rounded
+   once, as planner's sgemm computes; elsewhere a product and a sum. */
+#if defined(__ARM_FEATURE_FMA)
+#define MAC(sum, a, b) ((sum) = __builtin_fmaf((a), (b), (sum)))
+#else
+#define MAC(sum, a, b) ((sum) += (a) * (b))
+#endif
+
+enum { MAX_TAPS = 49 }; /* a 7x7 filter: planner lowers larger ones with TVM */
+
+/* One output pixel whose taps may read the padding, its input window's corner at (iy, ix): only the
+   taps inside the image add, their range found once, not tested tap by tap. */
+static inline float border(const float* x, const float* f, int32_t h, int32_t w, int32_t kh, int32_t kw, int32_t iy,
+                           int32_t ix) {
+  const int32_t i0 = iy < 0 ? -iy : 0, i1 = iy + kh > h ? h - iy : kh;
+  const int32_t j0 = ix < 0 ? -ix : 0, j1 = ix + kw > w ? w - ix : kw;
+  float sum = 0;
+  for (int32_t i = i0; i < i1; ++i) {
+    const float* row = x + (iy + i) * w + ix;
+    for (int32_t j = j0; j < j1; ++j) MAC(sum, f[i * kw + j], row[j]);
+  }
+  return sum;
+}
+
+/* One channel: the filter `f` (kh x kw) over the plane `x` (h x w) into the plane `y` (oh x ow). */
+static void plane(const float* x, const float* f, float* y, int32_t h, int32_t w, int32_t kh, int32_t kw, int32_t oh,
+                  int32_t ow, int32_t sh, int32_t sw, int32_t pt, int32_t pl) {
+  /* the output columns whose taps are all inside the image: ox*sw - pl >= 0 and ox*sw - pl + kw <= w */
+  int32_t x0 = (pl + sw - 1) / sw, x1 = w - kw + pl >= 0 ? (w - kw + pl) / sw + 1 : 0;
+  if (x1 > ow) x1 = ow;
+  if (x0 > x1) x0 = x1;
+  for (int32_t oy = 0; oy < oh; ++oy) {
+    const int32_t iy = oy * sh - pt;
+    float* out = y + oy * ow;
+    if (iy < 0 || iy + kh > h || (kh != 3 || kw != 3)) {
+      for (int32_t ox = 0; ox < ow; ++ox) out[ox] = border(x, f, h, w, kh, kw, iy, ox * sw - pl);
+      continue;
+    }
+    for (int32_t ox = 0; ox < x0; ++ox) out[ox] = border(x, f, h, w, kh, kw, iy, ox * sw - pl);
+    const float f0 = f[0], f1 = f[1], f2 = f[2], f3 = f[3], f4 = f[4], f5 = f[5], f6 = f[6], f7 = f[7], f8 = f[8];
+    const float* r0 = x + iy * w + x0 * sw - pl;
+    const float* r1 = r0 + w;
+    const float* r2 = r1 + w;
+    for (int32_t ox = x0; ox < x1; ++ox) {
+      float sum = 0;
+      MAC(sum, f0, r0[0]), MAC(sum, f1, r0[1]), MAC(sum, f2, r0[2]);
+      MAC(sum, f3, r1[0]), MAC(sum, f4, r1[1]), MAC(sum, f5, r1[2]);
+      MAC(sum, f6, r2[0]), MAC(sum, f7, r2[1]), MAC(sum, f8, r2[2]);
+      out[ox] = sum;
+      r0 += sw, r1 += sw, r2 += sw;
+    }
+    for (int32_t ox = x1; ox < ow; ++ox) out[ox] = border(x, f, h, w, kh, kw, iy, ox * sw - pl);
+  }
+}
+
+/* x (n, c, h, w) by w (c, 1, kh, kw) into y (n, c, oh, ow), strides (sh, sw), leading padding (pt, pl). */
+int32_t planner_dwconv(float* x, float* w, float* y, int32_t n, int32_t c, int32_t h, int32_t wd, int32_t kh, int32_t kw,
+                       int32_t oh, int32_t ow, int32_t sh, int32_t sw, int32_t pt, int32_t pl) {
+  if (kh * kw > MAX_TAPS) return -1;
+  for (int32_t p = 0; p < n * c; ++p)
+    plane(x + p * h * wd, w + (p % c) * kh * kw, y + p * oh * ow, h, wd, kh, kw, oh, ow, sh, sw, pt, pl);
+  return 0;
+}
+
+/* The same with an int8 filter and one fp32 scale per channel: each channel's filter dequantized once
+   into registers, exactly the values the step's copy of it held (`q * scale` in fp32), without the copy. */
+int32_t planner_dwconv_s8(float* x, int8_t* q, float* scale, float* y, int32_t n, int32_t c, int32_t h, int32_t wd,
+                          int32_t kh, int32_t kw, int32_t oh, int32_t ow, int32_t sh, int32_t sw, int32_t pt, int32_t pl) {
+  float f[MAX_TAPS];
+  const int32_t taps = kh * kw;
+  if (taps > MAX_TAPS) return -1;
+  for (int32_t p = 0; p < n * c; ++p) {
+    for (int32_t t = 0; t < taps; ++t) f[t] = (float)q[(p % c) * taps + t] * scale[p % c];
+    plane(x + p * h * wd, f, y + p * oh * ow, h, wd, kh, kw, oh, ow, sh, sw, pt, pl);
+  }
+  return 0;
+}
