@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 import planner
-from planner.inputs.targets import parse_bytes
+from planner.inputs.targets import load_target, parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from mobilenet_v2_eighth import _scheme, digits_tasks  # noqa: E402
@@ -62,36 +62,42 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--accuracy-steps", type=int, default=100)
+    parser.add_argument("--target", default=TARGET, help="a microcontroller target of hw_targets/")
+    parser.add_argument("--budgets", default=",".join(BUDGETS), help="SRAM budgets, comma-separated")
+    parser.add_argument("--resolution", type=int, default=96, help="MobileNetV2's input side")
     parser.add_argument("--out", type=Path, default=Path("bench-out/mcu"))
     args = parser.parse_args()
+    budgets = tuple(args.budgets.split(","))
     out = args.out / args.model
     out.mkdir(parents=True, exist_ok=True)
     if args.model == "ds-cnn":
         init = zoo.save(zoo.ds_cnn(), out / "ds_cnn_init.onnx")
         source, downstream = kws_tasks(out)
     else:
-        init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=96), out / "mobilenet_v2_035_96_init.onnx")
-        source, downstream = digits_tasks(out, 96)
+        r = args.resolution
+        init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=r), out / f"mobilenet_v2_035_{r}_init.onnx")
+        source, downstream = digits_tasks(out, r)
     model = pretrained(init, source, out, args.pretrain_steps)
     space = yaml.safe_load((Path(__file__).resolve().parent.parent / "search_spaces" / "sparse-update.yaml").read_text())
     (out / "space.yaml").write_text(yaml.safe_dump(space))
     result = planner.plan(
         model=model,
         data=downstream,
-        target=TARGET,
+        target=args.target,
         space=str(out / "space.yaml"),
         out=out / "plan",
         storage=planner.default_storage(out / "plan"),
         trials=args.trials,
         accuracy_steps=args.accuracy_steps,
         latency_repeats=3,
-        budgets=BUDGETS,
+        budgets=budgets,
     )
+    clock = load_target(args.target).mcu.clock_hz
     done = [t for t in result.trials if t.complete and t.memory is not None and t.accuracy is not None]
-    print(f"\n{args.model}, {len(done)} trials on {TARGET}:\n")
+    print(f"\n{args.model}, {len(done)} trials on {args.target}:\n")
     print("| SRAM budget | plan: SRAM (ELF) | flash | trained layers | instructions per step | val acc | best under budget |")
     print("|---|---:|---:|---|---:|---:|---:|")
-    for label in BUDGETS:
+    for label in budgets:
         budget = parse_bytes(label)
         under = [t for t in done if t.memory.total <= budget and not t.over_budget.get("flash_budget", 0) > 0]
         best = max((t.accuracy.after for t in under), default=None)
@@ -102,7 +108,7 @@ def main() -> None:
         plan = json.loads(path.read_text())
         m = plan["metrics"]
         layers = ", ".join(f"{u['layer']}:{u['mode']}" for u in plan["choice"]["trainable"])
-        instructions = round(m["step_latency_ms"]["median"] * 25e3)  # the target's 25 MHz clock, one per cycle
+        instructions = round(m["step_latency_ms"]["median"] * clock / 1e3)  # the target's clock, one per cycle
         print(
             f"| {label} | {m['peak_memory_bytes']['total'] / 1024:.1f} KiB | {m['library_bytes'] / 1024:.1f} KiB | {layers} "
             f"(batch {plan['choice']['batch_size']}) | {instructions:,} | {m['accuracy']['after']:.3f} | {best:.3f} |"

@@ -289,11 +289,11 @@ def _target_bytes(sig: StepSignature) -> int:
 class SramPlan:
     """The SRAM an image will claim, from the step's storage plan, before anything is linked."""
 
-    arena: int  # every activation and gradient, in storages shared by lifetime
+    arena: int  # every activation and gradient, and each kernel call's scratch, placed by lifetime
     batch: int  # the inputs, labels and logits buffers
     trainable: int  # trainable weights (their parts: a LoRA's adapters, a ratio's trained share)
     optimizer: int  # optimizer state, the step count and the learning rate
-    scratch: int  # the kernels' workspace pool, the stack
+    scratch: int  # the stack
 
     @property
     def total(self) -> int:
@@ -310,7 +310,7 @@ def plan_sram(step: CStep, sig: StepSignature, weights: dict[str, np.ndarray]) -
         batch=sig.batch_size * (sample + _target_bytes(sig)) + 4 * sig.micro_batch * output_size(sig),
         trainable=sum(stored[n].nbytes for n in sig.trainable),
         optimizer=sum(int(np.prod(s, dtype=np.int64)) * np.dtype(t).itemsize for s, t, _ in sig.optim_states),
-        scratch=step.workspace_bytes + STACK_BYTES,  # (the tensors' descriptors are constants, in flash)
+        scratch=STACK_BYTES,  # (the kernels' scratch is in the arena, the tensors' descriptors in flash)
     )
 
 

@@ -141,14 +141,16 @@ def _one_gemm_prototype(source: str) -> str:
     return _GEMM_DECLARATION.sub(_GEMM_PROTOTYPE, source)
 
 
-def workspace_bytes(kernels: str, align: int) -> int:
-    """The scratch pool the kernels need: the most any one kernel holds at once (its blocks are
-    taken and given back in stack order, each rounded up to `align`), read from their C."""
-    most = 0
+def workspace_bytes(kernels: str, align: int) -> dict[str, int]:
+    """kernel -> the scratch it takes at most while it runs (its blocks are taken and given back
+    in stack order, each rounded up to `align`), read from their C; kernels that take none are left out."""
+    out = {}
     bodies = _FUNCTION.split(kernels)[1:]
-    for _, body in zip(bodies[::2], bodies[1::2]):
-        most = max(most, sum(_aligned(int(n), align) for n in _WORKSPACE.findall(body)))
-    return most
+    for symbol, body in zip(bodies[::2], bodies[1::2]):
+        need = sum(_aligned(int(n), align) for n in _WORKSPACE.findall(body))
+        if need:
+            out[symbol] = need
+    return out
 
 
 def include_dirs() -> list[Path]:

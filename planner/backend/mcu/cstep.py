@@ -49,7 +49,7 @@ class CStep:
     driver: str  # train_step.c: the arena, the tensors, the calls
     header: str  # train_step.h: the API
     arena_bytes: int  # every tensor at its offset (`_pack`): the most bytes alive at once, or a little more
-    workspace_bytes: int  # the kernels' scratch pool: the most any one kernel takes at once
+    workspace_bytes: int  # the most scratch any one kernel call takes (a block of the arena, for that call)
     calls: tuple[str, ...]  # the kernel of each of the step's calls, in order
 
 
@@ -106,7 +106,7 @@ class _Driver:
     """Walks one lowered function once, in program order, and writes its C: its tensors named
     `PREFIX...`, its parameters' data the C expressions `params` gives in order."""
 
-    def __init__(self, func: relax.Function, params: list[str], prefix: str):
+    def __init__(self, func: relax.Function, params: list[str], prefix: str, workspaces: dict[str, int]):
         if len(params) != len(func.params):
             raise CandidateFailed(f"the C back end expected {len(params)} parameters, the function takes {len(func.params)}")
         self.func, self.params, self.prefix = func, params, prefix
@@ -115,7 +115,8 @@ class _Driver:
         self.block_of: dict[relax.Var, _Block] = {}  # a tensor, or a view of it, -> its block
         self.arena = 0
         self.constants: list[str] = []
-        self.calls: list[str] = []
+        self.calls: list[tuple[int, str, list[_Tensor], _Tensor | None]] = []  # index, kernel, arguments, scratch
+        self.workspaces = workspaces  # kernel symbol -> the scratch a call of it takes
         self.called: list[str] = []  # the kernel of each call, in order
         self.kernels: set[str] = set()
         self.tuples: dict[relax.Var, list[relax.Expr]] = {}
@@ -194,7 +195,11 @@ class _Driver:
             symbol = f"__tvm_ffi_{value.op.name_hint}"
             self.kernels.add(symbol)
             index = len(self.called) if self.prefix == "s" else -1  # the step's calls are reported, one by one
-            self.calls.append(f"  CALL({index}, {symbol}, {', '.join(a.ref for a in args)});")
+            scratch = None
+            if self.workspaces.get(symbol):  # the call's scratch: a block of the arena alive for the call alone
+                scratch = _Tensor(f"{self.prefix}w{len(self.calls)}", (self.workspaces[symbol],), "uint8", "")
+                self.blocks.append(_Block(scratch, _aligned(scratch.nbytes), at, at))
+            self.calls.append((index, symbol, args, scratch))
             self.called.append(value.op.name_hint)
             self.max_args = max(self.max_args, len(args))
         elif isinstance(value, relax.Tuple):
@@ -264,13 +269,15 @@ def _dl_dtype(dtype: str) -> str:
 # What every driver holds besides its tensors and calls: the kernels' scratch, taken and given back
 # in stack order as TVM's kernels do, and a kernel called through TVM's packed C convention.
 _RUNTIME = Template("""static uint8_t arena[$arena] __attribute__((aligned($align)));
-static uint8_t workspace[$workspace] __attribute__((aligned($align)));
-static uint64_t workspace_top;
+/* The running kernel's scratch: a block of the arena planned for that call alone (`SCRATCH`), taken
+   and given back in stack order as TVM's kernels do. */
+static uint8_t* workspace;
+static uint64_t workspace_size, workspace_top;
 
 void* TVMBackendAllocWorkspace(int device_type, int device_id, uint64_t nbytes, int code, int bits) {
   (void)device_type; (void)device_id; (void)code; (void)bits;
   uint64_t size = (nbytes + $align - 1) / $align * $align;
-  if (workspace_top + size > sizeof(workspace)) return 0;
+  if (workspace_top + size > workspace_size) return 0;
   void* block = workspace + workspace_top;
   workspace_top += size;
   return block;
@@ -299,6 +306,8 @@ static int32_t call(planner_kernel kernel, DLTensor* const* args, int32_t n) {
 /* Called after each kernel of the step with its index (PLANNER_N_CALLS in all): nothing here; the
    emulated board's server counts each one's instructions with it. */
 __attribute__((weak)) void planner_kernel_done(int32_t index) { (void)index; }
+
+#define SCRATCH(at, bytes) (workspace = (at), workspace_size = (bytes), workspace_top = 0)
 
 #define CALL(index, kernel, ...)                                                    \\
   do {                                                                              \\
@@ -331,7 +340,7 @@ typedef $label_type planner_label_t;  /* $label_what */
 #define PLANNER_N_STATE $n_state      /* the trainable weights and every parameter after them */
 #define PLANNER_N_CALLS $n_calls      /* kernel calls in a step */
 #define PLANNER_ARENA_BYTES $arena
-#define PLANNER_WORKSPACE_BYTES $workspace
+#define PLANNER_WORKSPACE_BYTES $workspace  /* the most scratch one kernel call takes, in the arena */
 
 /* The step on tensors of the caller's: `inputs` the model's inputs (PLANNER_BATCH samples),
    `params` the step's other tensors in the order of its signature, the trainable weights and
@@ -402,8 +411,13 @@ def _tensors(d: _Driver) -> list[str]:
 
 
 def _body(d: _Driver) -> list[str]:
-    """A function's statements: the workspace emptied, the kernels called."""
-    return ["  workspace_top = 0;", *d.calls]
+    """A function's statements: the kernels called, each that takes scratch given its block first."""
+    lines = []
+    for index, symbol, args, scratch in d.calls:
+        if scratch is not None:
+            lines.append(f"  SCRATCH({scratch.data}, {scratch.nbytes});")
+        lines.append(f"  CALL({index}, {symbol}, {', '.join(a.ref for a in args)});")
+    return lines
 
 
 def _driver(step: _Driver, predict: _Driver, sig: StepSignature, arena: int, workspace: int) -> str:
@@ -420,7 +434,7 @@ def _driver(step: _Driver, predict: _Driver, sig: StepSignature, arena: int, wor
         "",
         *(f"extern int32_t {k}(void* self, void* args, int32_t num_args, void* result);" for k in kernels),
         "",
-        _RUNTIME.substitute(arena=arena, workspace=workspace, align=ALIGN, max_args=max(1, step.max_args, predict.max_args)),
+        _RUNTIME.substitute(arena=arena, align=ALIGN, max_args=max(1, step.max_args, predict.max_args)),
         *step.constants,
         *predict.constants,
         *_tensors(step),
@@ -447,11 +461,12 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
     n_inputs, n_weights = len(sig.inputs), len(sig.frozen) + len(sig.trainable)
     inputs = [f"inputs[{i}]" for i in range(n_inputs)]
     params = [f"params[{i}]" for i in range(_n_params(sig))]
-    step = _Driver(lowered[STEP_FUNC], [*inputs, *params, "(void*)labels"], "s")
-    predict = _Driver(lowered[PREDICT_FUNC], [*inputs, *params[:n_weights]], "p")
+    workspaces = workspace_bytes(kernels, ALIGN)
+    step = _Driver(lowered[STEP_FUNC], [*inputs, *params, "(void*)labels"], "s", workspaces)
+    predict = _Driver(lowered[PREDICT_FUNC], [*inputs, *params[:n_weights]], "p", workspaces)
     step.walk()
     predict.walk()
-    arena, workspace = max(ALIGN, step.arena, predict.arena), max(ALIGN, workspace_bytes(kernels, ALIGN))
+    arena, workspace = max(ALIGN, step.arena, predict.arena), max(workspaces.values(), default=0)
     header = _HEADER.substitute(
         batch=sig.batch_size,
         predict_batch=sig.micro_batch,
