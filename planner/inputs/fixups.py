@@ -90,6 +90,94 @@ def tie_identities(graph: onnx.GraphProto) -> None:
     graph.node.extend(kept)
 
 
+def dequantize_weights(graph: onnx.GraphProto) -> None:
+    """Every `DequantizeLinear` of an initializer (a QDQ model's int8 weight, its int32 bias) is a
+    float initializer of the values it stands for, under the name its output had; the integers,
+    scales and zero points nothing else reads are gone.
+
+    Why: in a model quantized the QDQ way (ONNX Runtime's `quantize_static`, PyTorch's PT2E
+    export), a layer's weight is the output of a DequantizeLinear, not an initializer, so the
+    layer would have nothing to train. The values are the quantized ones exactly (`(q - zero) *
+    scale`, as ONNX's reference computes them), so the model computes what it computed; a
+    candidate storing frozen weights int8 quantizes them again per output channel, which gives
+    back the same integers (a symmetric per-channel scale is the channel's largest |w| / 127).
+    """
+    inits = {t.name: t for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    kept, made = [], []
+    for node in graph.node:
+        reads = [n for n in node.input if n]
+        if node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx") and reads and all(n in inits for n in reads):
+            opset = 21 if any(a.name == "block_size" for a in node.attribute) else 19
+            (value,) = ReferenceEvaluator(node, opsets={"": opset}).run(None, {n: numpy_helper.to_array(inits[n]) for n in reads})
+            made.append(numpy_helper.from_array(np.asarray(value, np.float32), node.output[0]))
+        else:
+            kept.append(node)
+    if not made:
+        return
+    read = {n for node in kept for n in _reads(node)} | outputs
+    dropped = [t for t in graph.initializer if t.name not in read]
+    for t in dropped:
+        graph.initializer.remove(t)
+        for graph_input in [i for i in graph.input if i.name == t.name]:
+            graph.input.remove(graph_input)
+    graph.initializer.extend(made)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def unpaired_quantization(graph: onnx.GraphProto) -> str | None:
+    """What planner cannot train in a QDQ model's activations, or None: each QuantizeLinear of an
+    activation must be read only by DequantizeLinears of its own one scale and zero point (a fake
+    quantization, trained straight-through: `planner.backend.graph.rewrites`), and a
+    DequantizeLinear of an activation must read such a QuantizeLinear. Called after
+    `dequantize_weights`, when only activations are still quantized."""
+    made = {out: node for node in graph.node for out in node.output}
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+
+    def constant(name: str) -> np.ndarray | None:
+        if name in inits:
+            return numpy_helper.to_array(inits[name])
+        node = made.get(name)
+        if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            return numpy_helper.to_array(node.attribute[0].t)
+        return None
+
+    def scale_and_zero(node: onnx.NodeProto) -> tuple | None:
+        s = constant(node.input[1])
+        z = constant(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.uint8)
+        return (
+            None if s is None or z is None or s.size != 1 or z.size != 1 else (float(s.reshape(())), int(z.reshape(())), z.dtype)
+        )
+
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear":
+            key = scale_and_zero(node)
+            if key is None:
+                return f"node {node.name!r}: an activation quantized with a scale per channel or a computed scale (planner trains one constant scale per tensor)"
+            for r in readers.get(node.output[0], []):
+                if r.op_type != "DequantizeLinear" or scale_and_zero(r) != key:
+                    return f"node {node.name!r}: its integers are read by {r.name!r} ({r.op_type}), not dequantized at once with its own scale (planner trains fake quantization, QDQ pairs)"
+        elif node.op_type == "DequantizeLinear":
+            source = made.get(node.input[0])
+            if source is None or source.op_type != "QuantizeLinear":
+                return (
+                    f"node {node.name!r}: dequantizes {node.input[0]!r}, which is neither a weight nor a QuantizeLinear's output"
+                )
+        elif node.op_type in _INTEGER_OPS:
+            return (
+                f"node {node.name!r} ({node.op_type}): integer operators are not supported; quantize the model in the QDQ format"
+            )
+    return None
+
+
+_INTEGER_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul"})
+
+
 def equal_initializers(graph: onnx.GraphProto) -> list[list[str]]:
     """Groups of float initializers of more than one value holding bitwise-equal tensors, in
     graph order: one tensor stored several times (or, in a model never trained, equal ones)."""

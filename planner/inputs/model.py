@@ -20,7 +20,15 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from planner.errors import BadInput, first_line
-from planner.inputs.fixups import for_import, name_nodes, tie_copies, tie_identities, tie_transposes
+from planner.inputs.fixups import (
+    dequantize_weights,
+    for_import,
+    name_nodes,
+    tie_copies,
+    tie_identities,
+    tie_transposes,
+    unpaired_quantization,
+)
 from planner.inputs.layers import Layer, layers_of, parameters_of
 from planner.tasks import CLASSIFICATION, TASKS, Task
 from planner.types import ModelInput
@@ -192,6 +200,9 @@ def load_model(path: str | Path) -> Model:
     except Exception as exc:
         raise BadInput(f"{path} is not a valid ONNX model: {first_line(exc)}") from None
     name_nodes(proto.graph)
+    dequantize_weights(proto.graph)
+    if (problem := unpaired_quantization(proto.graph)) is not None:
+        raise BadInput(f"{path}: {problem}")
     tie_identities(proto.graph)
     apart = tie_copies(proto.graph) + tie_transposes(proto.graph)
     graph = proto.graph

@@ -33,12 +33,14 @@ class Graph:
         self.types = types
         self.constants = constants
         self.ranks = ranks
+        # a fake quantization's integers pass the gradient on, straight through (a QDQ model's QuantizeLinear)
+        self.straight = {out for n in self.nodes if (row := operator(n)) is not None and row.straight_through for out in n.output}
 
     def view(self, node: onnx.NodeProto) -> Node:
         return Node(node, self.constants, self.ranks)
 
     def carries_gradient(self, name: str) -> bool:
-        return self.types.get(name, onnx.TensorProto.FLOAT) in _FLOAT_TYPES
+        return name in self.straight or self.types.get(name, onnx.TensorProto.FLOAT) in _FLOAT_TYPES
 
 
 def blocking_nodes(graph: Graph, outputs: Sequence[str]) -> dict[str, str]:

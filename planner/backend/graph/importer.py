@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
-from planner.backend.graph.rewrites import for_training
+from planner.backend.graph.rewrites import for_training, scalar
 from planner.errors import CandidateFailed, PlannerBug, last_line
 from planner.inputs.model import Model
 
@@ -132,12 +132,6 @@ class _ClipAsRelaxOps(relax.PyExprMutator):
         return call
 
 
-def _scalar(expr: relax.Expr) -> float | None:
-    if isinstance(expr, tvm.ir.Constant) and expr.value.numpy().size == 1:
-        return float(expr.value.numpy().reshape(()))
-    return None
-
-
 @relax.expr_functor.mutator
 class _ClampAsClip(relax.PyExprMutator):
     """`minimum(maximum(x, lo), hi)` with constant bounds -> `R.clip(x, lo, hi)`.
@@ -156,7 +150,7 @@ class _ClampAsClip(relax.PyExprMutator):
         if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == "relax.maximum"):
             return call
         x, lo = bound.args
-        low, high = _scalar(lo), _scalar(hi)
+        low, high = scalar(lo), scalar(hi)
         if low is None or high is None or x.ty.dtype != call.ty.dtype or x.ty.shape is None:
             return call
         return relax.op.clip(x, low, high)

@@ -14,6 +14,11 @@
   `rms_norm`.
 - A concatenation of one tensor (GPT-2's attention concatenates the key with an empty cache) as
   the tensor: TVM's concat gradient returns a tensor where its gradient pass expects a tuple.
+- A QDQ model's fake quantization of an activation, `dequantize(quantize(x, s, z), s, z)`, as
+  `clip(x) + no_grad(dequantize(quantize(x)) - clip(x))` (clip to the range the integers span):
+  the same values, and the straight-through gradient PyTorch's fake quantization has (the
+  output's gradient where x is inside the range, zero outside), where the true one is zero
+  almost everywhere and a model quantized for inference would learn nothing through it.
 """
 
 from __future__ import annotations
@@ -143,10 +148,44 @@ class _LoneConcat(relax.PyExprMutator):
         return call
 
 
+_QUANTIZE, _DEQUANTIZE = tvm.ir.Op.get("relax.quantize"), tvm.ir.Op.get("relax.dequantize")
+
+
+def scalar(expr: relax.Expr) -> float | None:
+    """The value of a constant of one element, else None."""
+    if isinstance(expr, tvm.ir.Constant) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy().reshape(()))
+    return None
+
+
+@relax.expr_functor.mutator
+class _FakeQuantized(relax.PyExprMutator):
+    """`dequantize(quantize(x, s, z), s, z)` with one constant scale and zero point ->
+    `clip(x, lo, hi) + no_grad(dequantize(quantize(x, s, z), s, z) - clip(x, lo, hi))`."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not call.op.same_as(_DEQUANTIZE):
+            return call
+        q = self.lookup_binding(call.args[0]) if isinstance(call.args[0], relax.Var) else call.args[0]
+        if not (isinstance(q, relax.Call) and q.op.same_as(_QUANTIZE)):
+            return call
+        x = q.args[0]
+        s, z = scalar(call.args[1]), scalar(call.args[2])
+        if s is None or z is None or (s, z) != (scalar(q.args[1]), scalar(q.args[2])):
+            return call
+        info = tvm.runtime.DataType(str(q.ty.dtype))
+        lowest = -(2 ** (info.bits - 1)) if info.type_code == 0 else 0  # int8: -128; uint8: 0
+        highest = lowest + 2**info.bits - 1
+        clipped = self.builder_.emit(relax.op.clip(x, (lowest - z) * s, (highest - z) * s))
+        gap = self.builder_.emit(relax.op.subtract(call, clipped))
+        return relax.op.add(clipped, relax.op.grad.no_grad(gap))
+
+
 def for_training(func: relax.Function) -> relax.Function:
     """`func` with every 1-D convolution, transposed convolution and pool a 2-D one of height 1,
-    group and RMS norms as their ops and every lone concatenation its tensor (see the module's
-    docstring)."""
-    for rewrite in (_Conv1dAsConv2d, _OneDAsTwoD, _NormsAsOps, _LoneConcat):
+    group and RMS norms as their ops, every lone concatenation its tensor and every fake
+    quantization straight-through (see the module's docstring)."""
+    for rewrite in (_Conv1dAsConv2d, _OneDAsTwoD, _NormsAsOps, _LoneConcat, _FakeQuantized):
         func = rewrite().visit_expr(func)
     return func

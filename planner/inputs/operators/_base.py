@@ -75,6 +75,9 @@ class Operator:
     # a step function: its gradient is zero wherever it exists (as PyTorch's), so a path through it
     # teaches what is before it nothing — and blocks nothing
     zero_gradient: bool = False
+    # its gradient is not its derivative but the straight-through estimator PyTorch's fake
+    # quantization has: proven against PyTorch's autograd, not by finite differences
+    straight_through: bool = False
     section: str = ""  # set by the table: where docs list it
 
     def passes_to(self, slot: int) -> bool:

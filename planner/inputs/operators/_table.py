@@ -73,9 +73,14 @@ def _r(name: str, what: str, why: str) -> Operator:
 _NOT_FLOAT = "its output is an integer or boolean tensor: no gradient exists"
 _STEP = "a step function: its gradient is zero wherever it exists, so nothing before it would learn"
 _CONTROL = "control flow and sequences are not supported: export the model without data-dependent loops"
-_QUANTIZED = "quantized graphs are not supported yet: export the float model"
+_QUANTIZED = "integer operators are not supported: quantize the model in the QDQ format, or export the float model"
 _DYNAMIC = "its output shape depends on the data; a step needs fixed shapes"
 _FOLDED = "computed once at import: a step's shapes are fixed, so this is a constant"
+
+_QDQ = (
+    "fake quantization: the values quantized and dequantized at once, the gradient straight-through where they "
+    "are inside the integers' range, zero outside (PyTorch's `fake_quantize`); proven against PyTorch in tests/test_qdq.py"
+)
 
 _SECTIONS: dict[str, tuple[Operator, ...]] = {
     "Linear algebra and convolutions": (
@@ -286,6 +291,24 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _t("LSTM", "`nn.LSTM` (unrolled over its fixed sequence)"),
         _t("RNN", "`nn.RNN` (unrolled over its fixed sequence)"),
     ),
+    "Quantization (QDQ models)": (
+        Operator(
+            "QuantizeLinear",
+            Support.TRAINS,
+            "a QDQ model's activation quantized (ONNX Runtime's `quantize_static`, PyTorch's PT2E export)",
+            grads=(0,),
+            why=_QDQ,
+            straight_through=True,
+        ),
+        Operator(
+            "DequantizeLinear",
+            Support.TRAINS,
+            "a QDQ model's weight (read as the float values it stands for, which train) or activation dequantized",
+            grads=(0,),
+            why=_QDQ,
+            straight_through=True,
+        ),
+    ),
     "Refused": (
         _r("Loop", "`nn.EmbeddingBag` (legacy exporter), scripted loops", _CONTROL),
         _r("If", "scripted branches (one whose condition is a constant once shapes are fixed is its branch)", _CONTROL),
@@ -298,9 +321,7 @@ _SECTIONS: dict[str, tuple[Operator, ...]] = {
         _r("Unique", "`unique`", _DYNAMIC),
         _r("Compress", "boolean masking", _DYNAMIC),
         _r("NonMaxSuppression", "detection post-processing", _DYNAMIC),
-        _r("QuantizeLinear", "quantized graphs", _QUANTIZED),
-        _r("DequantizeLinear", "quantized graphs", _QUANTIZED),
-        _r("DynamicQuantizeLinear", "quantized graphs", _QUANTIZED),
+        _r("DynamicQuantizeLinear", "dynamic quantization", _QUANTIZED),
         _r("MatMulInteger", "quantized graphs", _QUANTIZED),
         _r("ConvInteger", "quantized graphs", _QUANTIZED),
         _r("QLinearConv", "quantized graphs", _QUANTIZED),
