@@ -16,15 +16,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from planner.backend import backend_for
 from planner.inputs.model import load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
 from planner.inputs.targets import load_target
-from planner.measurement.qemu import QemuSession
-from planner.runtime.session import example_batch
+from planner.measurement.qemu import kernel_instructions
 from planner.types import Kernels
 
 DIGITS = shipped("examples") / "digits"
@@ -35,12 +32,7 @@ def profile(target_name: str, kernels: Kernels, scheme: str, cache: Path) -> tup
     target = load_target(target_name).model_copy(update={"kernels": kernels})
     candidate = load_scheme(str(DIGITS / f"{scheme}.yaml")).candidate(model)
     firmware = backend_for(target, cache_dir=cache).build(model, candidate)
-    session = QemuSession(firmware, dict(model.initializers), target.mcu)
-    try:
-        x, y = example_batch(firmware.signature, np.random.default_rng(0))
-        return list(firmware.calls), session.profile(x, y, len(firmware.calls))
-    finally:
-        session.close()
+    return list(firmware.calls), kernel_instructions(firmware, dict(model.initializers), target.mcu)
 
 
 def main() -> None:

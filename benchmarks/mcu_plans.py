@@ -25,6 +25,7 @@ import numpy as np
 import yaml
 
 import planner
+from planner.errors import NoFeasiblePlan
 from planner.inputs.targets import load_target, parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -80,18 +81,22 @@ def main() -> None:
     model = pretrained(init, source, out, args.pretrain_steps)
     space = yaml.safe_load((Path(__file__).resolve().parent.parent / "search_spaces" / "sparse-update.yaml").read_text())
     (out / "space.yaml").write_text(yaml.safe_dump(space))
-    result = planner.plan(
-        model=model,
-        data=downstream,
-        target=args.target,
-        space=str(out / "space.yaml"),
-        out=out / "plan",
-        storage=planner.default_storage(out / "plan"),
-        trials=args.trials,
-        accuracy_steps=args.accuracy_steps,
-        latency_repeats=3,
-        budgets=budgets,
-    )
+    try:
+        result = planner.plan(
+            model=model,
+            data=downstream,
+            target=args.target,
+            space=str(out / "space.yaml"),
+            out=out / "plan",
+            storage=planner.default_storage(out / "plan"),
+            trials=args.trials,
+            accuracy_steps=args.accuracy_steps,
+            latency_repeats=3,
+            budgets=budgets,
+        )
+    except NoFeasiblePlan as exc:  # every trial over the target's own SRAM or flash: the table would be empty
+        print(f"\n{args.model} on {args.target}: {exc}")
+        return
     clock = load_target(args.target).mcu.clock_hz
     done = [t for t in result.trials if t.complete and t.memory is not None and t.accuracy is not None]
     print(f"\n{args.model}, {len(done)} trials on {args.target}:\n")

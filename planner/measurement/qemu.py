@@ -26,7 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from planner.backend._base import Artifact
-from planner.backend.mcu import C_FIRMWARE
+from planner.backend.mcu import C_FIRMWARE, CFirmware
 from planner.backend.mcu.cvalues import label_dtype
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import HardwareTarget, Mcu
@@ -149,6 +149,17 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def kernel_instructions(firmware: CFirmware, weights: dict[str, np.ndarray], board: Mcu, *, seed: int = 0) -> list[int]:
+    """The instructions each kernel call of one step takes on `board`'s emulated core, in order,
+    on an example batch drawn with `seed` (`firmware.calls` names the kernels)."""
+    session = QemuSession(firmware, weights, board)
+    try:
+        x, y = example_batch(firmware.signature, np.random.default_rng(seed))
+        return session.profile(x, y, len(firmware.calls))
+    finally:
+        session.close()
 
 
 class QemuSession:

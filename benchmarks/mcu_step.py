@@ -1,0 +1,89 @@
+"""One microcontroller step, taken apart: its SRAM by part (from the linked ELF) and its instructions by
+kind of kernel (counted on the emulated core).
+
+    python benchmarks/mcu_step.py [--model mobilenet-v2|ds-cnn] [--resolution 128] [--target stm32f746-disco]
+                                  [--trained classifier:bias] [--frozen-weights int8] [--batch 1]
+
+MobileNetV2-w0.35 (tests/zoo.py) at `--resolution`, or MLPerf Tiny's DS-CNN; `--trained` lists
+`layer:mode` pairs (`last:N` trains the biases of the last N layers). The SRAM is the ELF's: the
+arena (every activation, gradient and kernel scratch, placed by lifetime), the input batch and
+labels, trainable weights and optimizer state, the stack. Instructions under `qemu -icount`:
+deterministic, one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from planner.backend import backend_for
+from planner.inputs.model import load_model
+from planner.inputs.targets import load_target
+from planner.measurement.qemu import kernel_instructions
+from planner.types import Candidate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402
+
+
+def _kind(kernel: str) -> str:
+    """A kernel's family, as the table groups them."""
+    if "gemm" in kernel:
+        return "dense convolutions (im2col + sgemm)"
+    if kernel.startswith("depthwise_conv2d_c"):
+        return "depthwise convolutions (dwconv.c)"
+    if "conv2d" in kernel:
+        return "other convolutions (TVM)"
+    return "elementwise, pooling, loss, updates (TVM)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mobilenet-v2", "ds-cnn"], default="mobilenet-v2")
+    parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--target", default="stm32f746-disco")
+    parser.add_argument("--trained", default="classifier:bias", help="layer:mode,... or last:N (the last N layers' biases)")
+    parser.add_argument("--frozen-weights", choices=["fp32", "int8"], default="int8")
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="mcu-step-"))
+    proto = zoo.mobilenet_v2(0.35, args.resolution) if args.model == "mobilenet-v2" else zoo.ds_cnn()
+    model = load_model(zoo.save(proto, out / "model.onnx"))
+    if args.trained.startswith("last:"):
+        names = [layer.name for layer in model.layers if layer.trainable]
+        trained = tuple((name, "bias") for name in names[-int(args.trained[5:]) :])
+    else:
+        trained = tuple(tuple(pair.split(":", 1)) for pair in args.trained.split(","))
+    candidate = Candidate(trained, batch_size=args.batch, optimizer="sgd", lr=0.01, frozen_weights=args.frozen_weights)
+    target = load_target(args.target)
+    firmware = backend_for(target, cache_dir=out / "cache").build(model, candidate)
+    counts = kernel_instructions(firmware, dict(model.initializers), target.mcu)
+    m = firmware.memory
+    sig = firmware.signature
+    batch = args.batch * sum(int(np.prod(i.static)) * np.dtype(i.dtype).itemsize for i in sig.inputs)
+    print(
+        f"{args.model} {args.resolution}, {args.trained}, batch {args.batch}, frozen weights {args.frozen_weights}, {target.name}"
+    )
+    print(
+        f"SRAM {m.total / 1024:.1f} KiB: arena {(m.activations - batch) / 1024:.1f}, input batch {batch / 1024:.1f}, "
+        f"trainable {m.trainable_params / 1024:.1f}, optimizer {m.optimizer_state / 1024:.1f}, stack and C library "
+        f"{m.scratch / 1024:.1f}; flash {firmware.flash_bytes / 1024:.1f} KiB"
+    )
+    by: collections.Counter[str] = collections.Counter()
+    macs: collections.Counter[str] = collections.Counter()
+    for (kernel, flops), count in zip(firmware.calls, counts):
+        by[_kind(kernel)] += count
+        macs[_kind(kernel)] += flops // 2
+    print(f"instructions per step: {sum(counts) / 1e6:.1f} M")
+    for kind, count in by.most_common():
+        per = f", {count / macs[kind]:.2f} per multiply-accumulate" if macs[kind] else ""
+        print(f"  {kind}: {count / 1e6:.1f} M{per}")
+
+
+if __name__ == "__main__":
+    main()
