@@ -65,7 +65,7 @@ def depthwise_conv(call: relax.Call) -> Conv | None:
     return Conv(n, c, h, wd, c, kh, kw, oh, ow, sh, sw, int(a.padding[0]), int(a.padding[1]))
 
 
-def _depthwise_call(bb: relax.BlockBuilder, s: Conv, x: relax.Expr, weight: list[relax.Expr], out_ty) -> relax.Expr:
+def _depthwise_call(bb: relax.BlockBuilder, s: Conv, x: relax.Expr, weight: list[relax.Expr]) -> relax.Expr:
     """A call of the C depthwise kernel on `x` and `weight` (the fp32 filter, or int8 values and
     their scales), marked with its flops for the profile."""
     sizes = (s.n, s.c, s.h, s.w, s.kh, s.kw, s.oh, s.ow, s.sh, s.sw, s.pt, s.pl)
@@ -89,7 +89,7 @@ def _depthwise_call(bb: relax.BlockBuilder, s: Conv, x: relax.Expr, weight: list
 def depthwise(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering) -> relax.Expr:
     """`relax.nn.conv2d`: a depthwise convolution through the C kernel, anything else `fallback`."""
     s = depthwise_conv(call)
-    return fallback(bb, call) if s is None else _depthwise_call(bb, s, call.args[0], [call.args[1]], call.ty)
+    return fallback(bb, call) if s is None else _depthwise_call(bb, s, call.args[0], [call.args[1]])
 
 
 def int8_weights(mod: tvm.IRModule, threads: int, limits: Limits, *, cache: Path | None) -> tvm.IRModule:
@@ -137,4 +137,4 @@ def _int8_weight_call(
         gv = builder.add_func(built(kernel, s, threads, limits, cache), name)
         return relax.call_tir(gv, relax.Tuple([value.args[0], *quantized]), out_ty=value.ty)
     s = depthwise_conv(value) if value.op.name == "relax.nn.conv2d" else None
-    return None if s is None else _depthwise_call(builder, s, value.args[0], list(quantized), value.ty)
+    return None if s is None else _depthwise_call(builder, s, value.args[0], list(quantized))

@@ -52,6 +52,7 @@ __attribute__((weak)) void planner_kernel_done(int32_t index) { (void)index; }
   do {                                                                              \\
     DLTensor* const args_[] = {__VA_ARGS__};                                        \\
     int32_t rc_ = call(kernel, args_, (int32_t)(sizeof(args_) / sizeof(args_[0])));  \\
+    workspace_size = 0; /* the block was this call's: a later unplanned request fails */ \\
     if (rc_ != 0) return rc_;                                                       \\
     if (index >= 0) planner_kernel_done(index);                                     \\
   } while (0)
