@@ -160,7 +160,7 @@ def dequantized(weight: relax.Expr, bound: dict[relax.Var, relax.Expr]) -> tuple
     `as_stored` writes it, `astype(q, "float32") * scale` with one scale per output channel
     (o, 1, 1, 1); else None. A kernel that reads q where it lies and scales each value as it
     reads it computes what the dequantized copy would have held, without the copy
-    (`planner.backend.sgemm.gemm.int8_weights`)."""
+    (`planner.backend.lower.portable.int8_weights`)."""
     value = bound.get(weight) if isinstance(weight, relax.Var) else None
     if not (isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.multiply"))):
         return None
@@ -182,8 +182,8 @@ def read_in_place(bindings: list[relax.VarBinding]) -> set[relax.Var]:
     """The bindings (the cast and the scaling) of each dequantized int8 weight (`dequantized`)
     that only convolutions read as their weight, dense ones or a depthwise one's forward: a
     microcontroller's portable kernels (`planner.backend.lower.portable`) read those in flash, so
-    the copy never takes SRAM. What plans the step's memory before it is
-    lowered (`planner.backend.graph.bands`) counts them as nothing."""
+    the copy never takes SRAM. What plans the step's memory before it is lowered
+    (`planner.backend.graph.bands`) counts them as nothing."""
     bound = {b.var: b.value for b in bindings}
     readers: dict[relax.Var, list[relax.Expr]] = {}
     for b in bindings:
