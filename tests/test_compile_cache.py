@@ -101,6 +101,6 @@ def test_evaluating_a_candidate_needs_no_kernel_of_its_own(tiny_model, trained):
     model = load_model(tiny_model)
     names = [layer.name for layer in model.layers if layer.weight or layer.bias]
     candidate = Candidate(trainable=tuple((n, "full") for n in names[-trained:]), batch_size=4, optimizer="sgd", lr=0.05)
-    mod, _ = build_training_module(model, candidate)
-    scheduled = pipeline._schedule(pipeline._fuse(mod, HOST, Kernels.OPENBLAS, None), HOST)
+    mod, sig = build_training_module(model, candidate)
+    scheduled = pipeline._schedule(pipeline._fuse(mod, HOST, Kernels.OPENBLAS, None, len(sig.inputs)), HOST)
     assert _kernels_called(scheduled, PREDICT_FUNC) <= _kernels_called(scheduled, STEP_FUNC)

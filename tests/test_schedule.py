@@ -427,8 +427,8 @@ def test_scheduled_step_computes_what_the_unscheduled_one_does(case, kernels, tm
         **options,
     )
     mod, sig = build_training_module(model, candidate)
-    reference = _fuse(mod, HOST, Kernels.TVM, None)
-    fused = _fuse(mod, HOST, kernels, None)
+    reference = _fuse(mod, HOST, Kernels.TVM, None, len(sig.inputs))
+    fused = _fuse(mod, HOST, kernels, None, len(sig.inputs))
     # as `compile_candidate` builds it: scheduled, then its updates written over their weights
     in_place = in_place_candidates(fused, sig) if candidate.updates == "in-place" else set()
     scheduled = _schedule(tvm.IRModule(dict(fused.functions_items()), attrs=fused.attrs), HOST)  # it rewrites its argument

@@ -12,6 +12,8 @@
 - Group and RMS normalization (ONNX's `GroupNormalization`, `RMSNormalization`) as the means,
   variances and products they are: Relax has gradients for those, not for `group_norm` or
   `rms_norm`.
+- BatchNorm (running statistics) as `x * a + b` per channel: the same function, one multiply-add
+  per element rather than a subtraction, a division, a product and a sum.
 - A concatenation of one tensor (GPT-2's attention concatenates the key with an empty cache) as
   the tensor: TVM's concat gradient returns a tensor where its gradient pass expects a tuple.
 - A QDQ model's fake quantization of an activation, `dequantize(quantize(x, s, z), s, z)`, as
@@ -114,6 +116,23 @@ def _group_norm(call: relax.Call) -> relax.Expr:
     return y
 
 
+def _batch_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """Inference BatchNorm as one multiply-add per element, `x * a + b` with `a = gamma / sqrt(var
+    + eps)` and `b = beta - mean * a` per channel — what PyTorch's CPU inference and BatchNorm
+    folding compute — rather than TVM's `(x - mean) / sqrt(var + eps) * gamma + beta`, whose
+    per-channel terms its fusion recomputes for every element (`planner.backend.lower.hoist`).
+    The running statistics are those of an exported eval-mode model: they never change."""
+    x, gamma, beta, mean, var = call.args
+    ndim = int(x.ty.ndim)
+    channel = [-1] + [1] * (ndim - int(call.attrs.axis) % ndim - 1)
+    eps = relax.const(float(call.attrs.epsilon), x.ty.dtype)
+    root = relax.op.sqrt(var + eps)
+    a = bb.emit(gamma / root if call.attrs.scale else relax.op.divide(relax.const(1.0, x.ty.dtype), root))
+    b = bb.emit(beta - mean * a if call.attrs.center else relax.op.negative(mean * a))
+    y = bb.emit(x * relax.op.reshape(a, channel) + relax.op.reshape(b, channel))
+    return relax.Tuple([y, mean, var])
+
+
 def _rms_norm(call: relax.Call) -> relax.Expr:
     x, weight = call.args
     eps = relax.const(float(call.attrs.epsilon), x.ty.dtype)
@@ -123,7 +142,8 @@ def _rms_norm(call: relax.Call) -> relax.Expr:
 
 @relax.expr_functor.mutator
 class _NormsAsOps(relax.PyExprMutator):
-    """`group_norm` (channels on axis 1) and `rms_norm` as means, variances, products and sums."""
+    """`group_norm` (channels on axis 1) and `rms_norm` as means, variances, products and sums;
+    `batch_norm` as a multiply-add per element."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
@@ -132,6 +152,8 @@ class _NormsAsOps(relax.PyExprMutator):
             return _group_norm(call)
         if name == "relax.nn.rms_norm":
             return _rms_norm(call)
+        if name == "relax.nn.batch_norm":
+            return _batch_norm(self.builder_, call)
         return call
 
 

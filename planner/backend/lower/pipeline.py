@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner.backend.graph.training import build_training_module
-from planner.backend.lower import activations, portable, sparse, tune
+from planner.backend.lower import activations, hoist, portable, sparse, tune
 from planner.backend.lower.inplace import in_place_candidates, update_in_place
 from planner.backend.lower.kernels import legalize
 from planner.backend.lower.schedule import default_schedule
@@ -29,15 +29,21 @@ from planner.types import Candidate, Kernels, StepSignature, Updates
 TVM_COMPILE = "TVM compile"
 
 
-def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_dir: Path | None) -> tvm.IRModule:
-    """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning."""
+def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_dir: Path | None, n_inputs: int) -> tvm.IRModule:
+    """TVM's CPU pipeline up to fused kernels (TIR functions), the unit of tuning; weight-only
+    values that feed much larger kernels fused apart from them (`planner.backend.lower.hoist`)."""
     # planner's legalization first; TVM's own after it is then a no-op
-    passes = cpu.library_dispatch_passes(target) + [legalize(target, kernels, cache=cache_dir)] + cpu.legalize_passes(target)
+    passes = cpu.library_dispatch_passes(target) + [
+        legalize(target, kernels, cache=cache_dir),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+    ]
     mod = sparse.embedding_sgd(mod, threads=gemm.pool_threads(target))
     if kernels is Kernels.PORTABLE:  # int8 frozen weights read where they lie (flash), not copied
         mod = portable.int8_weights(mod, gemm.pool_threads(target), gemm.limits_for(kernels), cache=cache_dir)
     with target:
-        fused = tvm.transform.Sequential(passes)(mod)
+        fused = hoist.fuse(tvm.transform.Sequential(passes)(mod), n_inputs)
     if kernels.sgemm:
         fused = gemm.accumulate_in_place(fused, STEP_FUNC, gemm.pool_threads(target), gemm.limits_for(kernels), cache=cache_dir)
     return fused
@@ -110,7 +116,7 @@ def lower_step(
     """The candidate's training module (`build_training_module`) fused, tuned (with
     `build.tune_trials`), scheduled, updated in place and memory-planned for `build.target`."""
     target = build.target
-    fused = _fuse(mod, target, build.kernels, cache_dir)
+    fused = _fuse(mod, target, build.kernels, cache_dir, len(sig.inputs))
     # judged before tuning and scheduling rewrite the kernels
     in_place_ok = in_place_candidates(fused, sig) if candidate.updates is Updates.IN_PLACE else set()
     # a microcontroller's step, where every kilobyte counts; OpenBLAS steps would gain too, but their
