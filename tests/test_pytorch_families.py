@@ -24,6 +24,7 @@ from planner import api  # noqa: E402
 from planner.backend.graph.estimate import HIGH, LOW, SLACK, estimate  # noqa: E402
 from planner.backend.lower.pipeline import BuildOptions, training_module  # noqa: E402
 from planner.backend.vm.compile import compile_candidate  # noqa: E402
+from planner.cachefile import default_cache_dir  # noqa: E402
 from planner.errors import BadInput  # noqa: E402
 from planner.inputs.model import load_model  # noqa: E402
 from planner.runtime.session import TrainingSession  # noqa: E402
@@ -107,6 +108,13 @@ def test_recomputing_steps_train_like_pytorch(family, exporter):
     _check_one_step(family, path, recompute=(model.layers[len(model.layers) // 2].name,), accum=2)
 
 
+def _build() -> BuildOptions:
+    """The host build, through the run's compile cache (conftest's, shared by pytest's workers):
+    a family's kernels are compiled once for all its tests, as a study compiles them once for all
+    its candidates; what the cache gives back trains as a fresh compile does (test_compile_cache)."""
+    return BuildOptions(HOST, cache_dir=default_cache_dir())
+
+
 def _check_one_step(
     family: str, path: Path, layers: list[str] | None = None, accum: int = 1, recompute: str | tuple[str, ...] = "none"
 ) -> None:
@@ -123,7 +131,7 @@ def _check_one_step(
         model = model.with_task(TASKS[task])
     layers = layers or [layer.name for layer in model.layers]
     candidate = Candidate(tuple((name, "full") for name in layers), BATCH, "sgd", LR, grad_accum=accum, recompute=recompute)
-    step = compile_candidate(model, candidate, BuildOptions(HOST))
+    step = compile_candidate(model, candidate, _build())
     x, y = tf.sample_batch(family, BATCH * accum)
     before = {name: value.copy() for name, value in model.initializers.items()}
     session = TrainingSession(step.library, step.signature, before)
@@ -196,9 +204,7 @@ def test_lora_adapters_train_like_pytorch(family, exporter):
         weights[lora_b(w)], weights[lora_a(w)] = b, a
         merged[w] = weights[w] + adapter_delta(b, a, weights[w].shape, layer.out_axis)
     x, y = tf.sample_batch(family, BATCH)
-    step = compile_candidate(
-        model, Candidate(tuple((n, f"lora:{r}") for n, r in chosen.items()), BATCH, "sgd", LR), BuildOptions(HOST)
-    )
+    step = compile_candidate(model, Candidate(tuple((n, f"lora:{r}") for n, r in chosen.items()), BATCH, "sgd", LR), _build())
     session = TrainingSession(step.library, step.signature, weights)
     before = {n: t.numpy() for n, t in zip(step.signature.trainable, session.trainable)}
     session.step(x, y)
