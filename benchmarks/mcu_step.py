@@ -6,8 +6,8 @@ kind of kernel (counted on the emulated core).
 
 MobileNetV2-w0.35 (tests/zoo.py) at `--resolution`, or MLPerf Tiny's DS-CNN; `--trained` lists
 `layer:mode` pairs (`last:N` trains the biases of the last N layers). The SRAM is the ELF's: the
-arena (every activation, gradient and kernel scratch, placed by lifetime), the input batch and
-labels, trainable weights and optimizer state, the stack. Instructions under `qemu -icount`:
+arena (the input batch until its last reader, every activation, gradient and kernel scratch,
+placed by lifetime), labels and logits, trainable weights and optimizer state, the stack. Instructions under `qemu -icount`:
 deterministic, one run.
 """
 
@@ -70,7 +70,8 @@ def main() -> None:
         f"{args.model} {args.resolution}, {args.trained}, batch {args.batch}, frozen weights {args.frozen_weights}, {target.name}"
     )
     print(
-        f"SRAM {m.total / 1024:.1f} KiB: arena {(m.activations - batch) / 1024:.1f}, input batch {batch / 1024:.1f}, "
+        f"SRAM {m.total / 1024:.1f} KiB: arena, labels and logits {m.activations / 1024:.1f} (the input batch "
+        f"{batch / 1024:.1f} of it until its last reader), "
         f"trainable {m.trainable_params / 1024:.1f}, optimizer {m.optimizer_state / 1024:.1f}, stack and C library "
         f"{m.scratch / 1024:.1f}; flash {firmware.flash_bytes / 1024:.1f} KiB"
     )

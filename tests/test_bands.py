@@ -129,14 +129,15 @@ NETS_NOT_BANDED = {"pointwise": (_pointwise, (1, 3, 12, 12), 4)}
 
 
 def test_banding_is_chosen_only_where_it_lowers_the_peak(tmp_path):
-    """MobileNetV2-w0.35 at 96x96 trained at its classifier: its first maps go in bands, a quarter
-    of the unbanded peak, in the prediction and the step the `c` back end builds; a net whose
-    widest tensor is its last frozen one is left as it was."""
+    """MobileNetV2-w0.35 at 96x96 trained at its classifier: its first maps go in bands, beside the
+    input batch a quarter of the unbanded peak's activations, in the prediction and the step the
+    `c` back end builds; a net whose widest tensor is its last frozen one is left as it was."""
     model = load_model(zoo.save(zoo.mobilenet_v2(width=0.35, resolution=96), tmp_path / "mbv2.onnx"))
     candidate = Candidate((("classifier", "full"),), batch_size=1, optimizer="sgd", lr=0.01)
     plain, sig = build_training_module(model, candidate)
     chosen = bands.plan(relax.analysis.remove_all_unused(plain[PREDICT_FUNC]), 1, len(sig.trainable))
-    assert chosen is not None and chosen.peak <= 0.3 * chosen.unbanded_peak, chosen
+    batch = 3 * 96 * 96 * 4  # in the arena throughout the bands, as before them
+    assert chosen is not None and chosen.peak - batch <= 0.3 * (chosen.unbanded_peak - batch), chosen
     banded, _ = build_training_module(model, candidate, bands=True)
     for name in (PREDICT_FUNC, STEP_FUNC):
         assert _count("relax.concat", banded[name]) == _count("relax.concat", plain[name]) + 1

@@ -92,6 +92,25 @@ def test_the_c_step_is_the_vm_step_to_the_bit_on_the_bundled_example(scheme, tmp
     _equal_over_steps(vm, c, model.only_input.shape, model.n_classes)
 
 
+def test_a_batch_written_where_planner_inputs_points_is_read_there_and_its_bytes_reused(tmp_path):
+    """`planner_inputs` points into the arena: a batch written there is the step's input (no copy,
+    the VM's step to the bit), and once the first layers have read it its bytes hold later tensors
+    — the SRAM a board saves, and why a caller writes a batch before every call."""
+    model = load_model(DIGITS / "model.onnx")
+    candidate = load_scheme(str(DIGITS / "head-only.yaml")).candidate(model)
+    vm, c, _ = _both(DIGITS / "model.onnx", candidate, tmp_path)
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (c.sig.batch_size, *model.only_input.shape)).astype(np.float32)
+    y = np.ascontiguousarray(rng.integers(0, model.n_classes, c.sig.batch_size), dtype=np.int64)
+    where = (ctypes.c_void_p * 1).in_dll(c.lib, "planner_inputs")
+    ctypes.memmove(where[0], x.ctypes.data, x.nbytes)
+    loss = ctypes.c_float()
+    assert c.lib.planner_step(where, c.pointers, ctypes.c_void_p(y.ctypes.data), ctypes.byref(loss)) == 0
+    assert loss.value == vm.step(x, y)
+    left = np.frombuffer((ctypes.c_float * x.size).from_address(where[0]), np.float32)
+    assert not np.array_equal(left, x.ravel()), "the input's bytes were never reused"
+
+
 UPDATES = {
     "ratio, momentum": {"trainable": (("c2", "ratio:0.5"), ("fc", "full")), "optimizer": "momentum"},
     "lora, adam": {"trainable": (("c1", "lora:2"), ("fc", "full")), "optimizer": "adam", "lr": 0.01},

@@ -178,11 +178,19 @@ def _needs(ops: list[_Op], members: tuple[int, ...], rows: tuple[int, int], inpu
     return need
 
 
-def _peak(ops: list[_Op], positions, sizes: dict[int, int], last: dict[int, int] | None = None, base: int = 0) -> int:
+def _peak(
+    ops: list[_Op],
+    positions,
+    sizes: dict[int, int],
+    last: dict[int, int] | None = None,
+    base: int = 0,
+    held: tuple[int, int] = (0, -1),
+) -> int:
     """The most bytes alive at once over `positions` (binding indices in order), each output
     allocated at its binding and freed after its last read (`last`, by default each op's own),
-    `base` held throughout. An elementwise op writes over an operand it reads last, as the
-    step's fused kernels and in-place activations (`backend.activations`) do."""
+    `base` held throughout and `held` = (bytes, until) up to binding `until` (the input batch,
+    which the step's arena holds until its last reader). An elementwise op writes over an operand
+    it reads last, as the step's fused kernels and in-place activations (`backend.activations`) do."""
     live: dict[int, int] = {}
     peak = base
 
@@ -194,7 +202,7 @@ def _peak(ops: list[_Op], positions, sizes: dict[int, int], last: dict[int, int]
             for j in [j for j in ops[i].reads if j in live and ends(j) <= i]:
                 del live[j]
         live[i] = sizes.get(i, 0)
-        peak = max(peak, base + sum(live.values()))
+        peak = max(peak, base + (held[0] if i <= held[1] else 0) + sum(live.values()))
         for j in [j for j in live if ends(j) <= i]:
             del live[j]
     return peak
@@ -227,7 +235,9 @@ def candidates(func: relax.Function, n_inputs: int, n_trainable: int) -> list[Pl
     ops = _summary(func, bindings, data)
     in_flash = read_in_place(bindings)
     sizes = {i: 0 if b.var in in_flash else op.nbytes for i, (b, op) in enumerate(zip(bindings, ops))}
-    unbanded = _peak(ops, range(len(ops)), sizes)
+    # the input batch lies in the step's arena until its last reader (`planner.backend.mcu.cstep`)
+    batch = (_bytes(x.ty), max((i for i, b in enumerate(bindings) if x in relax.analysis.free_vars(b.value)), default=-1))
+    unbanded = _peak(ops, range(len(ops)), sizes, held=batch)
     work = sum(sizes[i] for i in members)  # bytes the members write, unbanded
     plans = []
     for j, cut in enumerate(members):
@@ -235,7 +245,7 @@ def candidates(func: relax.Function, n_inputs: int, n_trainable: int) -> list[Pl
         height = ops[cut].height
         if height < 2 or any(ops[i].last > cut for i in inside[:-1]):
             continue  # the rest of the network reads more than T: no cut here
-        rest = _peak(ops, range(cut, len(ops)), sizes)
+        rest = _peak(ops, range(cut, len(ops)), sizes, held=batch)
         for n in (c for c in BAND_COUNTS if c <= height):
             rows = tuple((height * k // n, height * (k + 1) // n) for k in range(n))
             peak = max(2 * sizes[cut], rest)  # T's bands, then T concatenated from them
@@ -243,7 +253,7 @@ def candidates(func: relax.Function, n_inputs: int, n_trainable: int) -> list[Pl
             for r in rows:
                 need = _needs(ops, inside, r, input_rows)
                 band = {i: sizes[i] // ops[i].height * (need[i][1] - need[i][0]) for i in inside if i in need}
-                peak = max(peak, _peak(ops, [i for i in inside if i in need], band, {cut: cut + 1}, base=done))
+                peak = max(peak, _peak(ops, [i for i in inside if i in need], band, {cut: cut + 1}, base=done + batch[0]))
                 done += band[cut]
                 written += sum(band.values())
             again = (written - sum(sizes[i] for i in inside)) / work

@@ -92,10 +92,8 @@ def _model_source(sig: StepSignature, offsets: dict[str, int], weights: dict[str
         "",
     ]
     sample = [int(np.prod(i.static, dtype=np.int64)) * np.dtype(i.dtype).itemsize for i in sig.inputs]
-    lines += [f"static uint8_t input{k}[{B * n}] __attribute__((aligned(8)));" for k, n in enumerate(sample)]
     n_in = max(1, len(sample))
-    lines += [
-        f"void* const planner_inputs[{n_in}] = {{{', '.join(f'input{k}' for k in range(len(sample))) or '0'}}};",
+    lines += [  # (the inputs themselves lie in the step's arena: `planner_inputs`, train_step.c)
         f"const uint32_t planner_input_bytes[{n_in}] = {{{', '.join(str(B * n) for n in sample) or '0'}}};",
         f"const uint32_t planner_predict_bytes[{n_in}] = {{{', '.join(str(P * n) for n in sample) or '0'}}};",
         f"planner_label_t planner_labels[{B * T}];",
@@ -289,8 +287,8 @@ def _target_bytes(sig: StepSignature) -> int:
 class SramPlan:
     """The SRAM an image will claim, from the step's storage plan, before anything is linked."""
 
-    arena: int  # every activation and gradient, and each kernel call's scratch, placed by lifetime
-    batch: int  # the inputs, labels and logits buffers
+    arena: int  # the inputs, every activation and gradient, and each kernel call's scratch, placed by lifetime
+    batch: int  # the labels and logits buffers
     trainable: int  # trainable weights (their parts: a LoRA's adapters, a ratio's trained share)
     optimizer: int  # optimizer state, the step count and the learning rate
     scratch: int  # the stack
@@ -303,11 +301,10 @@ class SramPlan:
 def plan_sram(step: CStep, sig: StepSignature, weights: dict[str, np.ndarray]) -> SramPlan:
     """`SramPlan` of `step`; what the link measures differs by the C library's own statics and
     alignment."""
-    sample = sum(int(np.prod(i.static, dtype=np.int64)) * np.dtype(i.dtype).itemsize for i in sig.inputs)
     stored = to_step(weights, sig.layouts, sig.quantized)
     return SramPlan(
         arena=step.arena_bytes,
-        batch=sig.batch_size * (sample + _target_bytes(sig)) + 4 * sig.micro_batch * output_size(sig),
+        batch=sig.batch_size * _target_bytes(sig) + 4 * sig.micro_batch * output_size(sig),
         trainable=sum(stored[n].nbytes for n in sig.trainable),
         optimizer=sum(int(np.prod(s, dtype=np.int64)) * np.dtype(t).itemsize for s, t, _ in sig.optim_states),
         scratch=STACK_BYTES,  # (the kernels' scratch is in the arena, the tensors' descriptors in flash)

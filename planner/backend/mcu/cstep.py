@@ -106,7 +106,7 @@ class _Driver:
     """Walks one lowered function once, in program order, and writes its C: its tensors named
     `PREFIX...`, its parameters' data the C expressions `params` gives in order."""
 
-    def __init__(self, func: relax.Function, params: list[str], prefix: str, workspaces: dict[str, int]):
+    def __init__(self, func: relax.Function, params: list[str], prefix: str, workspaces: dict[str, int], inputs: list[int]):
         if len(params) != len(func.params):
             raise CandidateFailed(f"the C back end expected {len(params)} parameters, the function takes {len(func.params)}")
         self.func, self.params, self.prefix = func, params, prefix
@@ -121,6 +121,7 @@ class _Driver:
         self.kernels: set[str] = set()
         self.tuples: dict[relax.Var, list[relax.Expr]] = {}
         self.max_args = 0  # the most arguments a kernel takes
+        self.inputs = inputs  # where each model input lies in the arena (`input_offsets`)
 
     def _name(self, hint: str) -> str:
         return f"{self.prefix}{len(self.tensors)}_{re.sub(r'[^0-9A-Za-z_]', '_', hint)}"[:64]
@@ -160,15 +161,21 @@ class _Driver:
         raise CandidateFailed(f"the C back end cannot pass {type(arg).__name__} to a kernel")
 
     def walk(self) -> None:
-        for p, data in zip(self.func.params, self.params):
-            self._tensor(p, data)
+        pinned = []
+        for k, (p, data) in enumerate(zip(self.func.params, self.params)):
+            if k < len(self.inputs):  # in the arena from before the first call to its last reader
+                t = self._tensor(p, f"arena + {self.inputs[k]}")
+                self._in_arena(p, t, -1)
+                pinned.append((self.inputs[k], self.block_of[p]))
+            else:
+                self._tensor(p, data)
         at = 0
         for block in self.func.body.blocks:
             for binding in block.bindings:
                 self._binding(binding.var, binding.value, at)
                 at += 1
         self._use(self.func.body.body, at)  # what the function returns is read after its last call
-        self.arena = _pack(self.blocks)
+        self.arena = _pack(self.blocks, pinned)
 
     def _binding(self, var: relax.Var, value: relax.Expr, at: int) -> None:
         op = _op(value)
@@ -236,8 +243,9 @@ class _Block:
     views: list[_Tensor] = field(default_factory=list)
 
 
-def _pack(blocks: list[_Block]) -> int:
+def _pack(blocks: list[_Block], pinned: list[tuple[int, _Block]]) -> int:
     """Give each block an offset, no two blocks alive at once overlapping; returns the arena's size.
+    `pinned` blocks (the model's inputs) keep the offsets given.
 
     Greedy by size (Pisarchyk & Lee, 2020, "offset calculation"): the largest block first, each at
     the lowest offset where it fits between the blocks already placed that are alive beside it.
@@ -245,9 +253,12 @@ def _pack(blocks: list[_Block]) -> int:
     last, so a step of many short-lived small tensors (a CNN's first maps computed in row bands,
     `backend.bands`) held three times what is alive at once; by offsets, the arena comes within
     a few percent of that."""
-    placed: list[tuple[int, _Block]] = []
-    arena = 0
-    for block in sorted(blocks, key=lambda b: (-b.nbytes, b.start)):
+    placed = list(pinned)
+    arena = max((o + b.nbytes for o, b in pinned), default=0)
+    for o, b in pinned:
+        b.tensor.data = f"arena + {o}"
+    fixed = {id(b) for _, b in pinned}
+    for block in sorted((b for b in blocks if id(b) not in fixed), key=lambda b: (-b.nbytes, b.start)):
         offset = 0
         beside = sorted(((o, b) for o, b in placed if b.start <= block.end and block.start <= b.end), key=lambda ob: ob[0])
         for o, b in beside:
@@ -259,6 +270,30 @@ def _pack(blocks: list[_Block]) -> int:
         for t in (block.tensor, *block.views):
             t.data = f"arena + {offset}"
     return arena
+
+
+def input_offsets(sig: StepSignature) -> list[int]:
+    """Where each model input lies in the arena: one after another from its start, each with room
+    for a step's batch or a prediction's, whichever is larger.
+
+    Why in the arena: an input is read by the first layers only, so once they ran its bytes can
+    hold what comes after; as a buffer of its own it held them for the whole step (MobileNetV2 at
+    128x128: 192 KB, beside a 224 KB arena). The caller writes a batch where `planner_inputs`
+    points (into the arena) before each call; a call reuses that memory."""
+    offsets, at = [], 0
+    for i in sig.inputs:
+        offsets.append(at)
+        at += _aligned(max(sig.batch_size, sig.micro_batch) * int(np.prod(i.static, dtype=np.int64)) * _itemsize(i.dtype))
+    return offsets
+
+
+def _inputs_in(d: _Driver, batch: int, sig: StepSignature) -> list[str]:
+    """A call's first statements: each input its caller handed elsewhere copied into the arena."""
+    lines = []
+    for k, (offset, i) in enumerate(zip(d.inputs, sig.inputs)):
+        nbytes = batch * int(np.prod(i.static, dtype=np.int64)) * _itemsize(i.dtype)
+        lines.append(f"  if (inputs[{k}] != (void*)(arena + {offset})) memcpy(arena + {offset}, inputs[{k}], {nbytes});")
+    return lines
 
 
 def _dl_dtype(dtype: str) -> str:
@@ -333,14 +368,18 @@ def _driver(step: _Driver, predict: _Driver, sig: StepSignature, arena: int, wor
         *_tensors(step),
         *_tensors(predict),
         "",
+        f"void* const planner_inputs[{max(1, len(sig.inputs))}] = "
+        f"{{{', '.join(f'(void*)(arena + {o})' for o in step.inputs) or '0'}}};",
+        "",
         _step_signature(sig) + " {",
+        *_inputs_in(step, sig.batch_size, sig),
         *_body(step),
     ]
     loss, *updated = step.outputs()
     lines.append(f"  *loss = *(float*)({loss.data});")
     for i, t in enumerate(updated, start=len(sig.frozen)):  # a weight or state the step did not update where it was
         lines.append(f"  if ((void*)({t.data}) != params[{i}]) memcpy(params[{i}], (void*)({t.data}), {t.nbytes});")
-    lines += ["  return 0;", "}", "", _predict_signature(sig) + " {", *_body(predict)]
+    lines += ["  return 0;", "}", "", _predict_signature(sig) + " {", *_inputs_in(predict, sig.micro_batch, sig), *_body(predict)]
     (logits,) = predict.outputs()
     lines += [f"  memcpy(logits, (void*)({logits.data}), {logits.nbytes});", "  return 0;", "}", ""]
     return "\n".join(lines)
@@ -355,8 +394,9 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
     inputs = [f"inputs[{i}]" for i in range(n_inputs)]
     params = [f"params[{i}]" for i in range(_n_params(sig))]
     workspaces = workspace_bytes(kernels, ALIGN)
-    step = _Driver(lowered[STEP_FUNC], [*inputs, *params, "(void*)labels"], "s", workspaces)
-    predict = _Driver(lowered[PREDICT_FUNC], [*inputs, *params[:n_weights]], "p", workspaces)
+    offsets = input_offsets(sig)
+    step = _Driver(lowered[STEP_FUNC], [*inputs, *params, "(void*)labels"], "s", workspaces, offsets)
+    predict = _Driver(lowered[PREDICT_FUNC], [*inputs, *params[:n_weights]], "p", workspaces, offsets)
     step.walk()
     predict.walk()
     arena, workspace = max(ALIGN, step.arena, predict.arena), max(workspaces.values(), default=0)

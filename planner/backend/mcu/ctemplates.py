@@ -82,6 +82,11 @@ typedef $label_type planner_label_t;  /* $label_what */
 #define PLANNER_ARENA_BYTES $arena
 #define PLANNER_WORKSPACE_BYTES $workspace  /* the most scratch one kernel call takes, in the arena */
 
+/* Where the step and the prediction read their inputs: in the arena, where the memory is reused
+   once the first layers have read them. Write a batch there before each call (a call may
+   overwrite it); inputs handed elsewhere are copied there first. */
+extern void* const planner_inputs[PLANNER_N_INPUTS];
+
 /* The step on tensors of the caller's: `inputs` the model's inputs (PLANNER_BATCH samples),
    `params` the step's other tensors in the order of its signature, the trainable weights and
    optimizer states updated in place; the batch's mean loss in `loss`. 0 on success. */
@@ -96,8 +101,7 @@ void planner_kernel_done(int32_t index);
 
 /* With train_step.model.c, which holds the weights (frozen ones as constants in flash, the rest
    in SRAM) and the buffers of a batch: */
-extern void* const planner_inputs[PLANNER_N_INPUTS];            /* fill these with a batch ... */
-extern const uint32_t planner_input_bytes[PLANNER_N_INPUTS];    /* ... of this many bytes each */
+extern const uint32_t planner_input_bytes[PLANNER_N_INPUTS];    /* fill planner_inputs with this many bytes each */
 extern const uint32_t planner_predict_bytes[PLANNER_N_INPUTS];  /* (a prediction reads this many) */
 extern planner_label_t planner_labels[PLANNER_BATCH * PLANNER_TARGET_SIZE];  /* and these with its targets */
 extern float planner_logits[PLANNER_PREDICT_BATCH * PLANNER_OUTPUT_SIZE];  /* the model's outputs */
