@@ -237,7 +237,7 @@ def test_the_portable_sgemm_is_blas_for_every_transposition_and_odd_size(tmp_pat
     sgemm, sgemm_s8 = ctypes.CDLL(str(library)).planner_sgemm, ctypes.CDLL(str(library)).planner_sgemm_s8
     f, i, p = ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
     sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
-    sgemm_s8.argtypes = [i, i, i, i, i, i, f, p, i, p, p, i, f, p, i]
+    sgemm_s8.argtypes = [i, i, i, i, i, i, f, p, i, p, p, p, i, f, p, i]
     rng = np.random.default_rng(0)
     for m, n, k in [(1, 1, 1), (4, 4, 4), (5, 7, 3), (16, 9, 13), (3, 8, 0), (9, 4, 33)]:
         for ta, tb in [(111, 111), (111, 112), (112, 111), (112, 112)]:
@@ -261,7 +261,9 @@ def test_the_portable_sgemm_is_blas_for_every_transposition_and_odd_size(tmp_pat
                 np.testing.assert_array_equal(c[:, n:], padding)  # nothing written past n
                 copy = (101, ta, tb, m, n, k, 1.0, dequantized.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1], beta)
                 assert sgemm(*copy, via_copy.ctypes.data, c.shape[1]) == 0
-                read = (101, ta, tb, m, n, k, 1.0, q.ctypes.data, a.shape[1], scale.ctypes.data, b.ctypes.data, b.shape[1])
+                panel = np.full(4 * k + 1, np.nan, np.float32)  # the caller's scratch: anything in it before
+                read = (101, ta, tb, m, n, k, 1.0, q.ctypes.data, a.shape[1], scale.ctypes.data, panel.ctypes.data)
+                read += (b.ctypes.data, b.shape[1])
                 assert sgemm_s8(*read, beta, in_place.ctypes.data, c.shape[1]) == 0
                 np.testing.assert_array_equal(in_place, via_copy, err_msg=f"int8 {m}x{n}x{k} {ta} {tb} {beta}")
 

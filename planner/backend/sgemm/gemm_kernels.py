@@ -154,14 +154,17 @@ def _nothing(a0, a1, a2, a3, a4, a5, a6, a7):
     T.evaluate(0)
 
 
-def _sgemm(trans, mnk, a, b, beta, c, scale=None):
+def _sgemm(trans, mnk, a, b, beta, c, scale=None, panel=None):
     """C = A·B + beta·C through cblas_sgemm (row major, alpha 1): `trans` is A's and B's flag,
     `mnk` the product's sizes, and `a`, `b`, `c` each an operand's address and leading dimension.
     With a `scale` (the address of one fp32 per stored row of A), A is int8 and the product is
-    the portable sgemm's `GEMM_S8`, each of A's values times its row's scale."""
+    the portable sgemm's `GEMM_S8`, each of A's values times its row's scale, 4 rows at a time
+    converted into `panel` (room for 4·k floats, `_PANEL`)."""
     (ta, tb), (m, n, k), (pa, lda), (pb, ldb), (pc, ldc) = trans, mnk, a, b, c
     if scale is not None:
-        return T.call_extern("int32", GEMM_S8, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, scale, pb, ldb, beta, pc, ldc)
+        return T.call_extern(
+            "int32", GEMM_S8, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, scale, panel, pb, ldb, beta, pc, ldc
+        )
     return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, pb, ldb, beta, pc, ldc)
 
 
@@ -171,6 +174,19 @@ def _scales(quantized: bool):
     return (lambda sc: sc.data) if quantized else (lambda sc: None)
 
 
+_PANEL = 4  # rows of an int8 A the portable sgemm converts to fp32 at once, for all of B's columns
+
+
+def _panel(quantized: bool, inner: int, per: int):
+    """The `panel` argument of `_sgemm`: with an int8 weight, the last `_PANEL * inner` floats of
+    thread `th`'s `per` floats of workspace (a product over `inner` values); else none. An access
+    pointer with its extent: only C writes there, and TVM sizes a workspace by the region its TIR
+    is seen to touch (an `address_of` is one element)."""
+    if not quantized:
+        return lambda ws, th: None
+    return lambda ws, th: ws.access_ptr("rw", offset=th * per + per - _PANEL * inner, extent=_PANEL * inner)
+
+
 def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = False) -> tvm.tirx.PrimFunc:
     """y_n = W · col(x_n). The pool's threads take the tiles in turn (contiguous shares), each
     building its own tile's columns, multiplying them into its workspace and copying the product
@@ -178,7 +194,8 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
     with a scale per output channel, the kernel `(x, w, scale, y)` (`GEMM_S8`)."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
-    per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the product
+    # one thread's workspace: columns, then the product, then (an int8 weight) its converted rows
+    per = t.width * (k + (0 if t.single else o)) + (_PANEL * k if quantized else 0)
     bands = t.bands(s)
     tiles = t.groups(s) * bands
     share = -(-tiles // threads)
@@ -186,7 +203,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
     _, scatter = copy_macros(s)
     scatter, product = _in_place(s, t, scatter, lambda th: th * per + k * t.width)
 
-    scales = _scales(quantized)
+    scales, panel = _scales(quantized), _panel(quantized, k, per)
 
     @T.macro
     def forward(x, wt, sc, y, ws):
@@ -214,6 +231,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
                         T.float32(0),
                         (product(y, ws, th, i // bands, i % bands), t.ld(s)),
                         scales(sc),
+                        panel(ws, th),
                     )
                 )
                 for j in range(t.count(s, i // bands)):
@@ -436,14 +454,15 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
     `quantized`: W is int8 with a scale per output channel, the kernel `(dy, w, scale, dx)`."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
-    per = t.width * (k + (0 if t.single else o))  # one thread's workspace: columns, then the gathered dy
+    # one thread's workspace: columns, then the gathered dy, then (an int8 weight) its converted rows
+    per = t.width * (k + (0 if t.single else o)) + (_PANEL * o if quantized else 0)
     groups, bands = t.groups(s), t.bands(s)
     share = -(-groups // threads)
     gather, _ = copy_macros(s)
     col2im = col2im_macro(s)
     gather, gradient = _in_place(s, t, gather, lambda th: th * per + k * t.width)
 
-    scales = _scales(quantized)
+    scales, panel = _scales(quantized), _panel(quantized, o, per)
 
     @T.macro
     def input_grad(dy, wt, sc, dx, ws):
@@ -464,6 +483,7 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
                             T.float32(0),
                             (T.address_of(ws[th * per]), t.width),
                             scales(sc),
+                            panel(ws, th),
                         )
                     )
                     for j in range(t.count(s, g)):
