@@ -25,7 +25,7 @@ from planner.backend._base import ARTIFACT_STEM
 from planner.backend.mcu.ckernels import include_dirs
 from planner.backend.mcu.cstep import CStep, write_sources
 from planner.backend.mcu.cvalues import ctype, label_dtype, literal, output_size, target_size
-from planner.backend.sgemm.gemm_kernels import GEMM
+from planner.backend.sgemm.blas import GEMM
 from planner.errors import CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import Mcu
 from planner.runtime.weights import to_step

@@ -19,7 +19,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from planner.backend.sgemm.gemm_kernels import GEMM
+from planner.backend.sgemm.blas import GEMM
 from planner.errors import CandidateFailed
 
 C_TARGET = {"kind": "c"}

@@ -32,7 +32,7 @@ import tvm
 from tvm import relax
 
 from planner import cachefile
-from planner.backend.sgemm import gemm_kernels, im2col
+from planner.backend.sgemm import blas, gemm_kernels, im2col
 from planner.backend.sgemm.gemm_kernels import (
     CALLS,
     CONV,
@@ -84,7 +84,7 @@ def calls_openblas(mod: tvm.IRModule) -> bool:
 
 
 # every module the kernels' TVMScript lives in: the kernels, and the macros they call
-_KERNEL_SOURCES = (Path(gemm_kernels.__file__), Path(im2col.__file__))
+_KERNEL_SOURCES = (Path(gemm_kernels.__file__), Path(im2col.__file__), Path(blas.__file__))
 
 
 def _source_id() -> str:

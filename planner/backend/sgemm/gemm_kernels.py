@@ -32,14 +32,10 @@ from dataclasses import astuple, dataclass
 import tvm
 from tvm.script import tirx as T
 
+from planner.backend.sgemm.blas import NO_TRANS, PANEL, TRANS, int8_operands, sgemm
 from planner.backend.sgemm.im2col import Conv, col2im_macro, copy_macros, im2col_macro
 
-# the library call and the kernels' attributes (`_attrs`), all but CONV shared with `matmul`'s kernels
-GEMM = "scipy_cblas_sgemm"  # OpenBLAS's cblas_sgemm in scipy-openblas32's symbol namespace
-# the portable sgemm's product by an int8 A whose stored rows each have a scale (runtime/sgemm.c): a
-# frozen weight stored int8 read where it lies, never dequantized into a copy (microcontrollers only)
-GEMM_S8 = "planner_sgemm_s8"
-ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+# the kernels' attributes (`_attrs`), all but CONV shared with `matmul`'s kernels
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
 CALLS = "planner.calls"  # function attribute: the library a kernel calls (the step must link it)
 CONV = "planner.conv"  # function attribute: the `Conv` a kernel computes, field by field
@@ -154,39 +150,6 @@ def _nothing(a0, a1, a2, a3, a4, a5, a6, a7):
     T.evaluate(0)
 
 
-def _sgemm(trans, mnk, a, b, beta, c, scale=None, panel=None):
-    """C = A·B + beta·C through cblas_sgemm (row major, alpha 1): `trans` is A's and B's flag,
-    `mnk` the product's sizes, and `a`, `b`, `c` each an operand's address and leading dimension.
-    With a `scale` (the address of one fp32 per stored row of A), A is int8 and the product is
-    the portable sgemm's `GEMM_S8`, each of A's values times its row's scale, 4 rows at a time
-    converted into `panel` (room for 4·k floats, `_PANEL`)."""
-    (ta, tb), (m, n, k), (pa, lda), (pb, ldb), (pc, ldc) = trans, mnk, a, b, c
-    if scale is not None:
-        return T.call_extern(
-            "int32", GEMM_S8, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, scale, panel, pb, ldb, beta, pc, ldc
-        )
-    return T.call_extern("int32", GEMM, ROW_MAJOR, ta, tb, m, n, k, T.float32(1), pa, lda, pb, ldb, beta, pc, ldc)
-
-
-def _scales(quantized: bool):
-    """The `scale` argument of `_sgemm` for a kernel's weight scales buffer: its address if the
-    kernel's weight is int8 (`quantized`), else none (the buffer then stands in unread)."""
-    return (lambda sc: sc.data) if quantized else (lambda sc: None)
-
-
-_PANEL = 4  # rows of an int8 A the portable sgemm converts to fp32 at once, for all of B's columns
-
-
-def _panel(quantized: bool, inner: int, per: int):
-    """The `panel` argument of `_sgemm`: with an int8 weight, the last `_PANEL * inner` floats of
-    thread `th`'s `per` floats of workspace (a product over `inner` values); else none. An access
-    pointer with its extent: only C writes there, and TVM sizes a workspace by the region its TIR
-    is seen to touch (an `address_of` is one element)."""
-    if not quantized:
-        return lambda ws, th: None
-    return lambda ws, th: ws.access_ptr("rw", offset=th * per + per - _PANEL * inner, extent=_PANEL * inner)
-
-
 def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = False) -> tvm.tirx.PrimFunc:
     """y_n = W · col(x_n). The pool's threads take the tiles in turn (contiguous shares), each
     building its own tile's columns, multiplying them into its workspace and copying the product
@@ -195,7 +158,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
     # one thread's workspace: columns, then the product, then (an int8 weight) its converted rows
-    per = t.width * (k + (0 if t.single else o)) + (_PANEL * k if quantized else 0)
+    per = t.width * (k + (0 if t.single else o)) + (PANEL * k if quantized else 0)
     bands = t.bands(s)
     tiles = t.groups(s) * bands
     share = -(-tiles // threads)
@@ -203,7 +166,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
     _, scatter = copy_macros(s)
     scatter, product = _in_place(s, t, scatter, lambda th: th * per + k * t.width)
 
-    scales, panel = _scales(quantized), _panel(quantized, k, per)
+    int8 = int8_operands(quantized, k, per)
 
     @T.macro
     def forward(x, wt, sc, y, ws):
@@ -223,15 +186,14 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
                         k,
                     )
                 T.evaluate(
-                    _sgemm(
+                    sgemm(
                         (NO_TRANS, NO_TRANS),
                         (o, t.columns(s, i // bands, i % bands), k),
                         (wt.data, k),
                         (T.address_of(ws[th * per]), t.width),
                         T.float32(0),
                         (product(y, ws, th, i // bands, i % bands), t.ld(s)),
-                        scales(sc),
-                        panel(ws, th),
+                        int8(sc, ws, th),
                     )
                 )
                 for j in range(t.count(s, i // bands)):
@@ -381,7 +343,7 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, trans
         cols = (T.address_of(ws[at(th)]), t.width)
         dys = (gradient(dy, ws, th, g, b), t.ld(s))
         first, second, m, n, ldc = (cols, dys, kt, s.o, s.o) if transposed else (dys, cols, s.o, kt, s.k)
-        return _sgemm((NO_TRANS, TRANS), (m, n, t.columns(s, g, b)), first, second, beta, (out, ldc))
+        return sgemm((NO_TRANS, TRANS), (m, n, t.columns(s, g, b)), first, second, beta, (out, ldc))
 
     @T.macro
     def tile(x, dy, ws, th, i, k0, kt, beta, out):
@@ -455,14 +417,14 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
     # one thread's workspace: columns, then the gathered dy, then (an int8 weight) its converted rows
-    per = t.width * (k + (0 if t.single else o)) + (_PANEL * o if quantized else 0)
+    per = t.width * (k + (0 if t.single else o)) + (PANEL * o if quantized else 0)
     groups, bands = t.groups(s), t.bands(s)
     share = -(-groups // threads)
     gather, _ = copy_macros(s)
     col2im = col2im_macro(s)
     gather, gradient = _in_place(s, t, gather, lambda th: th * per + k * t.width)
 
-    scales, panel = _scales(quantized), _panel(quantized, o, per)
+    int8 = int8_operands(quantized, o, per)
 
     @T.macro
     def input_grad(dy, wt, sc, dx, ws):
@@ -475,15 +437,14 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
                     for j in range(t.count(s, g)):
                         gather(dy, ws, th * per + k * t.width, t.width, t.image(g, j), j * t.run(s), t.row(b), t.span(s, b))
                     T.evaluate(
-                        _sgemm(
+                        sgemm(
                             (TRANS, NO_TRANS),
                             (k, t.columns(s, g, b), o),
                             (wt.data, k),
                             (gradient(dy, ws, th, g, b), t.ld(s)),
                             T.float32(0),
                             (T.address_of(ws[th * per]), t.width),
-                            scales(sc),
-                            panel(ws, th),
+                            int8(sc, ws, th),
                         )
                     )
                     for j in range(t.count(s, g)):

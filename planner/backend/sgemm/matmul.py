@@ -43,8 +43,9 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
+from planner.backend.sgemm.blas import GEMM, NO_TRANS, ROW_MAJOR, TRANS
 from planner.backend.sgemm.gemm import Lowering
-from planner.backend.sgemm.gemm_kernels import CALLS, FLOPS, GEMM, NO_TRANS, ROW_MAJOR, TRANS
+from planner.backend.sgemm.gemm_kernels import CALLS, FLOPS
 
 # A product of fewer flops than this keeps TVM's lowering. Measured on this host (2 threads, each
 # product alone, TVM's under planner's schedule): the classifier's [8, 128] x [128, 10] took 1.5 us
