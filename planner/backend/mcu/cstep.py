@@ -7,17 +7,18 @@ size, tensors at offset 0 of a storage, reshapes (views), kernel calls and kills
 shape function. So a step needs no VM where no VM runs (a microcontroller, a firmware image): the
 driver places every tensor at an offset in an arena sized at build time (`_pack`), describes each
 tensor once as a static `DLTensor`, and calls each kernel through TVM's packed C calling convention,
-the one its C code generator emits. A kernel's scratch (`TVMBackendAllocWorkspace`) comes from a
-second static pool, taken and given back in stack order, as TVM's kernels do.
+the one its C code generator emits. A kernel call's scratch (`TVMBackendAllocWorkspace`) is a
+block of the arena planned for that call alone.
 
 The step's C API (`train_step.h`), no heap, no OS:
 
     int32_t planner_step(void* const inputs[PLANNER_N_INPUTS], void* const params[PLANNER_N_PARAMS],
                          const int64_t* labels, float* loss);
 
-`inputs` are the batch's model inputs, `params` every other tensor the step takes in the order of
-its `StepSignature` (frozen weights, trainable weights, optimizer states, the learning rate last);
-the trainable weights and the states are updated where they are.
+`inputs` are the batch's model inputs (copied into the arena first unless they already lie there,
+where `planner_inputs` points: `input_offsets`), `params` every other tensor the step takes in the
+order of its `StepSignature` (frozen weights, trainable weights, optimizer states, the learning
+rate last); the trainable weights and the states are updated where they are.
 """
 
 from __future__ import annotations
@@ -255,8 +256,6 @@ def _pack(blocks: list[_Block], pinned: list[tuple[int, _Block]]) -> int:
     a few percent of that."""
     placed = list(pinned)
     arena = max((o + b.nbytes for o, b in pinned), default=0)
-    for o, b in pinned:
-        b.tensor.data = f"arena + {o}"
     fixed = {id(b) for _, b in pinned}
     for block in sorted((b for b in blocks if id(b) not in fixed), key=lambda b: (-b.nbytes, b.start)):
         offset = 0
