@@ -23,12 +23,15 @@ import numpy as np
 
 from planner.backend import backend_for
 from planner.inputs.model import load_model
+from planner.inputs.preprocess import Preprocess, parse_text
 from planner.inputs.targets import load_target
 from planner.measurement.qemu import kernel_instructions
-from planner.types import Candidate
+from planner.types import Candidate, Encoding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo  # noqa: E402
+
+IMAGENET = Preprocess(parse_text("ToTensor(), Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])"))
 
 
 def _kind(kernel: str) -> str:
@@ -61,13 +64,18 @@ def main() -> None:
         trained = tuple(tuple(pair.split(":", 1)) for pair in args.trained.split(","))
     candidate = Candidate(trained, batch_size=args.batch, optimizer="sgd", lr=0.01, frozen_weights=args.frozen_weights)
     target = load_target(args.target)
+    if target.input_bits == 8:  # as `planner plan` takes it on the target: images as pixels, arrays calibrated
+        spec = model.only_input
+        code = IMAGENET.pixel_encoding(spec.static[0]) if args.model == "mobilenet-v2" else Encoding((0.1,), (-12.8,))
+        model = model.encoded({spec.name: code})
     firmware = backend_for(target, cache_dir=out / "cache").build(model, candidate)
     counts = kernel_instructions(firmware, dict(model.initializers), target.mcu)
     m = firmware.memory
     sig = firmware.signature
     batch = args.batch * sum(int(np.prod(i.static)) * np.dtype(i.dtype).itemsize for i in sig.inputs)
     print(
-        f"{args.model} {args.resolution}, {args.trained}, batch {args.batch}, frozen weights {args.frozen_weights}, {target.name}"
+        f"{args.model} {args.resolution}, {args.trained}, batch {args.batch}, frozen weights {args.frozen_weights}, "
+        f"input {'8-bit codes' if target.input_bits == 8 else 'fp32'}, {target.name}"
     )
     print(
         f"SRAM {m.total / 1024:.1f} KiB: arena, labels and logits {m.activations / 1024:.1f} (the input batch "

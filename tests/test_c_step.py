@@ -24,7 +24,7 @@ from planner.backend.lower.pipeline import BuildOptions, lower_step
 from planner.backend.mcu.ckernels import include_dirs, kernels_source
 from planner.backend.mcu.cstep import ALIGN, compile_host, emit
 from planner.backend.vm.compile import compile_candidate
-from planner.inputs.model import load_model
+from planner.inputs.model import Model, load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
 from planner.runtime.session import TrainingSession
@@ -46,6 +46,7 @@ class CSession:
         self.params = [np.ascontiguousarray(self.stored[n]) for n in self.names]
         self.params += [np.full(shape, fill, dtype) for shape, dtype, fill in sig.optim_states]
         self.pointers = (ctypes.c_void_p * len(self.params))(*(p.ctypes.data for p in self.params))
+        self.header = ""  # train_step.h, as `emit` wrote it
 
     def step(self, x: np.ndarray | tuple[np.ndarray, ...], y: np.ndarray) -> float:
         xs = [np.ascontiguousarray(a) for a in (x if isinstance(x, tuple) else (x,))]
@@ -59,22 +60,25 @@ class CSession:
         return from_step({**self.stored, **dict(zip(self.names, self.params))}, self.sig.layouts, self.sig.quantized)
 
 
-def _both(model_path: Path, candidate: Candidate, tmp_path: Path) -> tuple[TrainingSession, CSession, int]:
-    model = load_model(model_path)
+def _both(model_path: Path | Model, candidate: Candidate, tmp_path: Path) -> tuple[TrainingSession, CSession, int]:
+    model = model_path if isinstance(model_path, Model) else load_model(model_path)
     build = BuildOptions(NO_FMA, tmp_path / "cache", kernels=Kernels.TVM)
     vm = compile_candidate(model, candidate, build)
     mod, sig = build_training_module(model, candidate)
     step = emit(lower_step(mod, sig, candidate, build, None).lowered, sig)
     weights = dict(model.initializers)
     c = CSession(compile_host(step, tmp_path), sig.with_lr(candidate.lr), weights)
+    c.header = step.header
     return TrainingSession(vm.library, vm.signature.with_lr(candidate.lr), weights), c, step.arena_bytes
 
 
-def _equal_over_steps(vm: TrainingSession, c: CSession, shape: tuple[int, ...], classes: int, steps: int = 4) -> None:
+def _equal_over_steps(
+    vm: TrainingSession, c: CSession, shape: tuple[int, ...], classes: int, steps: int = 4, codes: bool = False
+) -> None:
     rng = np.random.default_rng(0)
     batch = c.sig.batch_size
     for _ in range(steps):
-        x = rng.normal(0, 1, (batch, *shape)).astype(np.float32)
+        x = rng.integers(0, 256, (batch, *shape), np.uint8) if codes else rng.normal(0, 1, (batch, *shape)).astype(np.float32)
         y = rng.integers(0, classes, batch)
         assert c.step(x, y) == vm.step(x, y)
     expected, got = vm.weights(), c.weights()

@@ -33,7 +33,7 @@ from planner.measurement import runner_for
 from planner.measurement.qemu import QemuSession, kernel_instructions
 from planner.runtime.session import TrainingSession
 from planner.search.evaluate import EvalSettings, Evaluator
-from planner.types import Candidate, TrialRecord, TrialResult, TrialState
+from planner.types import Candidate, Encoding, TrialRecord, TrialResult, TrialState
 from processes import PLANNED, planner
 
 DIGITS = shipped("examples") / "digits"
@@ -47,10 +47,14 @@ def _toolchain():
         pytest.skip(f"needs {', '.join(missing)} (apt-get install gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm)")
 
 
-def _weights_after_steps(target_name: str, model_path: Path, candidate: Candidate, cache: Path, steps: int = 10):
+def _weights_after_steps(
+    target_name: str, model_path: Path, candidate: Candidate, cache: Path, steps: int = 10, encoding: Encoding | None = None
+):
     """(firmware, weights on the emulated board, weights of the VM's step here) after `steps` steps
-    on the same batches."""
+    on the same batches; with `encoding`, both steps take the input in 8 bits."""
     model = load_model(model_path)
+    if encoding is not None:
+        model = model.encoded({model.only_input.name: encoding})
     target = load_target(target_name)
     backend = backend_for(target, cache_dir=cache)
     firmware = backend.build(model, candidate)
@@ -217,6 +221,8 @@ def test_a_plan_for_an_emulated_board_reproduces_its_accuracy_when_run_there(tmp
     assert plan["step"]["kind"] == "c-firmware" and plan["target"]["device"] == "qemu:mps2-an386"
     assert "instructions per step" in plan["measurement"]["latency"]
     assert plan["metrics"]["peak_memory_bytes"]["total"] <= 512 * 1024
+    (image,) = plan["step"]["signature"]["inputs"]  # the board takes 8-bit codes spanning the data's range
+    assert image["dtype"] == "uint8" and len(image["encoding"]["scale"]) == 1
     done = subprocess.run([*cli, "run", str(out), "--steps", steps, "--out", str(tmp_path / "run"), "--json"], **common)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -340,7 +346,8 @@ def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_s
     the board: its elementwise kernels write over activations nothing reads afterwards
     (`planner.backend.lower.activations`), and the weights after 10 steps are still the VM's. With its
     first layers frozen, the board computes them in row bands (`planner.backend.graph.bands`) and the
-    classifier's product through sgemm beside the convolutions', the VM neither."""
+    classifier's product through sgemm beside the convolutions', the VM neither; its input taken
+    as 8-bit pixels, decoded band by band."""
     sys.path.insert(0, str(Path(__file__).parent))
     import zoo
 
@@ -351,9 +358,12 @@ def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_s
     else:
         trained = ((names[0], "bias"), *((n, "full") for n in names[-4:]))
         candidate = Candidate(trained, batch_size=2, optimizer="momentum", lr=0.01)
-    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path)
+    pixels = Encoding((0.02, 0.03, 0.025), (-2.0, -1.5, -1.8)) if frozen_start else None
+    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path, encoding=pixels)
     _close(got, expected)
     assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total
+    if frozen_start:  # the 8-bit input is a quarter of the float one, read where the board writes it
+        assert firmware.signature.inputs[0].dtype == "uint8"
 
 
 @pytest.mark.slow
@@ -420,7 +430,7 @@ def test_the_firmware_builds_from_the_plan_directory_alone_as_the_docs_say(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert (project / "firmware.elf").stat().st_size > 0
     header = (plan / "train_step.h").read_text()
-    assert "0: image, float32 [PLANNER_BATCH, 1, 8, 8]" in header
+    assert "0: image, uint8 [PLANNER_BATCH, 1, 8, 8]\n      8-bit codes the step decodes" in header
     assert "typedef uint8_t planner_label_t;" in header  # ten classes: a byte a label
     # the report shows the flash the step takes and says the latency is an instruction count
     report = (plan / "report.md").read_text()

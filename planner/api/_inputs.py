@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput
-from planner.inputs.data import Dataset, bind_lengths, load_dataset
+from planner.inputs.data import Dataset, bind_lengths, input_encodings, load_dataset
 from planner.inputs.defaults import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_TARGET
 from planner.inputs.model import Model, load_model
 from planner.inputs.settings import Settings
@@ -109,6 +109,8 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
     )
     m = bind_lengths(m, dataset)
     hw = resolve_target(inputs.target, tracker=inputs.tracker, key=inputs.key)
+    if hw.input_bits == 8:  # the board takes its batches as 8-bit codes (a camera's pixels)
+        m = m.encoded(input_encodings(m, dataset))
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     return Loaded(m, dataset, hw, runner_for(hw), cache)

@@ -26,8 +26,10 @@ from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from planner.inputs.decompose import decompose
+from planner.inputs.encodings import decode_inputs
 from planner.inputs.names import recorded_parameters
 from planner.inputs.recurrent import unroll_recurrent
+from planner.types import Encoding
 
 # Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
 # big is better computed by the step than stored in it.
@@ -361,13 +363,18 @@ def bind_batch(proto: onnx.ModelProto, batch: int, lengths: Mapping[str, int]) -
 
 
 def for_import(
-    proto: onnx.ModelProto, batch: int, parameters: set[str], lengths: Mapping[str, int] | None = None
+    proto: onnx.ModelProto,
+    batch: int,
+    parameters: set[str],
+    lengths: Mapping[str, int] | None = None,
+    codes: Mapping[str, Encoding] | None = None,
 ) -> onnx.ModelProto:
     """A copy of `proto` as planner hands it to TVM: batch `batch`, dynamic lengths `lengths`, every initializer that is
     not in `parameters` a Constant node, every GRU, LSTM and RNN node unrolled over its fixed
     sequence (`planner.inputs.recurrent`: TVM imports none of them), every computation on
     constants (shapes included) folded into a Constant, and every operator TVM would import
-    without a gradient written as ones it has (`planner.inputs.decompose`)."""
+    without a gradient written as ones it has (`planner.inputs.decompose`), and the inputs named in
+    `codes` taken in 8 bits and decoded (`planner.inputs.encodings`)."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     bind_batch(out, batch, lengths or {})
@@ -388,6 +395,7 @@ def for_import(
     if decompose(out, values, shapes, types, opset):  # what TVM would import without a gradient
         while _fold_constants(out, values, opset):
             pass
+    decode_inputs(out, codes or {})
     return out
 
 

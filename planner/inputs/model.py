@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +31,7 @@ from planner.inputs.fixups import (
 )
 from planner.inputs.layers import Layer, layers_of, parameters_of
 from planner.tasks import CLASSIFICATION, TASKS, Task
-from planner.types import ModelInput
+from planner.types import Encoding, ModelInput
 
 __all__ = ["Layer", "Model", "load_model", "save_onnx"]
 
@@ -61,10 +61,11 @@ class Model:
     def key(self) -> str:
         """What identifies the model a step is built from: its files, the lengths bound and the
         task (whose loss the step computes)."""
-        if not self.lengths and self.task is CLASSIFICATION:
+        codes = [i.to_json() for i in self.inputs if i.encoding is not None]
+        if not self.lengths and self.task is CLASSIFICATION and not codes:
             return self.sha256
         extra = [] if self.task is CLASSIFICATION else [self.task.name]
-        return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items()), *extra]).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items()), *extra, *codes]).encode()).hexdigest()
 
     @property
     def n_classes(self) -> int:
@@ -115,6 +116,25 @@ class Model:
         output = replace(self.output, shape=tuple(bound.get(d, d) if isinstance(d, str) else d for d in self.output.shape))
         return self._replaced(inputs=inputs, output=output, lengths={**self.lengths, **bound})
 
+    def encoded(self, codes: Mapping[str, Encoding]) -> Model:
+        """The model whose step takes the inputs named in `codes` in 8 bits, decoding each as its
+        first operation (`Encoding`; `import_proto` writes the decoding into the graph)."""
+        if unknown := sorted(set(codes) - {i.name for i in self.inputs}):
+            raise BadInput(f"{self.path.name} has no input named {unknown[0]!r}")
+        try:
+            inputs = tuple(i.encoded(codes[i.name]) if i.name in codes else i for i in self.inputs)
+        except ValueError as exc:
+            raise BadInput(f"{self.path.name}: {exc}") from None
+        return self._replaced(inputs=inputs)
+
+    @property
+    def exported(self) -> Model:
+        """The model taking every input as its ONNX file does (what data is read for), not in
+        8 bits (`encoded`)."""
+        if all(i.encoding is None for i in self.inputs):
+            return self
+        return self._replaced(inputs=tuple(replace(i, dtype="float32", encoding=None) if i.encoding else i for i in self.inputs))
+
     def _replaced(self, **changes) -> Model:
         """`replace(self, **changes)` keeping the initializers already read: neither the graph nor
         its parameter list changes, and reading them again was a second conversion of every
@@ -160,7 +180,8 @@ class Model:
             raise BadInput(
                 f"{self.path.name}: its inputs' lengths {', '.join(self.unbound)} are bound by the data; load data first"
             )
-        return for_import(self.proto, batch, set(self.parameters), self.lengths)
+        codes = {i.name: i.encoding for i in self.inputs if i.encoding is not None}
+        return for_import(self.proto, batch, set(self.parameters), self.lengths, codes)
 
     def layer(self, name: str) -> Layer:
         """A layer by its name, or by the name of an ONNX node in it."""

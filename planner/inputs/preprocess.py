@@ -27,6 +27,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from planner.errors import BadInput
+from planner.types import Encoding
 
 Interpolation = Literal["nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"]
 _RESAMPLE = {
@@ -231,6 +232,17 @@ class Preprocess:
             return f"{type(step).__name__}({', '.join(f'{k}={_literal(v)}' for k, v in given.items())})"
 
         return ", ".join(call(s) for s in self.steps)
+
+    def pixel_encoding(self, channels: int) -> Encoding:
+        """The model input as an affine map of the 8-bit pixels the image steps give: `ToTensor`'s
+        division by 255, then each `Normalize` (the steps after `ToTensor`). Encoding a model input
+        with it gives back its pixels (the map's float32 rounding is far below half a code)."""
+        scale, offset = np.full(channels, 1 / 255), np.zeros(channels)
+        for step in self.steps:
+            if isinstance(step, Normalize):
+                mean, std = np.broadcast_to(step.mean, channels), np.broadcast_to(step.std, channels)
+                scale, offset = scale / std, (offset - mean) / std
+        return Encoding(tuple(map(float, scale)), tuple(map(float, offset)))
 
     def apply(self, image: Image.Image, rng: np.random.Generator | None = None) -> np.ndarray:
         """The model input for a decoded RGB image; `rng` given: the training view (augmented)."""

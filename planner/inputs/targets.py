@@ -160,6 +160,9 @@ class HardwareTarget(BaseModel):
     mcu: Mcu | None = None  # a microcontroller (the `c` back end's targets)
     # dense convolutions through OpenBLAS (scipy-openblas32 where the step runs) or TVM's schedules
     kernels: Kernels = Kernels.OPENBLAS
+    # 8: the step takes each float input as 8-bit codes and decodes them as its first operation
+    # (`planner.types.Encoding`): images as their pixels, exactly; arrays scaled to their training range
+    input_bits: Literal[8, 32] = 32
 
     @field_validator("tvm_target", mode="before")
     @classmethod

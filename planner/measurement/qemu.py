@@ -31,7 +31,7 @@ from planner.backend.mcu.cvalues import label_dtype
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.targets import HardwareTarget, Mcu
 from planner.measurement._base import Measurement, Runner, Session
-from planner.runtime.session import Inputs, example_batch, padded, score
+from planner.runtime.session import Inputs, example_batch, padded, score, step_inputs
 from planner.runtime.weights import from_step, to_step
 from planner.types import Latency, StepSignature
 
@@ -189,14 +189,8 @@ class QemuSession:
             raise
         self.last_instructions = 0
 
-    def _inputs(self, x: Inputs) -> list[np.ndarray]:
-        arrays = [x] if isinstance(x, np.ndarray) else list(x)
-        if len(arrays) != len(self.sig.inputs):
-            raise ValueError(f"the step takes {len(self.sig.inputs)} inputs, given {len(arrays)}")
-        return [np.ascontiguousarray(np.asarray(a).astype(i.dtype, copy=False)) for a, i in zip(arrays, self.sig.inputs)]
-
     def step(self, x: Inputs, y: np.ndarray) -> float:
-        self.board.write(b"S", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig)))
+        self.board.write(b"S", *step_inputs(self.sig, x), np.ascontiguousarray(y, dtype=label_dtype(self.sig)))
         rc, loss, ticks = struct.unpack("<ifQ", self.board.read(16))
         if rc != 0:
             raise CandidateFailed(f"the step failed on the emulated board (code {rc}: its scratch pool ran out?)")
@@ -205,7 +199,7 @@ class QemuSession:
 
     def profile(self, x: Inputs, y: np.ndarray, calls: int) -> list[int]:
         """One step on a batch, the instructions of each of its `calls` kernel calls, in order."""
-        self.board.write(b"K", *self._inputs(x), np.ascontiguousarray(y, dtype=label_dtype(self.sig)))
+        self.board.write(b"K", *step_inputs(self.sig, x), np.ascontiguousarray(y, dtype=label_dtype(self.sig)))
         ticks = np.frombuffer(self.board.read(4 * calls), np.uint32)
         rc, _, _ = struct.unpack("<ifQ", self.board.read(16))
         if rc != 0:
@@ -214,7 +208,7 @@ class QemuSession:
 
     def outputs(self, x: Inputs) -> np.ndarray:
         B, C = self.sig.micro_batch, self.sig.output_shape
-        arrays, chunks = self._inputs(x), []
+        arrays, chunks = step_inputs(self.sig, x), []
         for i in range(0, len(arrays[0]), B):
             parts = [a[i : i + B] for a in arrays]
             pad = B - len(parts[0])

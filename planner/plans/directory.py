@@ -331,9 +331,10 @@ def data_files(dataset: Dataset) -> dict[str, Path]:
 
 def plan_model(plan_dir: Path, plan: Plan) -> Model:
     """The plan's model as its step was built: its lengths bound as the plan measured them (a
-    sequence length), trained for the plan's task. Call after `read_plan` verified the files."""
+    sequence length), trained for the plan's task, its inputs taken as the plan's step takes them. Call after `read_plan` verified the files."""
     model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
-    return model.with_task(task_named(plan.dataset.task))
+    codes = {i.name: i.encoding for i in plan.signature.inputs if i.encoding is not None}
+    return model.with_task(task_named(plan.dataset.task)).encoded(codes)
 
 
 def plan_tokenizer(plan_dir: Path, plan: Plan) -> Path | None:

@@ -85,7 +85,7 @@ def run_plan(
         plan = read_plan(plan_dir)  # every file checked against plan.json's sha256 before anything loads
         # the lengths the plan was measured at (a sequence length): its step takes no other
         model = plan_model(plan_dir, plan)
-        dataset = _dataset(plan_dir, plan, Path(data or plan.dataset.source), model)
+        dataset = _dataset(plan_dir, plan, Path(data or plan.dataset.source), model.exported)
         dataset.check_batch(plan.signature.batch_size, "the plan")
         weights = _weights(plan_dir / WEIGHTS_FILE, model)
         out = _out_dir(plan_dir, Path(out) if out else plan_dir / "finetuned", model)

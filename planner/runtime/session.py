@@ -43,10 +43,12 @@ Inputs = np.ndarray | Sequence[np.ndarray]
 
 def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
     """A batch of the step's shapes for timing it (kernel times do not depend on the values):
-    standard normal floats; ones for integer inputs, an id every vocabulary has and a mask that
-    attends everywhere; integer targets cycle through the classes."""
+    standard normal floats, uniform 8-bit codes; ones for integer inputs, an id every vocabulary
+    has and a mask that attends everywhere; integer targets cycle through the classes."""
     xs = [
-        np.ones((sig.batch_size, *i.static), i.dtype)
+        rng.integers(0, 256, (sig.batch_size, *i.static), np.uint8)
+        if i.encoding is not None
+        else np.ones((sig.batch_size, *i.static), i.dtype)
         if i.integer
         else rng.standard_normal((sig.batch_size, *i.static)).astype(i.dtype)
         for i in sig.inputs
@@ -55,6 +57,21 @@ def example_batch(sig: StepSignature, rng: np.random.Generator) -> tuple[list[np
     if t.integer:
         return xs, (np.arange(int(np.prod(shape))) % max(1, sig.output_shape[-1])).reshape(shape).astype(t.dtype)
     return xs, rng.standard_normal(shape).astype(t.dtype)
+
+
+def step_inputs(sig: StepSignature, x: Inputs) -> list[np.ndarray]:
+    """`x` as the step's input arrays, each in its input's dtype (a float input the step takes in
+    8 bits encoded: `Encoding.encode`): one array for a model of one input, else one per input in
+    the signature's order."""
+    arrays = [x] if isinstance(x, np.ndarray) else list(x)
+    if len(arrays) != len(sig.inputs):
+        raise ValueError(f"the step takes {len(sig.inputs)} inputs, given {len(arrays)}")
+    return [
+        np.ascontiguousarray(
+            i.encoding.encode(np.asarray(a)) if i.encoding is not None else np.asarray(a).astype(i.dtype, copy=False)
+        )
+        for a, i in zip(arrays, sig.inputs)
+    ]
 
 
 def score(
@@ -114,16 +131,8 @@ class TrainingSession:
     def _put(self, array: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(array, order="C"), self.device)
 
-    def _inputs(self, x: Inputs) -> list[np.ndarray]:
-        """`x` as the step's input arrays, each in its input's dtype: one array for a model of one
-        input, else one per input in the signature's order."""
-        arrays = [x] if isinstance(x, np.ndarray) else list(x)
-        if len(arrays) != len(self.sig.inputs):
-            raise ValueError(f"the step takes {len(self.sig.inputs)} inputs, given {len(arrays)}")
-        return [np.asarray(a).astype(i.dtype, copy=False) for a, i in zip(arrays, self.sig.inputs)]
-
     def step_args(self, x: Inputs, y: np.ndarray) -> list:
-        inputs = [self._put(a) for a in self._inputs(x)]
+        inputs = [self._put(a) for a in step_inputs(self.sig, x)]
         return [*inputs, *self.frozen, *self.trainable, *self.states, self._put(y.astype(self.sig.target.dtype))]
 
     def step(self, x: Inputs, y: np.ndarray) -> float:
@@ -151,7 +160,7 @@ class TrainingSession:
         chunk). A model whose output is its batch's loss gives each sample its micro-batch's loss,
         a short last micro-batch filled with the chunk's first samples (not one sample repeated)."""
         B, batched = self.sig.micro_batch, self.sig.batched_output
-        arrays = self._inputs(x)
+        arrays = step_inputs(self.sig, x)
         chunks = []
         for i in range(0, len(arrays[0]), B):
             parts = [a[i : i + B] for a in arrays]

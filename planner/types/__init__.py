@@ -30,10 +30,11 @@ from planner.types._measured import (
     TrialState,
 )
 from planner.types._metric import ACCURACY, METRICS, Metric, metric_named
-from planner.types._step import KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
+from planner.types._step import Encoding, KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
 
 __all__ = [
     "ACCURACY",
+    "Encoding",
     "METRICS",
     "Metric",
     "metric_named",

@@ -5,20 +5,78 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from planner.modes import Layout
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a step's 8-bit input stands for the model's float input: the value is `q * scale[c] +
+    offset[c]` along the first axis after the batch (one pair: for every value), computed in
+    float32 as the step's first operation.
+
+    Why: on a microcontroller the input batch is the widest tensor alive at the start of a step
+    (MobileNetV2 at 128x128: 192 KiB in fp32 beside a 320 KB board), and a camera gives 8-bit
+    pixels anyway. For images it is exact: `ToTensor` then `Normalize` is this affine map of the
+    decoded pixel (`Preprocess.pixel_encoding`), so a batch encodes back to its very pixels; for
+    float arrays it is a per-tensor scale calibrated on the training data (`calibrated`), and the
+    accuracy a candidate measures is the encoded data's."""
+
+    scale: tuple[float, ...]
+    offset: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.scale) != len(self.offset) or not self.scale:
+            raise ValueError("an input encoding has one scale and one offset per channel (or one of each)")
+        if not all(np.isfinite(s) and s > 0 for s in self.scale) or not all(np.isfinite(o) for o in self.offset):
+            raise ValueError(f"an input encoding's scales must be finite and positive, its offsets finite: {self}")
+
+    def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Scale and offset as float32 arrays broadcasting over a sample of `rank` dimensions."""
+        shape = (len(self.scale), *[1] * (rank - 1)) if len(self.scale) > 1 else ()
+        return (np.asarray(self.scale, np.float32).reshape(shape), np.asarray(self.offset, np.float32).reshape(shape))
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        """A batch of float samples as the step's 8-bit input: the nearest code, clipped to
+        [0, 255]; an 8-bit batch is taken as it is (already the step's)."""
+        if x.dtype == np.uint8:
+            return x
+        scale, offset = self.factors(x.ndim - 1)
+        return np.clip(np.rint((x.astype(np.float64) - offset) / scale), 0, 255).astype(np.uint8)
+
+    def decode(self, q: np.ndarray) -> np.ndarray:
+        """The float32 values a batch of codes stands for, as the step computes them."""
+        scale, offset = self.factors(q.ndim - 1)
+        return q.astype(np.float32) * scale + offset
+
+    @classmethod
+    def calibrated(cls, x: np.ndarray) -> Encoding:
+        """The per-tensor encoding spanning `x`'s values (training samples) with 256 codes."""
+        lo, hi = float(np.min(x)), float(np.max(x))
+        return cls(((hi - lo) / 255 if hi > lo else 1.0,), (lo,))
+
+    def to_json(self) -> dict:
+        return {"scale": list(self.scale), "offset": list(self.offset)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Encoding:
+        return cls(tuple(float(v) for v in d["scale"]), tuple(float(v) for v in d["offset"]))
 
 
 @dataclass(frozen=True)
 class ModelInput:
     """One input of a model: its ONNX name, its shape after the batch dimension and its numpy
     dtype. Token ids and attention masks stay integers end to end: a float32 cast would be a
-    different model (and TVM refuses it)."""
+    different model (and TVM refuses it). A float input the step takes in 8 bits carries its
+    `encoding` (its dtype is then uint8)."""
 
     name: str
     shape: tuple[int | str, ...]  # without the batch dimension; a str is a dynamic length (`sequence`)
     dtype: str = "float32"
     # False: no batch dimension at all — an output that is the batch's scalar loss (`loss-in-model`)
     batched: bool = True
+    encoding: Encoding | None = None
 
     @property
     def integer(self) -> bool:
@@ -32,12 +90,26 @@ class ModelInput:
         return tuple(int(d) for d in self.shape)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, **({} if self.batched else {"batched": False})}
+        d: dict = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if not self.batched:
+            d["batched"] = False
+        if self.encoding is not None:
+            d["encoding"] = self.encoding.to_json()
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> ModelInput:
         shape = tuple(n if isinstance(n, str) else int(n) for n in d["shape"])
-        return cls(str(d["name"]), shape, str(d["dtype"]), bool(d.get("batched", True)))
+        code = Encoding.from_json(d["encoding"]) if "encoding" in d else None
+        return cls(str(d["name"]), shape, str(d["dtype"]), bool(d.get("batched", True)), code)
+
+    def encoded(self, encoding: Encoding) -> ModelInput:
+        """This float input taken by the step in 8 bits."""
+        if self.dtype != "float32" or not self.batched:
+            raise ValueError(f"input '{self.name}' ({self.dtype}) is not a batch of floats: it is taken as it is")
+        if len(encoding.scale) not in (1, self.shape[0] if self.shape else 1):
+            raise ValueError(f"input '{self.name}' {self.shape}: {len(encoding.scale)} channel scales")
+        return replace(self, dtype="uint8", encoding=encoding)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from planner.backend.mcu.ctemplates import HEADER, RUNTIME
 from planner.backend.mcu.cvalues import ctype, label_dtype, literal, output_size, target_size
 from planner.errors import CandidateFailed
 from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC
-from planner.types import StepSignature
+from planner.types import ModelInput, StepSignature
 
 ALIGN = 64  # every tensor and scratch block starts on a cache line (and any SIMD load's alignment)
 
@@ -424,14 +424,23 @@ def emit(lowered: tvm.IRModule, sig: StepSignature) -> CStep:
         arena=arena,
         workspace=workspace,
         n_calls=len(step.called),
-        inputs="\n".join(
-            f"   {i}: {t.name}, {t.dtype} [PLANNER_BATCH, {', '.join(map(str, t.shape))}]" for i, t in enumerate(sig.inputs)
-        ),
+        inputs="\n".join(_input_line(k, i) for k, i in enumerate(sig.inputs)),
         step_signature=_step_signature(sig),
         predict_signature=_predict_signature(sig),
     )
     driver = _driver(step, predict, sig, arena, workspace)
     return CStep(kernels, driver, header, arena, workspace, tuple(step.called))
+
+
+def _input_line(k: int, i: ModelInput) -> str:
+    """Input `k` as train_step.h describes it: what the caller writes where `planner_inputs` points."""
+    line = f"   {k}: {i.name}, {i.dtype} [PLANNER_BATCH, {', '.join(map(str, i.shape))}]"
+    if i.encoding is None:
+        return line
+    return line + (
+        "\n      8-bit codes the step decodes as code * scale[c] + offset[c] (plan.json: signature, inputs):"
+        "\n      an image's pixels as its image steps leave them, before ToTensor and Normalize"
+    )
 
 
 def write_sources(step: CStep, directory: Path) -> list[Path]:

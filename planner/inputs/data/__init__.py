@@ -27,6 +27,7 @@ from planner.inputs.data._images import CSV, IMAGES
 from planner.inputs.data._text import TEXT, Tokenization
 from planner.inputs.model import Model
 from planner.tasks import task_named
+from planner.types import Encoding
 
 __all__ = [
     "FORMATS",
@@ -37,6 +38,7 @@ __all__ = [
     "Split",
     "Tokenization",
     "bind_lengths",
+    "input_encodings",
     "data_format",
     "format_named",
     "load_dataset",
@@ -142,3 +144,19 @@ def bind_lengths(model: Model, dataset: Dataset) -> Model:
     sample, _ = dataset.train.batch(np.arange(1))
     arrays = [sample] if isinstance(sample, np.ndarray) else list(sample)
     return model.bind([a.shape[1:] for a in arrays], str(dataset.source))
+
+
+def input_encodings(model: Model, dataset: Dataset) -> dict[str, Encoding]:
+    """How each float input of `model` is taken in 8 bits (`Model.encoded`): images as the pixels
+    their preprocessing starts from (exact); arrays by the range of their training samples, one
+    scale per input (a value outside it is clipped: the fine-tune measures what that costs)."""
+    floats = [k for k, i in enumerate(model.inputs) if i.dtype == "float32" and i.batched and i.encoding is None]
+    if dataset.preprocess is not None:
+        spec = model.only_input
+        return {spec.name: dataset.preprocess.pixel_encoding(int(spec.static[0]))} if floats else {}
+    lo, hi = {k: np.inf for k in floats}, {k: -np.inf for k in floats}
+    for x, _ in dataset.train.chunks(256) if floats else ():
+        arrays = [x] if isinstance(x, np.ndarray) else list(x)
+        for k in floats:
+            lo[k], hi[k] = min(lo[k], float(arrays[k].min())), max(hi[k], float(arrays[k].max()))
+    return {model.inputs[k].name: Encoding.calibrated(np.array([lo[k], hi[k]])) for k in floats if lo[k] <= hi[k]}
