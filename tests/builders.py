@@ -26,8 +26,8 @@ from planner.runtime.session import TrainingSession
 from planner.types import Candidate, StepSignature
 
 
-def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: int = 3) -> Path:
-    """Conv-BN-ReLU(1->4) MaxPool Conv(4->6)-ReLU GAP Flatten Gemm(6->C), input [batch,1,6,6].
+def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: int = 3, channels: int = 1) -> Path:
+    """Conv-BN-ReLU(channels->4) MaxPool Conv(4->6)-ReLU GAP Flatten Gemm(6->C), input [batch,channels,6,6].
 
     `extra_op` inserts a single-input op (e.g. "Floor") right before the classifier head.
     """
@@ -41,7 +41,7 @@ def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: 
     nodes.append(
         helper.make_node(
             "Conv",
-            ["x", p("c1.w", rng.normal(0, 0.5, (4, 1, 3, 3))), p("c1.b", rng.normal(0, 0.1, 4))],
+            ["x", p("c1.w", rng.normal(0, 0.5, (4, channels, 3, 3))), p("c1.b", rng.normal(0, 0.1, 4))],
             ["a1"],
             name="c1",
             pads=[1, 1, 1, 1],
@@ -84,7 +84,7 @@ def tiny_cnn(path: Path, seed: int = 0, extra_op: str | None = None, n_classes: 
     graph = helper.make_graph(
         nodes,
         "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", channels, 6, 6])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", n_classes])],
         inits,
     )

@@ -180,7 +180,7 @@ def assemble(
         model=ModelInfo(
             path=str(model.path),
             sha256=model.sha256,
-            inputs=[ModelInput(name=i.name, shape=["batch", *i.shape], dtype=i.dtype) for i in model.inputs],
+            inputs=[ModelInput(name=i.name, shape=["batch", *i.shape], dtype=i.dtype) for i in model.exported.inputs],
             data_files=list(model.data_files),
         ),
         dataset=DatasetInfo.model_validate(_dataset_json(dataset)),

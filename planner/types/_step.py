@@ -29,8 +29,8 @@ class Encoding:
     def __post_init__(self) -> None:
         if len(self.scale) != len(self.offset) or not self.scale:
             raise ValueError("an input encoding has one scale and one offset per channel (or one of each)")
-        if not all(np.isfinite(s) and s > 0 for s in self.scale) or not all(np.isfinite(o) for o in self.offset):
-            raise ValueError(f"an input encoding's scales must be finite and positive, its offsets finite: {self}")
+        if not all(np.isfinite(s) and s != 0 for s in self.scale) or not all(np.isfinite(o) for o in self.offset):
+            raise ValueError(f"an input encoding's scales must be finite and not 0, its offsets finite: {self}")
 
     def factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Scale and offset as float32 arrays broadcasting over a sample of `rank` dimensions."""
@@ -51,9 +51,12 @@ class Encoding:
         return q.astype(np.float32) * scale + offset
 
     @classmethod
-    def calibrated(cls, x: np.ndarray) -> Encoding:
-        """The per-tensor encoding spanning `x`'s values (training samples) with 256 codes."""
-        lo, hi = float(np.min(x)), float(np.max(x))
+    def calibrated(cls, lo: float, hi: float, integral: bool = False) -> Encoding:
+        """The per-tensor encoding spanning values from `lo` to `hi` (the training samples') with
+        256 codes; `integral` values (8-bit data saved as floats) spanning at most 256 integers
+        are coded as they are, exactly."""
+        if integral and hi - lo <= 255:
+            return cls((1.0,), (lo,))
         return cls(((hi - lo) / 255 if hi > lo else 1.0,), (lo,))
 
     def to_json(self) -> dict:
@@ -80,7 +83,8 @@ class ModelInput:
 
     @property
     def integer(self) -> bool:
-        return self.dtype.startswith(("int", "uint")) or self.dtype == "bool"
+        """Whether the model takes integers here (ids, masks): an input coded in 8 bits is a float one."""
+        return self.encoding is None and (self.dtype.startswith(("int", "uint")) or self.dtype == "bool")
 
     @property
     def static(self) -> tuple[int, ...]:

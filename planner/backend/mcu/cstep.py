@@ -437,9 +437,14 @@ def _input_line(k: int, i: ModelInput) -> str:
     line = f"   {k}: {i.name}, {i.dtype} [PLANNER_BATCH, {', '.join(map(str, i.shape))}]"
     if i.encoding is None:
         return line
+    code = i.encoding
     return line + (
-        "\n      8-bit codes the step decodes as code * scale[c] + offset[c] (plan.json: signature, inputs):"
-        "\n      an image's pixels as its image steps leave them, before ToTensor and Normalize"
+        "\n      8-bit codes the step decodes as code * scale[c] + offset[c] (an image: its pixels before"
+        "\n      ToTensor and Normalize), scale {"
+        + ", ".join(f"{v:.9g}" for v in code.scale)
+        + "}, offset {"
+        + ", ".join(f"{v:.9g}" for v in code.offset)
+        + "}"
     )
 
 

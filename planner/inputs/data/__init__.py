@@ -124,7 +124,7 @@ def load_dataset(
     known = tuple(classes) if classes is not None else None
     return kind.load(
         path,
-        model,
+        model.exported,  # data is what the ONNX file takes, whatever the step is given
         preprocess=preprocess,
         tokenizer=tokenizer,
         classes=known,
@@ -149,14 +149,19 @@ def bind_lengths(model: Model, dataset: Dataset) -> Model:
 def input_encodings(model: Model, dataset: Dataset) -> dict[str, Encoding]:
     """How each float input of `model` is taken in 8 bits (`Model.encoded`): images as the pixels
     their preprocessing starts from (exact); arrays by the range of their training samples, one
-    scale per input (a value outside it is clipped: the fine-tune measures what that costs)."""
+    scale per input (a value outside it is clipped: the fine-tune measures what that costs), or as
+    they are where they are 8-bit values saved as floats. A model computing its own loss takes its
+    targets among its inputs: they stay float."""
+    if not model.output.batched:
+        return {}
     floats = [k for k, i in enumerate(model.inputs) if i.dtype == "float32" and i.batched and i.encoding is None]
     if dataset.preprocess is not None:
         spec = model.only_input
         return {spec.name: dataset.preprocess.pixel_encoding(int(spec.static[0]))} if floats else {}
-    lo, hi = {k: np.inf for k in floats}, {k: -np.inf for k in floats}
+    lo, hi, integral = {k: np.inf for k in floats}, {k: -np.inf for k in floats}, dict.fromkeys(floats, True)
     for x, _ in dataset.train.chunks(256) if floats else ():
         arrays = [x] if isinstance(x, np.ndarray) else list(x)
         for k in floats:
             lo[k], hi[k] = min(lo[k], float(arrays[k].min())), max(hi[k], float(arrays[k].max()))
-    return {model.inputs[k].name: Encoding.calibrated(np.array([lo[k], hi[k]])) for k in floats if lo[k] <= hi[k]}
+            integral[k] = integral[k] and bool(np.all(arrays[k] == np.round(arrays[k])))
+    return {model.inputs[k].name: Encoding.calibrated(lo[k], hi[k], integral[k]) for k in floats if lo[k] <= hi[k]}
