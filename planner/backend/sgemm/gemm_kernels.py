@@ -33,7 +33,7 @@ import tvm
 from tvm.script import tirx as T
 
 from planner.backend.sgemm.blas import NO_TRANS, PANEL, TRANS, int8_operands, sgemm
-from planner.backend.sgemm.im2col import Conv, col2im_macro, copy_macros, im2col_macro
+from planner.backend.sgemm.im2col import Conv, col2im_macro, copy_macros, im2col_macro, no_copy, no_im2col, no_zeroing
 
 # the kernels' attributes (`_attrs`), all but CONV shared with `matmul`'s kernels
 FLOPS = "planner.flops"  # function attribute: the kernel's multiply-adds × 2, for the profile
@@ -144,34 +144,29 @@ def _attrs(s: Conv) -> dict:
     }
 
 
-@T.macro
-def _nothing(a0, a1, a2, a3, a4, a5, a6, a7):
-    """In place of `gather` or `scatter` when a `single` tile's product reads or writes in place."""
-    T.evaluate(0)
-
-
 def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = False) -> tvm.tirx.PrimFunc:
     """y_n = W · col(x_n). The pool's threads take the tiles in turn (contiguous shares), each
     building its own tile's columns, multiplying them into its workspace and copying the product
     out image by image: one parallel region, no thread waits for another. `quantized`: W is int8
-    with a scale per output channel, the kernel `(x, w, scale, y)` (`GEMM_S8`)."""
+    with a scale per output channel, the kernel `(x, w, scale, y)` (`GEMM_S8`). A `pointwise`
+    convolution's `single` tile multiplies its columns where they lie in x: no im2col, no copy."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
+    direct = s.pointwise and t.single
     # one thread's workspace: columns, then the product, then (an int8 weight) its converted rows
-    per = t.width * (k + (0 if t.single else o)) + (PANEL * k if quantized else 0)
+    per = t.width * ((0 if direct else k) + (0 if t.single else o)) + (PANEL * k if quantized else 0)
     bands = t.bands(s)
-    tiles = t.groups(s) * bands
-    share = -(-tiles // threads)
-    im2col = im2col_macro(s)
+    share = -(-t.groups(s) * bands // threads)
+    im2col = no_im2col if direct else im2col_macro(s)
     _, scatter = copy_macros(s)
     scatter, product = _in_place(s, t, scatter, lambda th: th * per + k * t.width)
-
+    columns = _columns(s, t, direct, lambda th: th * per)
     int8 = int8_operands(quantized, k, per)
 
     @T.macro
     def forward(x, wt, sc, y, ws):
         for th in T.parallel(threads):
-            for i in range(th * share, T.min((th + 1) * share, tiles)):
+            for i in range(th * share, T.min((th + 1) * share, t.groups(s) * bands)):
                 for j in range(t.count(s, i // bands)):
                     im2col(
                         x,
@@ -190,7 +185,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
                         (NO_TRANS, NO_TRANS),
                         (o, t.columns(s, i // bands, i % bands), k),
                         (wt.data, k),
-                        (T.address_of(ws[th * per]), t.width),
+                        (columns[0](x, ws, th, i // bands, i % bands), columns[1]),
                         T.float32(0),
                         (product(y, ws, th, i // bands, i % bands), t.ld(s)),
                         int8(sc, ws, th),
@@ -218,7 +213,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
             y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
         ):
             T.func_attr(_attrs(s))
-            ws = T.decl_buffer((threads * per,), "float32")
+            ws = T.decl_buffer((max(1, threads * per),), "float32")
             forward(x, wt, sc, y, ws)
 
         return conv2d_gemm_s8
@@ -230,7 +225,7 @@ def forward_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = Fals
         y: T.Buffer((s.n, o, s.oh, s.ow), "float32"),
     ):
         T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
+        ws = T.decl_buffer((max(1, threads * per),), "float32")
         forward(x, wt, wt, y, ws)
 
     return conv2d_gemm
@@ -258,12 +253,13 @@ def weight_grad_kernel(s: Conv, threads: int, limits: Limits, accumulate: bool =
         return _weight_grad_by_tiles(s, threads, limits, accumulate)
     kb = -(-k // threads)  # dW columns per thread
     t = Tiles.of(s, threads, kb + o, limits)
-    cols = t.width * (kb + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
+    direct = s.pointwise and t.single  # its columns read in x, where they lie
+    cols = t.width * ((0 if direct else kb) + (0 if t.single else o))  # one thread's workspace: its rows of the columns, then dy
     # where dW fits a copy of its rows per thread (dWᵀ, `_weight_grad_tile`): accumulated there and
     # written out at the end; else dW's columns, strided, accumulated where they belong
     transposed = o * k * 4 <= limits.private_bytes
     per = cols + (kb * o if transposed else 0)
-    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width, transposed=transposed)
+    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + kb * t.width, transposed=transposed, direct=direct)
 
     def out(ws, dw, th):
         if transposed:
@@ -294,7 +290,7 @@ def weight_grad_kernel(s: Conv, threads: int, limits: Limits, accumulate: bool =
         dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
     ):
         T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
+        ws = T.decl_buffer((max(1, threads * per),), "float32")
         flat = T.decl_buffer((o * k,), "float32", data=dw.data)
         for th in T.parallel(threads):
             if th * kb < k:
@@ -326,21 +322,23 @@ def constants() -> tuple[int, ...]:
     return (NARROW, MIN_PIXELS)
 
 
-def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, transposed: bool = False):
+def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, transposed: bool = False, direct: bool = False):
     """A weight gradient's work on tile i for thread th: rows k0 .. k0 + kt of the tile's columns
     at workspace offset `at(th)`, its dy (gathered at `dy_at(th)` unless `single`), and their
     product added (`beta` 1, or 0: written) into `out`: dW's rows `s.k` apart, or `transposed`,
     dWᵀ's rows `s.o` apart. Why dWᵀ where it is free to lay out: col · dyᵀ (the columns as the
-    product's long side) ran 1.3-1.45x faster in OpenBLAS than dy · colᵀ on 16-64 channels."""
+    product's long side) ran 1.3-1.45x faster in OpenBLAS than dy · colᵀ on 16-64 channels.
+    `direct`: the columns are read where they lie in x (`_columns`)."""
     bands = t.bands(s)
-    im2col = im2col_macro(s)
+    im2col = no_im2col if direct else im2col_macro(s)
     gather, _ = copy_macros(s)
     gather, gradient = _in_place(s, t, gather, dy_at)
+    column, ld = _columns(s, t, direct, at)
 
-    def product(dy, ws, th, i, kt, beta, out):
+    def product(x, dy, ws, th, i, k0, kt, beta, out):
         """dW's rows (dy · colᵀ, rows `s.k` apart) or dWᵀ's (col · dyᵀ, rows `s.o` apart)."""
         g, b = i // bands, i % bands
-        cols = (T.address_of(ws[at(th)]), t.width)
+        cols = (column(x, ws, th, g, b, k0), ld)
         dys = (gradient(dy, ws, th, g, b), t.ld(s))
         first, second, m, n, ldc = (cols, dys, kt, s.o, s.o) if transposed else (dys, cols, s.o, kt, s.k)
         return sgemm((NO_TRANS, TRANS), (m, n, t.columns(s, g, b)), first, second, beta, (out, ldc))
@@ -350,18 +348,27 @@ def _weight_grad_tile(s: Conv, t: Tiles, at: Callable, dy_at: Callable, *, trans
         for j in range(t.count(s, i // bands)):
             im2col(x, ws, at(th), t.width, t.image(i // bands, j), t.row(i % bands), t.span(s, i % bands), j * t.run(s), k0, kt)
             gather(dy, ws, dy_at(th), t.width, t.image(i // bands, j), j * t.run(s), t.row(i % bands), t.span(s, i % bands))
-        T.evaluate(product(dy, ws, th, i, kt, beta, out))
+        T.evaluate(product(x, dy, ws, th, i, k0, kt, beta, out))
 
     return tile
+
+
+def _columns(s: Conv, t: Tiles, direct: bool, at: Callable):
+    """Where a product finds a tile's columns: in the workspace at `at(th)`, `t.width` apart, or
+    (`direct`: a `pointwise` convolution's `single` tile) where they lie in the image buffer, `s.p`
+    apart. Returns ((buf, ws, th, g, b, k0) -> the address of column row k0, leading dimension)."""
+    if direct:
+        return (lambda buf, ws, th, g, b, k0=0: T.address_of(buf[t.image(g, 0), k0, t.row(b), 0])), s.p
+    return (lambda buf, ws, th, g, b, k0=0: T.address_of(ws[at(th)])), t.width
 
 
 def _in_place(s: Conv, t: Tiles, copy, at: Callable):
     """How a product reads a tile's dy or writes its y: in place for a `single` tile (no copy),
     else through the copy `copy` (gather or scatter) at workspace offset `at(th)`. Returns (copy
-    or `_nothing`, a function of (buf, ws, th, g, b) giving the operand's address; its leading
+    or `no_copy`, a function of (buf, ws, th, g, b) giving the operand's address; its leading
     dimension is `t.ld(s)`)."""
     if t.single:
-        return _nothing, lambda buf, ws, th, g, b: t.out(s, buf, g, b)
+        return no_copy, lambda buf, ws, th, g, b: t.out(s, buf, g, b)
     return copy, lambda buf, ws, th, g, b: T.address_of(ws[at(th)])
 
 
@@ -371,11 +378,12 @@ def _weight_grad_by_tiles(s: Conv, threads: int, limits: Limits, accumulate: boo
     loop sums the threads' copies, transposed, into dw."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
-    cols = t.width * (k + (0 if t.single else o))  # its tile's columns, then dy
+    direct = s.pointwise and t.single  # its columns read in x, where they lie
+    cols = t.width * ((0 if direct else k) + (0 if t.single else o))  # its tile's columns, then dy
     per = cols + o * k  # ... then its own dWᵀ
     tiles = t.groups(s) * t.bands(s)
     share = -(-tiles // threads)
-    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + k * t.width, transposed=True)
+    tile = _weight_grad_tile(s, t, lambda th: th * per, lambda th: th * per + k * t.width, transposed=True, direct=direct)
 
     @T.macro
     def write(flat, e, value):
@@ -394,7 +402,7 @@ def _weight_grad_by_tiles(s: Conv, threads: int, limits: Limits, accumulate: boo
         dw: T.Buffer((o, s.c, s.kh, s.kw), "float32"),
     ):
         T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
+        ws = T.decl_buffer((max(1, threads * per),), "float32")
         flat = T.decl_buffer((o * k,), "float32", data=dw.data)
         for th in T.parallel(threads):
             for e in range(o * k):
@@ -413,26 +421,35 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
     """dx_n = col2im(Wᵀ · dy_n). The pool's threads take the images in turn, each gathering its
     tiles' dy, multiplying them into its own columns and adding those back onto its own images:
     a band's taps overlap the next band's rows, so an image is never split between threads.
-    `quantized`: W is int8 with a scale per output channel, the kernel `(dy, w, scale, dx)`."""
+    `quantized`: W is int8 with a scale per output channel, the kernel `(dy, w, scale, dx)`.
+    A `pointwise` convolution's `single` tile writes its product in dx: no columns, no zeroing."""
     k, o = s.k, s.o
     t = Tiles.of(s, threads, k + o, limits)
+    direct = s.pointwise and t.single
     # one thread's workspace: columns, then the gathered dy, then (an int8 weight) its converted rows
-    per = t.width * (k + (0 if t.single else o)) + (PANEL * o if quantized else 0)
+    per = t.width * ((0 if direct else k) + (0 if t.single else o)) + (PANEL * o if quantized else 0)
     groups, bands = t.groups(s), t.bands(s)
     share = -(-groups // threads)
     gather, _ = copy_macros(s)
-    col2im = col2im_macro(s)
+    col2im = no_copy if direct else col2im_macro(s)
     gather, gradient = _in_place(s, t, gather, lambda th: th * per + k * t.width)
+    columns = _columns(s, t, direct, lambda th: th * per)
 
     int8 = int8_operands(quantized, o, per)
+
+    @T.macro
+    def zeroed(dx, g):
+        for j, ci, y in T.grid(t.count(s, g), s.c, s.h):  # (a whole image as one vector: LLVM aborts)
+            for x in T.vectorized(s.w):
+                dx[t.image(g, j), ci, y, x] = T.float32(0)
+
+    clear = no_zeroing if direct else zeroed
 
     @T.macro
     def input_grad(dy, wt, sc, dx, ws):
         for th in T.parallel(threads):
             for g in range(th * share, T.min((th + 1) * share, groups)):
-                for j, ci, y in T.grid(t.count(s, g), s.c, s.h):  # (a whole image as one vector: LLVM aborts)
-                    for x in T.vectorized(s.w):
-                        dx[t.image(g, j), ci, y, x] = T.float32(0)
+                clear(dx, g)
                 for b in range(bands):
                     for j in range(t.count(s, g)):
                         gather(dy, ws, th * per + k * t.width, t.width, t.image(g, j), j * t.run(s), t.row(b), t.span(s, b))
@@ -443,7 +460,7 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
                             (wt.data, k),
                             (gradient(dy, ws, th, g, b), t.ld(s)),
                             T.float32(0),
-                            (T.address_of(ws[th * per]), t.width),
+                            (columns[0](dx, ws, th, g, b), columns[1]),
                             int8(sc, ws, th),
                         )
                     )
@@ -460,7 +477,7 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
             dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
         ):
             T.func_attr(_attrs(s))
-            ws = T.decl_buffer((threads * per,), "float32")
+            ws = T.decl_buffer((max(1, threads * per),), "float32")
             input_grad(dy, wt, sc, dx, ws)
 
         return conv2d_input_grad_gemm_s8
@@ -472,7 +489,7 @@ def input_grad_kernel(s: Conv, threads: int, limits: Limits, quantized: bool = F
         dx: T.Buffer((s.n, s.c, s.h, s.w), "float32"),
     ):
         T.func_attr(_attrs(s))
-        ws = T.decl_buffer((threads * per,), "float32")
+        ws = T.decl_buffer((max(1, threads * per),), "float32")
         input_grad(dy, wt, wt, dx, ws)
 
     return conv2d_input_grad_gemm

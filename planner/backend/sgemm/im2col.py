@@ -44,6 +44,12 @@ class Conv:
         return self.oh * self.ow
 
     @property
+    def pointwise(self) -> bool:
+        """A 1x1 convolution of stride 1, unpadded: an image's columns are its input as it lies
+        (channels `p` floats apart), so a product can read them there, with no im2col copy."""
+        return (self.kh, self.kw, self.sh, self.sw, self.pt, self.pl, self.oh, self.ow) == (1, 1, 1, 1, 0, 0, self.h, self.w)
+
+    @property
     def flops(self) -> int:
         return 2 * self.n * self.o * self.k * self.p
 
@@ -182,3 +188,21 @@ def col2im_macro(s: Conv):
                                 )
 
     return col2im
+
+
+@T.macro
+def no_copy(a0, a1, a2, a3, a4, a5, a6, a7):
+    """In place of `gather` or `scatter` when a `single` tile's product reads or writes in place."""
+    T.evaluate(0)
+
+
+@T.macro
+def no_im2col(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9):
+    """In place of `im2col` when a product reads a `pointwise` convolution's columns in x."""
+    T.evaluate(0)
+
+
+@T.macro
+def no_zeroing(a0, a1):
+    """In place of zeroing dx where a product writes it whole."""
+    T.evaluate(0)
