@@ -21,7 +21,7 @@ from tvm.script import tirx as T
 
 from planner.backend.graph.training import build_training_module
 from planner.backend.lower.pipeline import BuildOptions, lower_step
-from planner.backend.mcu.ckernels import include_dirs, kernels_source
+from planner.backend.mcu.ckernels import CLAMPS, MINMAXNM, include_dirs, kernels_source
 from planner.backend.mcu.cstep import ALIGN, compile_host, emit
 from planner.backend.vm.compile import compile_candidate
 from planner.inputs.model import Model, load_model
@@ -209,3 +209,42 @@ def test_infinities_and_nans_are_c99_that_any_compiler_takes(compiler, tmp_path)
         text=True,
     )
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+_CLAMPED = [float("nan"), float("-inf"), float("inf"), -0.0, 0.0, 6.0, -2.5, 1e-30, -1e-30, 5.999999, 6.000001, 3.0, -7.0]
+_BOUNDS = [6.0, -2.5, 1e-30]
+
+
+@pytest.mark.parametrize("minmaxnm", [False, True], ids=["comparisons", "fminf-fmaxf"])
+def test_each_clamp_is_the_comparison_tvm_writes_for_every_value(minmaxnm, tmp_path):
+    """`ckernels.CLAMPS`, the clamps of a step's C: with fminf/fmaxf (`PLANNER_MINMAXNM`, VMINNM
+    and VMAXNM on a Cortex-M7) or without, min(x, c), max(x, c) and max(x, 0) are TVM's `x < c ?
+    x : c` bit for bit — NaN, both zeros, infinities, the bound itself."""
+    values = ", ".join(
+        f"{v!r}f".replace("nanf", "NAN").replace("-inff", "-INFINITY").replace("inff", "INFINITY") for v in _CLAMPED
+    )
+    bounds = ", ".join(f"{c!r}f" for c in _BOUNDS)
+    (tmp_path / "c.c").write_text(
+        "#include <math.h>\n#include <stdio.h>\n#include <stdint.h>\n#include <string.h>\n"
+        + CLAMPS
+        + f"static const float xs[] = {{{values}}}, cs[] = {{{bounds}}};\n"
+        + "static uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }\n"
+        + "int main(void) {\n  for (int i = 0; i < (int)(sizeof xs / 4); ++i) {\n"
+        + '    volatile float x = xs[i];\n    printf("%08x\\n", bits(PLANNER_RELUF(x)));\n'
+        + "    for (int j = 0; j < (int)(sizeof cs / 4); ++j)\n"
+        + '      printf("%08x %08x\\n", bits(PLANNER_MINF(x, cs[j])), bits(PLANNER_MAXF(x, cs[j])));\n  }\n  return 0;\n}\n'
+    )
+    flags = [f"-D{MINMAXNM}"] if minmaxnm else []
+    built = subprocess.run(["gcc", "-O2", *flags, "c.c", "-o", "c", "-lm"], cwd=tmp_path, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    got = subprocess.run([str(tmp_path / "c")], capture_output=True, text=True, check=True).stdout.split()
+
+    def f32(v: float) -> str:
+        return np.float32(v).view(np.uint32).tobytes()[::-1].hex()
+
+    expected = []
+    for x in map(np.float32, _CLAMPED):
+        expected.append(f32(x if x > 0 else np.float32(0.0)))
+        for c in map(np.float32, _BOUNDS):
+            expected += [f32(x if x < c else c), f32(x if x > c else c)]
+    assert got == expected

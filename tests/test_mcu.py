@@ -23,6 +23,7 @@ import pytest
 
 from planner import api
 from planner.backend import backend_for
+from planner.backend.mcu._firmware import _fpu_flags
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
@@ -347,7 +348,7 @@ def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_s
     (`planner.backend.lower.activations`), and the weights after 10 steps are still the VM's. With its
     first layers frozen, the board computes them in row bands (`planner.backend.graph.bands`) and the
     classifier's product through sgemm beside the convolutions', the VM neither; its input taken
-    as 8-bit pixels, decoded band by band."""
+    as 8-bit pixels, decoded band by band, on a Cortex-M7 (clamps by VMINNM/VMAXNM)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import zoo
 
@@ -359,7 +360,8 @@ def test_mobilenet_v2_trains_as_the_vm_with_its_activations_overwritten(frozen_s
         trained = ((names[0], "bias"), *((n, "full") for n in names[-4:]))
         candidate = Candidate(trained, batch_size=2, optimizer="momentum", lr=0.01)
     pixels = Encoding((0.02, 0.03, 0.025), (-2.0, -1.5, -1.8)) if frozen_start else None
-    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path, encoding=pixels)
+    core = "cortex-m7-qemu" if frozen_start else "cortex-m4-qemu"  # the M7's ReLU6: VMINNM and VMAXNM
+    firmware, got, expected = _weights_after_steps(core, path, candidate, tmp_path, encoding=pixels)
     _close(got, expected)
     assert abs(firmware.planned_sram_bytes - firmware.memory.total) <= 0.01 * firmware.memory.total
     if frozen_start:  # the 8-bit input is a quarter of the float one, read where the board writes it
@@ -480,3 +482,12 @@ def test_a_step_the_board_cannot_link_is_over_budget_not_a_failed_trial(tmp_path
     )
     assert measured.returncode == 1 and "Traceback" not in measured.stderr, measured.stderr
     assert "region `RAM' overflowed by" in measured.stderr.strip().splitlines()[-1]
+
+
+def test_the_cores_with_vminnm_clamp_with_it_and_the_others_compare():
+    """`-DPLANNER_MINMAXNM` (`ckernels.CLAMPS`) for the boards whose FPU is FPv5, in the flags the
+    firmware is built with and `train_step.mk` gives; never for a Cortex-M4's FPv4."""
+    mcus = ("cortex-m4-qemu", "cortex-m7-qemu", "cortex-m55-qemu", "nrf52840-dk", "stm32f746-disco", "stm32h743")
+    flags = {name: _fpu_flags(load_target(name).mcu.cflags) for name in mcus}
+    assert {name for name, f in flags.items() if f} == {"cortex-m7-qemu", "cortex-m55-qemu", "stm32f746-disco", "stm32h743"}
+    assert _fpu_flags(["-mcpu=cortex-m7", "-mfloat-abi=soft"]) == []

@@ -22,7 +22,7 @@ from string import Template
 import numpy as np
 
 from planner.backend._base import ARTIFACT_STEM
-from planner.backend.mcu.ckernels import include_dirs
+from planner.backend.mcu.ckernels import MINMAXNM, include_dirs
 from planner.backend.mcu.cstep import CStep, write_sources
 from planner.backend.mcu.cvalues import ctype, label_dtype, literal, output_size, target_size
 from planner.backend.sgemm.blas import GEMM
@@ -311,6 +311,20 @@ def plan_sram(step: CStep, sig: StepSignature, weights: dict[str, np.ndarray]) -
     )
 
 
+# cores whose FPU (FPv5) has VMINNM/VMAXNM whatever `-mfpu` gcc picks for them
+_FPV5_CORES = ("cortex-m33", "cortex-m35p", "cortex-m55", "cortex-m85")
+
+
+def _fpu_flags(cflags: list[str]) -> list[str]:
+    """The macros the board's FPU earns (`ckernels.MINMAXNM`: its clamps one instruction each), read
+    from its gcc flags: an FPv5 unit (`-mfpu=fpv5-*`, or a core that has one) in a hard-float ABI."""
+    hard = any(f in ("-mfloat-abi=hard", "-mfloat-abi=softfp") for f in cflags)
+    fpus = [f.removeprefix("-mfpu=") for f in cflags if f.startswith("-mfpu=")]
+    cpus = [f.removeprefix("-mcpu=") for f in cflags if f.startswith("-mcpu=")]
+    fpv5 = any(f.startswith("fpv5") for f in fpus) or (not fpus and any(c.startswith(_FPV5_CORES) for c in cpus))
+    return [f"-D{MINMAXNM}"] if hard and fpv5 else []
+
+
 def build_firmware(
     step: CStep, sig: StepSignature, weights: dict[str, np.ndarray], board: Mcu, compiler: str, directory: Path
 ) -> Firmware:
@@ -323,13 +337,14 @@ def build_firmware(
     extra[TVM_H] = _self_contained([s for s in sources if s.suffix == ".c"], include_dirs())
     extra[SGEMM_C] = (RUNTIME / "sgemm.c").read_text()
     extra[DWCONV_C] = (RUNTIME / "dwconv.c").read_text()
-    extra[MAKEFILE] = _MAKEFILE.substitute(cflags=" ".join([*board.cflags, *CFLAGS]))
+    cflags = [*board.cflags, *CFLAGS, *_fpu_flags(board.cflags)]
+    extra[MAKEFILE] = _MAKEFILE.substitute(cflags=" ".join(cflags))
     for name, text in extra.items():
         (directory / name).write_text(text)
     (directory / BLOB).write_bytes(blob)
     c_files = [*(s.name for s in sources if s.suffix == ".c"), MODEL_C, SGEMM_C, DWCONV_C, BLOB_S]
     runtime = [str(RUNTIME / "startup.c"), str(RUNTIME / "main.c")]
-    argv = [compiler, *board.cflags, *CFLAGS, "-I.", "-T", LINKER]  # the directory's own headers only
+    argv = [compiler, *cflags, "-I.", "-T", LINKER]  # the directory's own headers only
     planned = plan_sram(step, sig, weights)
     _link([*argv, "-o", ELF, *c_files, *runtime, *LDFLAGS], directory, f"{compiler} linking the step", planned)
     sram, flash = _sections(directory / ELF, board)
