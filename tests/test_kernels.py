@@ -92,7 +92,9 @@ _CONV_SHAPES = (  # n, c, h, w, o, k, stride, pad
     (2, 3, 7, 7, 4, 3, 1, (1, 1, 1, 1)),  # odd size, same padding
     (1, 4, 8, 6, 5, 3, 2, (1, 1, 1, 1)),  # even, not square, stride 2 (last padding unread)
     (3, 2, 9, 9, 3, 3, 2, (1, 1, 0, 0)),  # asymmetric padding
-    (2, 5, 5, 5, 6, 1, 1, (0, 0, 0, 0)),  # 1x1
+    (2, 5, 5, 5, 6, 1, 1, (0, 0, 0, 0)),  # 1x1: its columns read where they lie in x
+    (3, 4, 3, 5, 6, 1, 1, (0, 0, 0, 0)),  # 1x1 on a flat map: tiles of several images, or a row
+    (2, 3, 4, 5, 4, 1, 1, (1, 0, 0, 1)),  # a padded 1x1: its columns are not x
     (2, 3, 6, 6, 4, 1, 2, (0, 0, 0, 0)),  # a 1x1 stride-2 shortcut
     (1, 3, 11, 11, 4, 7, 2, (3, 3, 3, 3)),  # a 7x7 stride-2 stem
     (2, 4, 7, 6, 3, 5, 3, (2, 2, 2, 2)),  # 5x5, stride 3

@@ -24,6 +24,7 @@ import pytest
 from planner import api
 from planner.backend import backend_for
 from planner.backend.mcu._firmware import _fpu_flags
+from planner.backend.mcu.ckernels import CLAMPS
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.data import load_dataset
 from planner.inputs.model import load_model
@@ -491,3 +492,22 @@ def test_the_cores_with_vminnm_clamp_with_it_and_the_others_compare():
     flags = {name: _fpu_flags(load_target(name).mcu.cflags) for name in mcus}
     assert {name for name, f in flags.items() if f} == {"cortex-m7-qemu", "cortex-m55-qemu", "stm32f746-disco", "stm32h743"}
     assert _fpu_flags(["-mcpu=cortex-m7", "-mfloat-abi=soft"]) == []
+    assert _fpu_flags(["-mcpu=cortex-m7", "-mfloat-abi=hard"]) == flags["stm32f746-disco"]  # gcc's own FPv5
+    assert _fpu_flags(["-mcpu=cortex-m33+nofp", "-mfloat-abi=hard"]) == []
+    assert _fpu_flags(["-mcpu=cortex-m7", "-mfpu=fpv5-sp-d16", "-mfloat-abi=hard", "-mfpu=fpv4-sp-d16"]) == []  # the last wins
+    # and the M7's clamps are the instructions: VMINNM and VMAXNM, no comparison
+    source = "#include <math.h>\n" + CLAMPS + "float relu6(float x) { return PLANNER_RELUF(PLANNER_MINF(x, 6.0f)); }\n"
+    argv = [
+        "arm-none-eabi-gcc",
+        "-O2",
+        *load_target("stm32f746-disco").mcu.cflags,
+        *flags["stm32f746-disco"],
+        "-S",
+        "-o",
+        "-",
+        "-x",
+        "c",
+        "-",
+    ]
+    asm = subprocess.run(argv, input=source, capture_output=True, text=True, check=True).stdout
+    assert "vminnm.f32" in asm and "vmaxnm.f32" in asm and "vcmp" not in asm

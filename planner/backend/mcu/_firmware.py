@@ -311,18 +311,22 @@ def plan_sram(step: CStep, sig: StepSignature, weights: dict[str, np.ndarray]) -
     )
 
 
-# cores whose FPU (FPv5) has VMINNM/VMAXNM whatever `-mfpu` gcc picks for them
-_FPV5_CORES = ("cortex-m33", "cortex-m35p", "cortex-m55", "cortex-m85")
+# cores whose FPU, where they have one, is FPv5 (VMINNM/VMAXNM): what gcc picks for `-mfpu=auto`
+_FPV5_CORES = ("cortex-m7", "cortex-m33", "cortex-m35p", "cortex-m52", "cortex-m55", "cortex-m85")
 
 
 def _fpu_flags(cflags: list[str]) -> list[str]:
     """The macros the board's FPU earns (`ckernels.MINMAXNM`: its clamps one instruction each), read
-    from its gcc flags: an FPv5 unit (`-mfpu=fpv5-*`, or a core that has one) in a hard-float ABI."""
-    hard = any(f in ("-mfloat-abi=hard", "-mfloat-abi=softfp") for f in cflags)
-    fpus = [f.removeprefix("-mfpu=") for f in cflags if f.startswith("-mfpu=")]
-    cpus = [f.removeprefix("-mcpu=") for f in cflags if f.startswith("-mcpu=")]
-    fpv5 = any(f.startswith("fpv5") for f in fpus) or (not fpus and any(c.startswith(_FPV5_CORES) for c in cpus))
-    return [f"-D{MINMAXNM}"] if hard and fpv5 else []
+    from its gcc flags as gcc does (the last of each wins): an FPv5 unit (`-mfpu=fpv5-*`, or a core
+    that has one, without `+nofp`) and a floating-point ABI that uses it."""
+
+    def last(option: str) -> str:
+        return next((f.removeprefix(option) for f in reversed(cflags) if f.startswith(option)), "")
+
+    fpu, cpu = last("-mfpu="), last("-mcpu=")
+    by_core = fpu in ("", "auto") and cpu.startswith(_FPV5_CORES) and "+nofp" not in cpu
+    fpv5 = fpu.startswith("fpv5") or by_core
+    return [f"-D{MINMAXNM}"] if last("-mfloat-abi=") in ("hard", "softfp") and fpv5 else []
 
 
 def build_firmware(

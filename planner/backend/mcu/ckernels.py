@@ -116,7 +116,8 @@ def _libm_calls(func: tirx.PrimFunc) -> tirx.PrimFunc:
 MINMAXNM = "PLANNER_MINMAXNM"  # the compiler flag's macro saying it has (`-D` it for FPv5: Cortex-M7, M55)
 CLAMPS = f"""
 /* Clamps (ReLU, ReLU6, clip) by a number: VMINNM/VMAXNM where {MINMAXNM} says the FPU has them, else
-   a comparison, as TVM writes min and max. The same value either way: the bound is never NaN, a NaN
+   a comparison, as TVM writes min and max. The same value either way (a signalling NaN, which no
+   arithmetic makes, aside, and flush-to-zero off, as at reset): the bound is never NaN, a NaN
    clamped is the bound, and max(-0, +0) is +0 (Arm's FPMaxNum, and C libraries' fmaxf). */
 #if defined({MINMAXNM})
 #define PLANNER_MINF(x, c) __builtin_fminf((x), (c))
