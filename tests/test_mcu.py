@@ -27,7 +27,7 @@ from planner.backend.mcu._firmware import _fpu_flags
 from planner.backend.mcu.ckernels import CLAMPS
 from planner.errors import BadInput, CandidateFailed, EnvironmentFailure
 from planner.inputs.data import load_dataset
-from planner.inputs.model import load_model
+from planner.inputs.model import Model, load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
 from planner.inputs.targets import load_target
@@ -50,11 +50,16 @@ def _toolchain():
 
 
 def _weights_after_steps(
-    target_name: str, model_path: Path, candidate: Candidate, cache: Path, steps: int = 10, encoding: Encoding | None = None
+    target_name: str,
+    model_path: Path | Model,
+    candidate: Candidate,
+    cache: Path,
+    steps: int = 10,
+    encoding: Encoding | None = None,
 ):
     """(firmware, weights on the emulated board, weights of the VM's step here) after `steps` steps
     on the same batches; with `encoding`, both steps take the input in 8 bits."""
-    model = load_model(model_path)
+    model = model_path if isinstance(model_path, Model) else load_model(model_path)
     if encoding is not None:
         model = model.encoded({model.only_input.name: encoding})
     target = load_target(target_name)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.cachefile import default_cache_dir
 from planner.errors import BadInput
+from planner.inputs.calibration import calibrate
 from planner.inputs.data import Dataset, bind_lengths, input_encodings, load_dataset
 from planner.inputs.defaults import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_TARGET
 from planner.inputs.model import Model, load_model
@@ -111,6 +112,8 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
     hw = resolve_target(inputs.target, tracker=inputs.tracker, key=inputs.key)
     if hw.input_bits == 8:  # the board takes its batches as 8-bit codes (a camera's pixels)
         m = m.encoded(input_encodings(m, dataset))
+    if "int8" in hw.precisions:  # an int8 candidate's activations: scales measured on the data
+        m = m.calibrated(calibrate(m, dataset))
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     return Loaded(m, dataset, hw, runner_for(hw), cache)

@@ -25,11 +25,12 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from planner.inputs.calibration import fake_quantize
 from planner.inputs.decompose import decompose
 from planner.inputs.encodings import decode_inputs
 from planner.inputs.names import recorded_parameters
 from planner.inputs.recurrent import unroll_recurrent
-from planner.types import Encoding
+from planner.types import Encoding, Int8Scale
 
 # Largest tensor (in elements) a fold may produce: shape arithmetic is tiny; a constant this
 # big is better computed by the step than stored in it.
@@ -368,13 +369,15 @@ def for_import(
     parameters: set[str],
     lengths: Mapping[str, int] | None = None,
     codes: Mapping[str, Encoding] | None = None,
+    activations: Mapping[str, Int8Scale] | None = None,
 ) -> onnx.ModelProto:
     """A copy of `proto` as planner hands it to TVM: batch `batch`, dynamic lengths `lengths`, every initializer that is
     not in `parameters` a Constant node, every GRU, LSTM and RNN node unrolled over its fixed
     sequence (`planner.inputs.recurrent`: TVM imports none of them), every computation on
     constants (shapes included) folded into a Constant, and every operator TVM would import
     without a gradient written as ones it has (`planner.inputs.decompose`), and the inputs named in
-    `codes` taken in 8 bits and decoded (`planner.inputs.encodings`)."""
+    `codes` taken in 8 bits and decoded (`planner.inputs.encodings`), and the tensors named in
+    `activations` fake-quantized to int8 (`planner.inputs.calibration`)."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     bind_batch(out, batch, lengths or {})
@@ -395,6 +398,7 @@ def for_import(
     if decompose(out, values, shapes, types, opset):  # what TVM would import without a gradient
         while _fold_constants(out, values, opset):
             pass
+    fake_quantize(out, activations or {})
     decode_inputs(out, codes or {})
     return out
 

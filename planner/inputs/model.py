@@ -31,7 +31,7 @@ from planner.inputs.fixups import (
 )
 from planner.inputs.layers import Layer, layers_of, parameters_of
 from planner.tasks import CLASSIFICATION, TASKS, Task
-from planner.types import Encoding, ModelInput
+from planner.types import Encoding, Int8Scale, ModelInput, Precision
 
 __all__ = ["Layer", "Model", "load_model", "save_onnx"]
 
@@ -56,15 +56,21 @@ class Model:
     # what the model is trained for (its loss and metric): inferred from its output until data
     # (or `--task`) says (`with_task`)
     task: Task = CLASSIFICATION
+    # int8 scales of its activations, calibrated on the training data (`planner.inputs.calibration`;
+    # None: not calibrated), and whether the graph quantizes them (`for_precision`: an int8 candidate's)
+    calibration: dict[str, Int8Scale] | None = None
+    int8: bool = False
 
     @property
     def key(self) -> str:
-        """What identifies the model a step is built from: its files, the lengths bound and the
-        task (whose loss the step computes)."""
+        """What identifies the model a step is built from: its files, the lengths bound, the
+        task (whose loss the step computes), its inputs' encodings and its activations' scales."""
         codes = [i.to_json() for i in self.inputs if i.encoding is not None]
-        if not self.lengths and self.task is CLASSIFICATION and not codes:
+        if not self.lengths and self.task is CLASSIFICATION and not codes and self.calibration is None:
             return self.sha256
-        extra = [] if self.task is CLASSIFICATION else [self.task.name]
+        extra: list = [] if self.task is CLASSIFICATION else [self.task.name]
+        if self.calibration is not None:
+            extra += [self.int8, sorted((t, a.to_json()) for t, a in self.calibration.items())]
         return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items()), *extra, *codes]).encode()).hexdigest()
 
     @property
@@ -127,6 +133,20 @@ class Model:
             raise BadInput(f"{self.path.name}: {exc}") from None
         return self._replaced(inputs=inputs)
 
+    def calibrated(self, scales: Mapping[str, Int8Scale]) -> Model:
+        """The model with its activations' int8 scales (`planner.inputs.calibration.calibrate`),
+        which an int8 candidate's graph quantizes its activations at (`for_precision`)."""
+        return self._replaced(calibration=dict(scales))
+
+    def for_precision(self, precision: Precision) -> Model:
+        """The model as a candidate of `precision` builds its step from: an int8 one quantizes
+        the activations at their calibrated scales; any other computes them in float."""
+        if precision is not Precision.INT8:
+            return self._replaced(int8=False) if self.int8 else self
+        if self.calibration is None:
+            raise BadInput(f"{self.path.name}: precision int8 needs its activations calibrated on training data first")
+        return self._replaced(int8=True)
+
     @property
     def exported(self) -> Model:
         """The model taking every input as its ONNX file does (what data is read for), not in
@@ -181,7 +201,8 @@ class Model:
                 f"{self.path.name}: its inputs' lengths {', '.join(self.unbound)} are bound by the data; load data first"
             )
         codes = {i.name: i.encoding for i in self.inputs if i.encoding is not None}
-        return for_import(self.proto, batch, set(self.parameters), self.lengths, codes)
+        activations = self.calibration if self.int8 else None
+        return for_import(self.proto, batch, set(self.parameters), self.lengths, codes, activations)
 
     def layer(self, name: str) -> Layer:
         """A layer by its name, or by the name of an ONNX node in it."""

@@ -6,7 +6,7 @@ trainable:
     ratio: 0.25           # ratio: the first quarter of the output channels train
   - {layer: q, mode: lora, rank: 4}   # a rank-4 adapter beside the frozen weight, merged into it by `run`
   - params: [classifier.weight, classifier.bias]
-precision: fp32                    # fp32 | fp16 | bf16
+precision: fp32                    # fp32 | fp16 | bf16 | int8 (int8: frozen weights int8 too)
 frozen_weights: int8               # fp32 | int8 (frozen Conv/Gemm/MatMul weights stored int8)
 updates: in-place                  # in-place (default) | copy (new weights in new buffers)
 recompute: auto                    # none (default) | auto | [layer, …]: activations kept, the rest recomputed

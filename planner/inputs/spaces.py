@@ -389,6 +389,7 @@ class SearchSpace(_Strict):
             lr=self._lr(trial, optimizer),
             precision=Precision(trial.suggest_categorical("precision", [str(v) for v in self.precision])),
             grad_accum=int(trial.suggest_categorical("grad_accum", list(self.grad_accum))),
+            # drawn every trial (a fixed set of parameters), though an int8 candidate's are int8 (`Candidate`)
             frozen_weights=FrozenWeights(trial.suggest_categorical("frozen_weights", [str(v) for v in self.frozen_weights])),
             updates=Updates(trial.suggest_categorical("updates", [str(v) for v in self.updates])),
             recompute=Recompute(trial.suggest_categorical("recompute", [str(v) for v in self.recompute])),

@@ -152,7 +152,7 @@ class HardwareTarget(BaseModel):
     ram_budgets: list[int] = []
     latency_budget_ms: float | None = Field(default=None, gt=0)
     flash_budget_bytes: int | None = Field(default=None, gt=0)
-    precisions: list[Literal["fp32", "fp16", "bf16"]] = ["fp32"]
+    precisions: list[Literal["fp32", "fp16", "bf16", "int8"]] = ["fp32"]
     # by name, as `planner.backend.BACKENDS` and `planner.measurement.RUNNERS` register them
     backend: str = Field(default="vm", pattern=r"^[a-z][a-z0-9-]*$")
     runner: str = Field(default="local", pattern=r"^[a-z][a-z0-9-]*$")

@@ -334,7 +334,8 @@ def plan_model(plan_dir: Path, plan: Plan) -> Model:
     sequence length), trained for the plan's task, its inputs taken as the plan's step takes them. Call after `read_plan` verified the files."""
     model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
     codes = {i.name: i.encoding for i in plan.signature.inputs if i.encoding is not None}
-    return model.with_task(task_named(plan.dataset.task)).encoded(codes)
+    model = model.with_task(task_named(plan.dataset.task)).encoded(codes)
+    return model.calibrated(plan.signature.activations) if plan.signature.activations else model
 
 
 def plan_tokenizer(plan_dir: Path, plan: Plan) -> Path | None:

@@ -36,11 +36,12 @@ from planner.types import (
 # tokenizer; 5: the step as an artifact of a back end (`step.kind`, `step.files`, `target.backend`); 6: a layer's mode
 # as one text (`ratio:0.25`, `lora:4`), as every mode writes itself (`planner.modes`); 8: the task (`dataset.task`) and
 # the metric a fine-tune is judged by (`metrics.accuracy.metric`); 9: a step may take an input as 8-bit codes
-# (`step.signature.inputs[].encoding`), which a reader that does not know them would cast
-SCHEMA_VERSION: Final = 9
+# (`step.signature.inputs[].encoding`), which a reader that does not know them would cast; 10: `precision: int8`, its
+# activations' scales (`step.signature.activations`), which a reader that does not know them would train in float
+SCHEMA_VERSION: Final = 10
 # a version-2 plan is a version-3 plan of a .npz, a version-3 plan one of data without a tokenizer, a version-4 plan one
 # whose step is the VM back end's library (`Step._migrate`); a plan before version 6 is migrated by `Plan._migrate`
-READS: Final = (2, 3, 4, 5, 6, 7, 8, 9)
+READS: Final = (2, 3, 4, 5, 6, 7, 8, 9, 10)
 MODE_TEXTS: Final = ", ".join(
     m.text(None) if m.argument is None else f"{m.name}:R (R {m.argument.bounds}: {m.argument.name})"
     for m in MODES.values()
@@ -363,7 +364,7 @@ def content_sha256(raw: dict) -> str:
 class Plan(_Part):
     """A plan: which trial to deploy, what it measured and how, and the files that carry it."""
 
-    schema_version: Literal[2, 3, 4, 5, 6, 7, 8, 9]
+    schema_version: Literal[2, 3, 4, 5, 6, 7, 8, 9, 10]
     model: ModelInfo
     dataset: DatasetInfo
     target: TargetInfo

@@ -30,11 +30,12 @@ from planner.types._measured import (
     TrialState,
 )
 from planner.types._metric import ACCURACY, METRICS, Metric, metric_named
-from planner.types._step import Encoding, KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
+from planner.types._step import Encoding, Int8Scale, KernelTime, ModelInput, RunCheck, RunResult, StepProfile, StepSignature
 
 __all__ = [
     "ACCURACY",
     "Encoding",
+    "Int8Scale",
     "METRICS",
     "Metric",
     "metric_named",

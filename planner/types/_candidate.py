@@ -63,9 +63,15 @@ class Mode:
 
 
 class Precision(StrEnum):
+    """What a step computes in. fp16/bf16: convolutions and products (parameters stay fp32
+    masters). int8: the model quantized as TFLite and TinyEngine quantize it, activations per
+    tensor at scales calibrated on the training data (`planner.inputs.calibration`), frozen
+    weights int8 per output channel; it trains the fake-quantized graph, straight through."""
+
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"
+    INT8 = "int8"
 
 
 class Kernels(StrEnum):
@@ -146,6 +152,8 @@ class Candidate:
         convert(self, "optimizer", Optimizer(self.optimizer))
         convert(self, "precision", Precision(self.precision))
         convert(self, "frozen_weights", FrozenWeights(self.frozen_weights))
+        if self.precision is Precision.INT8:  # an int8 model's weights are int8 too
+            convert(self, "frozen_weights", FrozenWeights.INT8)
         convert(self, "updates", Updates(self.updates))
         if isinstance(self.recompute, str):
             convert(self, "recompute", Recompute(self.recompute))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,40 @@ class Encoding:
     @classmethod
     def from_json(cls, d: dict) -> Encoding:
         return cls(tuple(float(v) for v in d["scale"]), tuple(float(v) for v in d["offset"]))
+
+
+@dataclass(frozen=True)
+class Int8Scale:
+    """How an activation is quantized under `precision: int8`: per tensor, asymmetric, the value
+    `(q - zero) * scale` for q in [-128, 127] (ONNX's `QuantizeLinear` to int8), the scale and
+    zero point spanning the range calibration saw, zero included (`spanning`).
+
+    Why per tensor and asymmetric: it is what TFLite, TinyEngine and ONNX Runtime's static
+    quantization give activations (a ReLU6 output, [0, 6], gets all 256 codes), so an int8 kernel
+    requantizes a whole tensor with one multiplier, and 0 (padding, a ReLU's floor) is a code."""
+
+    scale: float
+    zero: int
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.scale) and self.scale > 0) or not -128 <= self.zero <= 127:
+            raise ValueError(f"an int8 activation scale must be finite and positive, its zero point in [-128, 127]: {self}")
+
+    @classmethod
+    def spanning(cls, lo: float, hi: float) -> Int8Scale:
+        """The scale and zero point whose 256 codes span [min(lo, 0), max(hi, 0)] (a tensor never
+        seen to vary: scale 1), the scale a float32 so the graph's constant is the recorded value."""
+        lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+        scale = float(np.float32((hi - lo) / 255)) if hi > lo else 1.0
+        return cls(scale, int(np.clip(np.rint(-128 - lo / scale), -128, 127)))
+
+    def to_json(self) -> list:
+        return [self.scale, self.zero]
+
+    @classmethod
+    def from_json(cls, d) -> Int8Scale:
+        scale, zero = d
+        return cls(float(scale), int(zero))
 
 
 @dataclass(frozen=True)
@@ -140,6 +174,8 @@ class StepSignature:
     output: tuple[int, ...] | None = None
     target: ModelInput = ModelInput("labels", (), "int64")  # one sample's target, the step's last argument
     batched_output: bool = True
+    # `precision: int8`: each fake-quantized activation (an ONNX tensor name) -> its scale
+    activations: dict[str, Int8Scale] = field(default_factory=dict)
 
     @property
     def output_shape(self) -> tuple[int, ...]:
@@ -157,6 +193,7 @@ class StepSignature:
         d["optim_states"] = [{"shape": list(s), "dtype": t, "fill": f} for s, t, f in self.optim_states]
         d["output"] = list(self.output_shape)
         d["target"] = self.target.to_json()
+        d["activations"] = {name: a.to_json() for name, a in self.activations.items()}
         return d
 
     @classmethod
@@ -181,6 +218,7 @@ class StepSignature:
             output=tuple(int(n) for n in d.get("output", (d["n_classes"],))),
             batched_output=bool(d.get("batched_output", True)),
             target=ModelInput.from_json(d["target"]) if "target" in d else ModelInput("labels", (), "int64"),
+            activations={str(k): Int8Scale.from_json(v) for k, v in d.get("activations", {}).items()},
         )
 
 

@@ -63,7 +63,7 @@ def low_precision(backbone: tvm.IRModule, precision: Precision, func: str) -> tu
     fp16's narrow exponent range flushes small gradients to zero: its loss is scaled, and the
     caller unscales. bf16 has fp32's range and trains unscaled.
     """
-    if precision is Precision.FP32:
+    if precision in (Precision.FP32, Precision.INT8):  # int8: fake quantization, computed in fp32
         return backbone, 1.0
     mixed = relax.transform.ToMixedPrecision(out_dtype="float16")(backbone)
     if precision is Precision.FP16:

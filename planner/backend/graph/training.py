@@ -41,8 +41,8 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     """The candidate's training module (unlegalized) and the signature of its step; with `bands`,
     its frozen first layers computed in row bands where that lowers its peak (`backend.bands`:
     for a microcontroller's SRAM). One build at a time in a process (`importer.BUILDING`)."""
-    with BUILDING:
-        return _build(model, candidate, bands)
+    with BUILDING:  # an int8 candidate's model fake-quantizes its activations
+        return _build(model.for_precision(candidate.precision), candidate, bands)
 
 
 @grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix
@@ -123,6 +123,7 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
         output=model.output.static,
         batched_output=model.output.batched,
         target=target,
+        activations=dict(model.calibration or {}) if model.int8 else {},
     )
     return out, sig
 

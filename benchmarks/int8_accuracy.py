@@ -1,0 +1,89 @@
+"""int8 against fp32: the same sparse-update schemes fine-tuned both ways on a transfer task.
+
+    python benchmarks/int8_accuracy.py [--model ds-cnn|mobilenet-v2] [--resolution 128] [--steps 200]
+
+The model is pretrained on the source task as benchmarks/mcu_plans.py does it (DS-CNN: zoo's
+synthetic keyword task and its "new microphone" half; MobileNetV2-w0.35: the digits transfer
+task). Each scheme — the last `bias` layers update their biases, the last `weights` of them
+their weights in full, batch 8, SGD with momentum — is measured by `planner measure` twice, in
+fp32 and in int8 (activations per tensor at scales calibrated on the downstream training data,
+frozen weights per channel), on a target that takes the input in 8 bits as the microcontrollers
+do but fine-tunes on this host's VM: a plan's accuracy is a host fine-tune on any target.
+Prints a Markdown table: val accuracy before and after each fine-tune and int8's difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+import planner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mcu_plans import kws_tasks, pretrained  # noqa: E402
+from mobilenet_v2_eighth import digits_tasks  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402
+
+TARGET = "tvm_target: {kind: llvm}\nram_budget_bytes: 64MiB\nprecisions: [fp32, int8]\ninput_bits: 8\n"
+SCHEMES = ((1, 1), (4, 2), (8, 4))  # (layers whose bias trains, of them the last ones whose weight does)
+
+
+def scheme(path: Path, layers: list[str], bias: int, weights: int, precision: str) -> Path:
+    trained = [{"layer": n, "mode": "bias"} for n in layers[-bias:-weights]] if bias > weights else []
+    trained += [{"layer": n, "mode": "full"} for n in layers[-weights:]]
+    body = {"trainable": trained, "batch_size": 8, "optimizer": {"name": "momentum", "lr": 0.02}, "precision": precision}
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["ds-cnn", "mobilenet-v2"], default="ds-cnn")
+    parser.add_argument("--resolution", type=int, default=128, help="MobileNetV2's input side")
+    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200, help="fine-tune steps per scheme and precision")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/int8"))
+    args = parser.parse_args()
+    out = args.out / args.model
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model == "ds-cnn":
+        init = zoo.save(zoo.ds_cnn(), out / "ds_cnn_init.onnx")
+        source, downstream = kws_tasks(out)
+    else:
+        r = args.resolution
+        init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=r), out / f"mobilenet_v2_035_{r}_init.onnx")
+        source, downstream = digits_tasks(out, r)
+    model = pretrained(init, source, out, args.pretrain_steps)
+    layers = [layer.name for layer in planner.inspect(model).layers if layer.trainable]
+    (out / "target.yaml").write_text(TARGET)
+    print(f"\n{args.model}, {args.steps} fine-tune steps, batch 8, momentum lr 0.02, 8-bit input:\n")
+    print("| trained | fp32: before -> after | int8: before -> after | int8 - fp32 (after) |")
+    print("|---|---:|---:|---:|")
+    for bias, weights in SCHEMES:
+        acc = {}
+        for precision in ("fp32", "int8"):
+            name = f"b{bias}w{weights}-{precision}"
+            result = planner.measure(
+                model,
+                scheme=scheme(out / f"{name}.yaml", layers, bias, weights, precision),
+                data=downstream,
+                target=str(out / "target.yaml"),
+                out=out / name,
+                accuracy_steps=args.steps,
+                latency_repeats=1,
+            )
+            acc[precision] = result.plan.metrics.accuracy
+        f, q = acc["fp32"], acc["int8"]
+        print(
+            f"| last {bias} biases, last {weights} weights | {f.before:.3f} -> {f.after:.3f} | "
+            f"{q.before:.3f} -> {q.after:.3f} | {100 * (q.after - f.after):+.1f} pts |"
+        )
+
+
+if __name__ == "__main__":
+    main()

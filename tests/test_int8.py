@@ -1,0 +1,181 @@
+"""`precision: int8`: a float model quantized as TFLite and TinyEngine quantize it, calibrated on the user's data.
+
+Activations int8 per tensor at scales ONNX Runtime's calibrator measures on training samples,
+frozen weights int8 per output channel; the step trains the fake-quantized graph straight through
+(its gradient against PyTorch's `fake_quantize`: tests/test_qdq.py). What nobody here wrote judges
+it: ONNX's reference evaluator the ranges, ONNX Runtime the quantized forward.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx.reference import ReferenceEvaluator
+
+from builders import blobs, tiny_cnn
+from planner import api
+from planner.backend.lower.pipeline import BuildOptions
+from planner.backend.vm.compile import compile_candidate
+from planner.errors import BadInput
+from planner.inputs.calibration import calibrate, fake_quantize, quantized_tensors
+from planner.inputs.data import load_dataset
+from planner.inputs.model import load_model
+from planner.inputs.resources import shipped
+from planner.inputs.spaces import load_space
+from planner.runtime.session import TrainingSession
+from planner.types import Candidate, FrozenWeights, Int8Scale, Precision
+
+DIGITS = shipped("examples") / "digits"
+VM_INT8 = "tvm_target: {kind: llvm}\nram_budget_bytes: 1MiB\nprecisions: [fp32, int8]\n"
+
+
+@pytest.mark.parametrize("lo, hi", [(-1.0, 3.0), (0.0, 6.0), (0.5, 2.0), (-4.0, -1.0), (-0.3, 0.3), (0.0, 0.0)])
+def test_an_int8_scale_spans_the_range_and_zero_is_a_code(lo, hi):
+    """256 codes from min(lo, 0) to max(hi, 0): both ends within half a step of a code, 0 itself a code."""
+    a = Int8Scale.spanning(lo, hi)
+    assert -128 <= a.zero <= 127 and a.scale > 0 and np.float32(a.scale) == a.scale
+    if hi > lo:
+        first, last = (-128 - a.zero) * a.scale, (127 - a.zero) * a.scale
+        half = a.scale * 0.5001  # the zero point rounded to a code moves the span by at most half a step
+        assert first <= min(lo, 0) + half and last >= max(hi, 0) - half
+        assert last - first == pytest.approx(255 * a.scale)
+    assert Int8Scale.from_json(json.loads(json.dumps(a.to_json()))) == a
+    with pytest.raises(ValueError):
+        Int8Scale(0.0, 0)
+
+
+def test_the_tensors_quantized_are_what_a_layer_hands_on(tmp_path):
+    """The tiny CNN (Conv-BN-ReLU, MaxPool, Conv-ReLU, GAP, Flatten, Gemm): its conv's output feeds
+    a BatchNorm (quantized), a ReLU's output is, a conv read only by its ReLU is not (the kernel
+    applies the ReLU before requantizing), the max-pool and flatten only move codes, the logits stay float."""
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    graph = model.import_proto(2).graph
+    made = {o: n.op_type for n in graph.node for o in n.output}
+    chosen = quantized_tensors(graph)
+    assert [made[t] for t in chosen] == ["Conv", "Relu", "Relu", "GlobalAveragePool"]
+    assert graph.output[0].name not in chosen
+    assert not {"MaxPool", "Flatten"} & {made[t] for t in chosen}
+
+
+def test_calibrated_scales_span_each_activation_over_the_training_samples(tmp_path):
+    """Each scale spans the least and greatest value its tensor takes over the calibration samples,
+    as ONNX's reference evaluator computes them (an oracle ONNX Runtime's calibrator is not)."""
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    dataset = load_dataset(blobs(tmp_path / "d.npz", n=100), model)
+    scales = calibrate(model, dataset, samples=32)
+    index = np.linspace(0, len(dataset.train) - 1, 32).astype(np.int64)
+    x, _ = dataset.train.batch(index)
+    proto = model.import_proto(32)
+    assert list(scales) == quantized_tensors(proto.graph)
+    del proto.graph.output[:]
+    proto.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in scales)
+    values = ReferenceEvaluator(proto).run(None, {model.only_input.name: x})
+    for (name, a), v in zip(scales.items(), values):
+        expected = Int8Scale.spanning(float(v.min()), float(v.max()))  # up to the last bits of float sums
+        assert a.scale == pytest.approx(expected.scale, rel=1e-5) and abs(a.zero - expected.zero) <= 1, name
+
+
+def test_the_int8_step_computes_what_onnx_runtime_computes_of_the_quantized_model(tmp_path):
+    """An int8 candidate's forward is the model with QuantizeLinear/DequantizeLinear at its
+    calibrated scales as ONNX Runtime runs it (frozen weights int8 per channel on both sides)."""
+    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX Runtime is in the test extra")
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    dataset = load_dataset(blobs(tmp_path / "d.npz", n=100), model)
+    model = model.calibrated(calibrate(model, dataset, samples=32))
+    candidate = Candidate((("fc", "full"),), 8, "sgd", 0.1, precision="int8")
+    step = compile_candidate(model, candidate, BuildOptions(tvm.target.Target({"kind": "llvm"})))
+    assert step.signature.activations == model.calibration and step.signature.quantized
+    weights = dict(model.initializers)
+    session = TrainingSession(step.library, step.signature, weights)
+    x = np.random.default_rng(1).normal(0, 1.2, (8, *model.only_input.static)).astype(np.float32)
+
+    proto = model.import_proto(8)  # the float graph, its frozen weights as int8 gives them back
+    for name, axis in step.signature.quantized.items():
+        w = weights[name]
+        s = np.abs(w).max(axis=tuple(d for d in range(w.ndim) if d != axis), keepdims=True) / 127
+        value = np.clip(np.rint(w / s), -127, 127) * s
+        proto.graph.initializer.remove(next(t for t in proto.graph.initializer if t.name == name))
+        proto.graph.initializer.append(onnx.numpy_helper.from_array(value.astype(np.float32), name))
+    fake_quantize(proto, model.calibration)
+    proto.ir_version = min(proto.ir_version, 10)
+    options = onnxruntime.SessionOptions()  # each node as ONNX defines it: no QLinear kernels fused in
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ort = onnxruntime.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    expected = ort.run(None, {model.only_input.name: x})[0]
+    np.testing.assert_allclose(session.outputs(x), expected, rtol=1e-4, atol=1e-4)
+    float_step = compile_candidate(
+        model, Candidate((("fc", "full"),), 8, "sgd", 0.1), BuildOptions(tvm.target.Target({"kind": "llvm"}))
+    )
+    assert not np.allclose(TrainingSession(float_step.library, float_step.signature, weights).outputs(x), expected, atol=1e-4)
+
+
+def test_int8_candidates_store_frozen_weights_int8_whatever_a_space_draws(tmp_path):
+    c = Candidate((("fc", "full"),), 4, "sgd", 0.1, precision="int8", frozen_weights="fp32")
+    assert c.precision is Precision.INT8 and c.frozen_weights is FrozenWeights.INT8
+    assert Candidate.from_json(c.to_json()) == c
+    import optuna
+
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    space = load_space("sparse-update").for_target(["fp32", "int8"])
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    precisions = set()
+    for _ in range(30):
+        trial = study.ask()
+        c = space.sample(trial, model)
+        assert c.precision is not Precision.INT8 or c.frozen_weights is FrozenWeights.INT8
+        precisions.add(c.precision)
+        study.tell(trial, 0.0)
+    assert precisions == {Precision.FP32, Precision.INT8}
+
+
+def test_an_int8_plan_records_its_scales_and_run_trains_the_same_quantized_model(tmp_path):
+    """`measure` of an int8 scheme: the plan records each activation's scale (schema 10); `run`
+    rebuilds the step from them — its val metrics before training are the plan's — and fine-tunes."""
+    model, data = tiny_cnn(tmp_path / "m.onnx"), blobs(tmp_path / "d.npz")
+    (tmp_path / "t.yaml").write_text(VM_INT8)
+    (tmp_path / "s.yaml").write_text(
+        "trainable: [{layer: c1}, {layer: fc}]\nbatch_size: 4\noptimizer: {name: sgd, lr: 0.1}\nprecision: int8\n"
+    )
+    api.measure(
+        model, scheme=tmp_path / "s.yaml", data=data, target=str(tmp_path / "t.yaml"), out=tmp_path / "m", accuracy_steps=30
+    )
+    plan = json.loads((tmp_path / "m" / "plan.json").read_text())
+    assert plan["schema_version"] == 10 and plan["choice"]["precision"] == "int8"
+    recorded = {k: Int8Scale.from_json(v) for k, v in plan["step"]["signature"]["activations"].items()}
+    loaded = load_model(model)
+    assert recorded == calibrate(loaded, load_dataset(data, loaded))
+    run = api.run(tmp_path / "m", steps=30, out=tmp_path / "ft")
+    assert run.before["accuracy"] == pytest.approx(plan["metrics"]["accuracy"]["before"])
+    assert run.after["loss"] < run.before["loss"]
+
+
+def test_int8_on_a_target_without_it_is_refused_before_any_compile(tmp_path):
+    model, data = tiny_cnn(tmp_path / "m.onnx"), blobs(tmp_path / "d.npz")
+    (tmp_path / "s.yaml").write_text("trainable: [{layer: fc}]\nbatch_size: 4\noptimizer: {lr: 0.1}\nprecision: int8\n")
+    with pytest.raises(BadInput, match="supports only fp32"):
+        api.measure(model, scheme=tmp_path / "s.yaml", data=data, out=tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_an_int8_build_of_a_model_never_calibrated_is_one_line(tmp_path):
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    with pytest.raises(BadInput, match="int8 needs its activations calibrated"):
+        model.for_precision(Precision.INT8)
+
+
+@pytest.mark.slow
+def test_an_int8_step_trains_on_the_emulated_cortex_m4_as_the_vm(tmp_path):
+    """The bundled example calibrated and trained in int8 (frozen layers' weights int8 read in
+    place, every activation fake-quantized) on qemu's Cortex-M4: 10 steps, the weights the VM's."""
+    from test_mcu import _close, _toolchain, _weights_after_steps  # noqa: F401 - the fixture skips without the toolchain
+
+    model = load_model(DIGITS / "model.onnx")
+    model = model.calibrated(calibrate(model, load_dataset(DIGITS / "digits.npz", model)))
+    candidate = Candidate((("conv3", "full"), ("fc", "full")), batch_size=4, optimizer="sgd", lr=0.05, precision="int8")
+    firmware, got, expected = _weights_after_steps("cortex-m4-qemu", model, candidate, tmp_path)
+    _close(got, expected)
+    assert firmware.signature.activations == model.calibration
