@@ -4,7 +4,7 @@
 
 The model is pretrained on the source task as benchmarks/mcu_plans.py does it (DS-CNN: zoo's
 synthetic keyword task and its "new microphone" half; MobileNetV2-w0.35: the digits transfer
-task). Each scheme — the last `bias` layers update their biases, the last `weights` of them
+task). Each scheme — the last `bias` layers with a bias update it, the last `weights` of them
 their weights in full, batch 8, SGD with momentum — is measured by `planner measure` twice, in
 fp32 and in int8 (activations per tensor at scales calibrated on the downstream training data,
 frozen weights per channel), on a target that takes the input in 8 bits as the microcontrollers
@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 import planner
+from planner.inputs.model import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mcu_plans import kws_tasks, pretrained  # noqa: E402
@@ -59,7 +60,7 @@ def main() -> None:
         init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=r), out / f"mobilenet_v2_035_{r}_init.onnx")
         source, downstream = digits_tasks(out, r)
     model = pretrained(init, source, out, args.pretrain_steps)
-    layers = [layer.name for layer in planner.inspect(model).layers if layer.trainable]
+    layers = [layer.name for layer in load_model(model).layers if layer.params_for("bias")]  # those with a bias
     (out / "target.yaml").write_text(TARGET)
     print(f"\n{args.model}, {args.steps} fine-tune steps, batch 8, momentum lr 0.02, 8-bit input:\n")
     print("| trained | fp32: before -> after | int8: before -> after | int8 - fp32 (after) |")

@@ -7,6 +7,7 @@ cannot import, a data file the plan directory could not hold — before anything
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -113,7 +114,8 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
     if hw.input_bits == 8:  # the board takes its batches as 8-bit codes (a camera's pixels)
         m = m.encoded(input_encodings(m, dataset))
     if "int8" in hw.precisions:  # an int8 candidate's activations: scales measured on the data
-        m = m.calibrated(calibrate(m, dataset))
+        with contextlib.suppress(BadInput):  # a model ONNX Runtime cannot run: its int8 candidates fail, fp32 ones run
+            m = m.calibrated(calibrate(m, dataset))
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     return Loaded(m, dataset, hw, runner_for(hw), cache)

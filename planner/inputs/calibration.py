@@ -116,7 +116,9 @@ def calibrate(model: Model, dataset: Dataset, *, samples: int = CALIBRATION_SAMP
             ranges = calibrator.compute_data()
         except Exception as exc:  # ONNX Runtime refusing an operator or an opset: the model, not planner
             raise BadInput(f"{model.path.name}: ONNX Runtime could not run it to calibrate int8 activations: {exc}") from None
-    return {t: Int8Scale.spanning(*(float(np.asarray(v).reshape(-1)[0]) for v in ranges[t].range_value)) for t in tensors}
+    spans = {t: [float(np.asarray(v).reshape(-1)[0]) for v in ranges[t].range_value] for t in tensors}
+    # a tensor reaching an infinity (an attention mask's -inf) has no int8 scale: it stays float
+    return {t: Int8Scale.spanning(lo, hi) for t, (lo, hi) in spans.items() if np.isfinite(lo) and np.isfinite(hi)}
 
 
 def fake_quantize(proto: onnx.ModelProto, scales: Mapping[str, Int8Scale]) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
-from planner.errors import BadInput, first_line
+from planner.errors import BadInput, CandidateFailed, first_line
 from planner.inputs.fixups import (
     dequantize_weights,
     for_import,
@@ -143,8 +143,8 @@ class Model:
         the activations at their calibrated scales; any other computes them in float."""
         if precision is not Precision.INT8:
             return self._replaced(int8=False) if self.int8 else self
-        if self.calibration is None:
-            raise BadInput(f"{self.path.name}: precision int8 needs its activations calibrated on training data first")
+        if self.calibration is None:  # not calibrated, or ONNX Runtime could not run it: no int8 candidate builds
+            raise CandidateFailed(f"{self.path.name}: precision int8 needs its activations calibrated on training data")
         return self._replaced(int8=True)
 
     @property

@@ -29,6 +29,8 @@ import tvm
 from tvm import relax
 
 from planner.backend.graph.memory import tensor_bytes
+from planner.backend.graph.quantized import read_counts, unheld
+from planner.backend.graph.rewrites import frozen_quantized_values
 from planner.backend.graph.weights import read_in_place
 
 # ops whose output row r reads row r of each operand alone (operands of the same shape, or
@@ -37,7 +39,7 @@ ELEMENTWISE = frozenset(
     f"relax.{name}"
     for name in (
         "add subtract multiply divide maximum minimum power clip astype negative exp sqrt rsqrt sigmoid tanh "
-        "nn.relu nn.silu nn.gelu nn.gelu_tanh nn.leakyrelu"
+        "nn.relu nn.silu nn.gelu nn.gelu_tanh nn.leakyrelu quantize dequantize grad.no_grad"  # the last: int8 activations
     ).split()
 )
 BAND_COUNTS = (2, 3, 4, 6, 8, 12, 16)
@@ -233,8 +235,9 @@ def candidates(func: relax.Function, n_inputs: int, n_trainable: int) -> list[Pl
         data.add(b.var)
         members.append(i)
     ops = _summary(func, bindings, data)
-    in_flash = read_in_place(bindings)
-    sizes = {i: 0 if b.var in in_flash else op.nbytes for i, (b, op) in enumerate(zip(bindings, ops))}
+    # weights read in place from flash, and an int8 unit's fp32 values (its kernel writes the codes), take no SRAM
+    free = read_in_place(bindings) | unheld(bindings, read_counts(func), ELEMENTWISE)
+    sizes = {i: 0 if b.var in free else op.nbytes for i, (b, op) in enumerate(zip(bindings, ops))}
     # the input batch lies in the step's arena until its last reader (`planner.backend.mcu.cstep`)
     batch = (_bytes(x.ty), max((i for i, b in enumerate(bindings) if x in relax.analysis.free_vars(b.value)), default=-1))
     unbanded = _peak(ops, range(len(ops)), sizes, held=batch)
@@ -245,6 +248,8 @@ def candidates(func: relax.Function, n_inputs: int, n_trainable: int) -> list[Pl
         height = ops[cut].height
         if height < 2 or any(ops[i].last > cut for i in inside[:-1]):
             continue  # the rest of the network reads more than T: no cut here
+        if bindings[cut].var in free or _op(bindings[cut]) == "relax.dequantize":
+            continue  # T is concatenated whole: not a value its kernel never writes, and an int8 map as its codes
         rest = _peak(ops, range(cut, len(ops)), sizes, held=batch)
         for n in (c for c in BAND_COUNTS if c <= height):
             rows = tuple((height * k // n, height * (k + 1) // n) for k in range(n))
@@ -336,8 +341,9 @@ class _Banded(relax.PyExprMutator):
 def banded(func: relax.Function, n_inputs: int, n_trainable: int, chosen: Plan | None = None) -> relax.Function:
     """`func` with its frozen first layers computed in row bands as `chosen` says (by default
     `plan`'s choice, for `func` with its unused bindings removed), or `func` when nothing is chosen."""
-    if chosen is None:
-        func = relax.analysis.remove_all_unused(func)
+    if chosen is None:  # the frozen layers' int8 activations as the step computes them, their units whole
+        trainable = list(func.params[len(func.params) - n_trainable :]) if n_trainable else []
+        func = frozen_quantized_values(relax.analysis.remove_all_unused(func), trainable)
         chosen = plan(func, n_inputs, n_trainable)
     if chosen is None:
         return func

@@ -20,7 +20,10 @@
   `clip(x) + no_grad(dequantize(quantize(x)) - clip(x))` (clip to the range the integers span):
   the same values, and the straight-through gradient PyTorch's fake quantization has (the
   output's gradient where x is inside the range, zero outside), where the true one is zero
-  almost everywhere and a model quantized for inference would learn nothing through it.
+  almost everywhere and a model quantized for inference would learn nothing through it. Once
+  the gradient is built, the forward takes `dequantize(quantize(x))` itself
+  (`fake_quantized_values`): the sum is that value up to its last bit, and the kernels a
+  microcontroller runs an int8 activation through compute exactly the quantized one.
 """
 
 from __future__ import annotations
@@ -211,3 +214,69 @@ def for_training(func: relax.Function) -> relax.Function:
     for rewrite in (_Conv1dAsConv2d, _OneDAsTwoD, _NormsAsOps, _LoneConcat, _FakeQuantized):
         func = rewrite().visit_expr(func)
     return func
+
+
+@relax.expr_functor.mutator
+class _QuantizedValues(relax.PyExprMutator):
+    """`clip(x) + no_grad(dequantize(quantize(x)) - clip(x))` -> `dequantize(quantize(x))`, where
+    x is not in `kept` (values a gradient still has to pass through)."""
+
+    def __init__(self, kept: frozenset[relax.Var] = frozenset()) -> None:
+        super().__init__()
+        self.kept, self.rewritten = kept, 0
+
+    def _bound(self, expr: relax.Expr, op: tvm.ir.Op) -> relax.Call | None:
+        value = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        return value if isinstance(value, relax.Call) and value.op.same_as(op) else None
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not call.op.same_as(_ADD) or (kept := self._bound(call.args[1], _NO_GRAD)) is None:
+            return call
+        gap = self._bound(kept.args[0], _SUBTRACT)
+        if gap is None or not gap.args[1].same_as(call.args[0]):
+            return call
+        dequantized = self._bound(gap.args[0], _DEQUANTIZE)
+        quantized = None if dequantized is None else self._bound(dequantized.args[0], _QUANTIZE)
+        if quantized is None or quantized.args[0] in self.kept:
+            return call
+        self.rewritten += 1
+        return gap.args[0]
+
+
+_ADD, _SUBTRACT, _NO_GRAD = (tvm.ir.Op.get(f"relax.{name}") for name in ("add", "subtract", "grad.no_grad"))
+
+
+def fake_quantized_values(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` (a built step) with each straight-through fake quantization's forward value the
+    quantized one, `dequantize(quantize(x))`: its gradient is built, and the sum it was equals
+    that value only up to rounding (see the module's docstring)."""
+    out, changed = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs), []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        rewrite = _QuantizedValues()
+        new = rewrite.visit_expr(func)
+        if rewrite.rewritten:
+            out[gv] = relax.analysis.remove_all_unused(new)
+            changed.append(gv)
+    # each rewritten sum was bound to a name: that binding now an alias, which readers take directly
+    return relax.transform.CanonicalizeBindings()(out) if changed else mod
+
+
+def frozen_quantized_values(func: relax.Function, trainable: list[relax.Var]) -> relax.Function:
+    """`func` (a forward, before its gradient is built) with the fake quantizations of values
+    that no `trainable` parameter reaches taking their quantized values (`fake_quantized_values`):
+    no gradient passes through them, and the row bands then see the step's int8 units whole
+    (`planner.backend.graph.quantized`)."""
+    reached = set(trainable)
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if any(v in reached for v in relax.analysis.free_vars(b.value)):
+                reached.add(b.var)
+    rewrite = _QuantizedValues(frozenset(reached))
+    new = rewrite.visit_expr(func)
+    if not rewrite.rewritten:
+        return func
+    mod = relax.transform.CanonicalizeBindings()(tvm.IRModule({"f": relax.analysis.remove_all_unused(new)}))
+    return mod["f"]

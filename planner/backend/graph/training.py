@@ -27,6 +27,7 @@ from planner.backend.graph import adapters, head, recompute
 from planner.backend.graph import gradients as grads
 from planner.backend.graph.bands import banded
 from planner.backend.graph.importer import BUILDING, imported
+from planner.backend.graph.rewrites import fake_quantized_values
 from planner.backend.graph.tir import accumulate_kernel, scale_kernel
 from planner.backend.graph.trainer import TaskLoss, fill, low_precision, make_optimizer, runtime_lr, update_lr
 from planner.backend.graph.weights import as_stored, stored_weights
@@ -42,7 +43,8 @@ def build_training_module(model: Model, candidate: Candidate, *, bands: bool = F
     its frozen first layers computed in row bands where that lowers its peak (`backend.bands`:
     for a microcontroller's SRAM). One build at a time in a process (`importer.BUILDING`)."""
     with BUILDING:  # an int8 candidate's model fake-quantizes its activations
-        return _build(model.for_precision(candidate.precision), candidate, bands)
+        mod, sig = _build(model.for_precision(candidate.precision), candidate, bands)
+    return fake_quantized_values(mod), sig
 
 
 @grads.installed()  # for the whole build: which ops have a gradient also decides the frozen prefix

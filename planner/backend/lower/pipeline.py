@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from planner.backend.graph.training import build_training_module
-from planner.backend.lower import activations, hoist, portable, sparse, tune
+from planner.backend.lower import activations, hoist, portable, quantized, sparse, tune
 from planner.backend.lower.inplace import in_place_candidates, update_in_place
 from planner.backend.lower.kernels import legalize
 from planner.backend.lower.schedule import default_schedule
@@ -40,7 +40,8 @@ def _fuse(mod: tvm.IRModule, target: tvm.target.Target, kernels: Kernels, cache_
         relax.transform.FoldConstant(),
     ]
     mod = sparse.embedding_sgd(mod, threads=gemm.pool_threads(target))
-    if kernels is Kernels.PORTABLE:  # int8 frozen weights read where they lie (flash), not copied
+    if kernels is Kernels.PORTABLE:  # int8 activations written as codes; int8 frozen weights read where they lie (flash)
+        mod = quantized.int8_activations(mod)
         mod = portable.int8_weights(mod, gemm.pool_threads(target), gemm.limits_for(kernels), cache=cache_dir)
     with target:
         fused = hoist.fuse(tvm.transform.Sequential(passes)(mod), n_inputs)

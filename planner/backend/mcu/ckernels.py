@@ -15,6 +15,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import tirx
@@ -61,6 +62,10 @@ def _exact_literals(source: str, funcs: dict[str, tirx.PrimFunc]) -> str:
 
         def note(imm: tirx.FloatImm, exact: dict[str, set[str]] = exact) -> None:
             dtype, value = str(imm.ty), abs(float(imm.value))
+            if (
+                dtype == "float32"
+            ):  # a float32 constant holding a double (a clip's bound) is its nearest float32, as LLVM takes it
+                value = float(np.float32(value))
             if math.isfinite(value):
                 exact.setdefault(_printed(value, dtype), set()).add(value.hex() + ("f" if dtype == "float32" else ""))
 

@@ -1,0 +1,146 @@
+"""The quantized convolutions of an int8 step: what an int8 kernel computes in one call.
+
+Under `precision: int8` every activation a layer hands on is `dequantize(quantize(v))`
+(`planner.inputs.calibration`). A frozen convolution with an int8 weight whose output only its
+bias, a ReLU or a clip, and the quantization read is the unit TFLite's and TinyEngine's int8
+kernels compute: `quantize(clip(conv2d(dequantize(codes), w) + bias, lo, hi))`. Found here, once,
+for the microcontroller's kernels that write its codes (`planner.backend.lower.quantized`) and
+for the row bands' estimate of what the step holds (`planner.backend.graph.bands`): the unit's
+fp32 values — the convolution's output, its sum with the bias, its clip, the dequantized input
+it alone reads — never lie in memory whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from planner.backend.graph.rewrites import scalar
+from planner.backend.graph.weights import dequantized
+
+UNCLIPPED = float(np.finfo(np.float32).max)  # a side no clip bounds: min(v, FLT_MAX) is v
+_OPS = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("quantize", "dequantize", "nn.relu", "clip", "add", "nn.conv2d")}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """`quantize(clip(conv2d(x, w) + bias, lo, hi), *out)`, x possibly `dequantize(codes)`."""
+
+    conv: relax.Call
+    x: relax.Expr  # the input as a kernel reads it: the int8 codes (when `codes`) or the fp32 tensor
+    codes: tuple[float, int] | None  # the input's (scale, zero point) when `x` is its codes
+    weight: tuple[relax.Expr, relax.Expr]  # int8 values and fp32 scales per output channel
+    bias: relax.Expr | None
+    clip: tuple[float, float]
+    out: tuple[float, int]
+    fused: tuple[relax.Var, ...]  # the fp32 values the unit computes and only it reads
+
+
+def units(bindings: list[relax.VarBinding], uses: dict[relax.Var, int]) -> dict[relax.Var, Unit]:
+    """Each quantized convolution among `bindings`, by the variable of its int8 output; `uses`:
+    how many times each variable is read (`read_counts`)."""
+    bound = {b.var: b.value for b in bindings}
+    found = {}
+    for b in bindings:
+        unit = _unit(b.value, bound, uses)
+        if unit is not None:
+            found[b.var] = unit
+    return found
+
+
+def unheld(bindings: list[relax.VarBinding], uses: dict[relax.Var, int], elementwise: frozenset[str]) -> set[relax.Var]:
+    """The fp32 values of an int8 step that never lie in memory whole: each unit's own, and those
+    of an `elementwise` chain that ends in a quantization, each read once — a dequantized input,
+    a BatchNorm's scaling, a residual sum: TVM fuses the chain into the kernel that writes its
+    codes. A dequantized activation that units read as codes and one other operation reads is the
+    chain's first value."""
+    bound = {b.var: b.value for b in bindings}
+    found = units(bindings, uses)
+    out = {v for unit in found.values() for v in unit.fused}
+    as_codes: dict[relax.Var, int] = {}
+    for unit in found.values():
+        if unit.codes is not None and isinstance(unit.conv.args[0], relax.Var):
+            as_codes[unit.conv.args[0]] = as_codes.get(unit.conv.args[0], 0) + 1
+
+    def chain(value: relax.Expr) -> None:
+        for arg in value.args:
+            inner = bound.get(arg) if isinstance(arg, relax.Var) else None
+            fused = isinstance(inner, relax.Call) and isinstance(inner.op, tvm.ir.Op) and inner.op.name in elementwise
+            if fused and str(arg.ty.dtype) == "float32" and uses.get(arg, 0) - as_codes.get(arg, 0) <= 1 and arg not in out:
+                out.add(arg)
+                chain(inner)
+
+    for b in bindings:
+        if b.var not in found and isinstance(b.value, relax.Call) and b.value.op.same_as(_OPS["quantize"]):
+            chain(b.value)
+    return out
+
+
+def read_counts(func: relax.Function) -> dict[relax.Var, int]:
+    """How many times each variable is read in `func`."""
+    counts: dict[relax.Var, int] = {}
+
+    def visit(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return counts
+
+
+def _call_of(expr: relax.Expr, op: str, bound: dict, uses: dict | None = None) -> relax.Call | None:
+    """The call of `op` bound to `expr` (read only once, with `uses`), else None."""
+    value = bound.get(expr) if isinstance(expr, relax.Var) else None
+    if not (isinstance(value, relax.Call) and value.op.same_as(_OPS[op])):
+        return None
+    return value if uses is None or uses.get(expr, 0) == 1 else None
+
+
+def _quantization(call: relax.Call) -> tuple[float, int] | None:
+    """A per-tensor quantize or dequantize's (scale, zero point) to int8, else None."""
+    s, z = scalar(call.args[1]), scalar(call.args[2])
+    int8 = "int8" in (str(call.ty.dtype), str(call.args[0].ty.dtype))
+    return None if s is None or z is None or not int8 else (s, int(z))
+
+
+def _number(arg: relax.Expr) -> float:
+    """A clip's bound (a PrimValue of a float immediate)."""
+    value = arg.value
+    return float(getattr(value, "value", value))
+
+
+def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
+    """`value` as a quantized convolution, else None."""
+    if not (isinstance(value, relax.Call) and value.op.same_as(_OPS["quantize"])) or str(value.ty.dtype) != "int8":
+        return None
+    out = _quantization(value)
+    v, lo, hi, fused = value.args[0], -UNCLIPPED, UNCLIPPED, []
+    if (relu := _call_of(v, "nn.relu", bound, uses)) is not None:
+        fused.append(v)
+        v, lo = relu.args[0], 0.0
+    elif (clip := _call_of(v, "clip", bound, uses)) is not None:
+        fused.append(v)
+        v, lo, hi = clip.args[0], _number(clip.args[1]), _number(clip.args[2])
+    bias = None
+    if (add := _call_of(v, "add", bound, uses)) is not None:
+        fused.append(v)
+        v, bias = add.args[0], add.args[1]
+    conv = _call_of(v, "nn.conv2d", bound, uses)
+    if out is None or conv is None or str(conv.ty.dtype) != "float32" or conv.attrs.data_layout != "NCHW":
+        return None
+    fused.append(v)
+    weight = dequantized(conv.args[1], bound)
+    o = int(conv.ty.shape[1])
+    if weight is None or (bias is not None and [int(d) for d in bias.ty.shape if int(d) != 1] != [o]):
+        return None
+    x, codes = conv.args[0], None
+    if (dq := _call_of(x, "dequantize", bound)) is not None and (codes := _quantization(dq)) is not None:
+        if uses.get(x, 0) == 1:
+            fused.append(x)
+        x = dq.args[0]
+    if str(x.ty.dtype) not in ("int8", "float32"):
+        return None
+    return Unit(conv, x, codes, weight, bias, (lo, hi), out, tuple(fused))

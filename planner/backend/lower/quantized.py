@@ -1,0 +1,103 @@
+"""int8 activations on a microcontroller: a convolution whose output is quantized writes the codes.
+
+Why: under `precision: int8` every activation a layer hands on is `dequantize(quantize(v))`
+(`planner.inputs.calibration`), so between two layers the step stores int8 codes — but TVM
+computes a convolution's fp32 output whole before its bias, its ReLU and the quantization read
+it: MobileNetV2-w0.35's expanded 64x64 maps are 4 bytes a value in SRAM where their codes are
+one. Here each frozen convolution with an int8 weight (dense or depthwise) whose output only its
+bias, a ReLU or a clip, and the quantization read — the unit an int8 kernel of TFLite or
+TinyEngine computes — becomes one call of planner's C kernel (`planner_conv_q`,
+`planner_dwconv_q`, runtime/dwconv.c), which reads the input's codes where they lie (or a float
+input, the decoded image), keeps a few output pixels' sums in scratch and writes the codes. The
+kernel computes each sum as the step's own kernels do, on the values the step dequantizes, and
+then the bias, the clip and `quantize` as TVM's do: the same codes, without the fp32 output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax, te, tirx
+
+from planner.backend.graph.quantized import Unit, read_counts, units
+from planner.backend.lower.portable import depthwise_conv
+from planner.backend.sgemm.gemm import forward_conv
+from planner.backend.sgemm.gemm_kernels import FLOPS
+from planner.backend.sgemm.im2col import Conv
+
+CONV_Q, DWCONV_Q = "planner_conv_q", "planner_dwconv_q"  # and `_qf`, of a float input
+CHUNK_FLOATS = 4096  # a dense kernel's columns and sums for this many floats at most (16 KiB)
+
+
+def int8_activations(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` with every quantized convolution (`graph.quantized.Unit`) a kernel here computes
+    one call of it, the fp32 chain it replaces left to dead-code elimination."""
+    builder = relax.BlockBuilder(mod)
+    rewritten = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        found = units([b for block in func.body.blocks for b in block.bindings], read_counts(func))
+        blocks, changed = [], False
+        for block in func.body.blocks:
+            bindings = []
+            for b in block.bindings:
+                sizes = _sizes(found[b.var]) if b.var in found else None
+                if sizes is None:
+                    bindings.append(b)
+                    continue
+                call = _call(builder, found[b.var], *sizes, b.value.ty)
+                both = (relax.DataflowVar if isinstance(b.var, relax.DataflowVar) else relax.Var)(f"{b.var.name}_q", call.ty)
+                bindings += [relax.VarBinding(both, call), relax.VarBinding(b.var, relax.TupleGetItem(both, 0))]
+                changed = True
+            kind = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
+            blocks.append(kind(bindings))
+        if changed:
+            body = relax.SeqExpr(blocks, func.body.body)
+            builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
+            rewritten.append(gv.name_hint)
+    if not rewritten:
+        return mod
+    return relax.transform.DeadCodeElimination(rewritten)(builder.get())
+
+
+def _sizes(unit: Unit) -> tuple[Conv, bool] | None:
+    """The unit's convolution as a kernel here computes it, and whether dense (groups 1) or
+    depthwise; None for any other (a grouped one, a dilated one)."""
+    s = depthwise_conv(unit.conv)
+    if s is not None:
+        return s, False
+    s = forward_conv(unit.conv) if int(unit.conv.attrs.groups) == 1 else None
+    return None if s is None else (s, True)
+
+
+def _call(bb: relax.BlockBuilder, unit: Unit, s: Conv, dense: bool, ty: relax.TensorType) -> relax.Call:
+    """The kernel's call for `unit`: its int8 output, then its scratch (a second output, which
+    the arena holds for the call alone)."""
+    k = s.c * s.kh * s.kw
+    sizes: tuple[int, ...]
+    if dense:
+        chunk = max(4, min(s.oh * s.ow, CHUNK_FLOATS // (k + s.o) // 4 * 4))
+        scratch, sizes = 4 * k + (k + s.o) * chunk, (chunk, s.n, s.c, s.h, s.w, s.o)
+    else:
+        scratch, sizes = s.oh * s.ow + (s.h * s.w if unit.codes else 0), (s.n, s.c, s.h, s.w)
+    sizes += (s.kh, s.kw, s.oh, s.ow, s.sh, s.sw, s.pt, s.pl)
+    x_scale, x_zero = unit.codes or (1.0, 0)
+    (lo, hi), (out_scale, out_zero) = unit.clip, unit.out
+    bias = unit.bias if unit.bias is not None else relax.const(np.zeros(s.o, np.float32))
+    f32, i32 = (lambda v: tirx.FloatImm("float32", v)), (lambda v: tirx.IntImm("int32", v))
+
+    def compute(x: te.Tensor, q: te.Tensor, scale: te.Tensor, b: te.Tensor) -> list[te.Tensor]:
+        def body(ins, outs):
+            codes = () if unit.codes is None else (f32(x_scale), i32(x_zero))
+            head = (ins[0].data, *codes, *(t.data for t in ins[1:]))
+            tail = (f32(lo), f32(hi), f32(out_scale), i32(out_zero), outs[0].data, outs[1].data)
+            symbol = (CONV_Q if dense else DWCONV_Q) + ("" if unit.codes else "f")
+            return tirx.call_extern("int32", symbol, *head, *tail, *sizes)
+
+        return te.extern([tuple(ty.shape), (scratch,)], [x, q, scale, b], body, dtype=["int8", "float32"], name="conv_q")
+
+    call = bb.call_te(compute, unit.x, *unit.weight, bias, primfunc_name_hint="conv2d_q" if dense else "depthwise_conv2d_q")
+    gv = call.args[0]
+    bb.update_func(gv, bb.get()[gv].with_attr(FLOPS, 2 * s.n * s.o * s.oh * s.ow * (k if dense else s.kh * s.kw)))
+    return bb.normalize(call)
