@@ -54,12 +54,40 @@ def test_the_tensors_quantized_are_what_a_layer_hands_on(tmp_path):
     a BatchNorm (quantized), a ReLU's output is, a conv read only by its ReLU is not (the kernel
     applies the ReLU before requantizing), the max-pool and flatten only move codes, the logits stay float."""
     model = load_model(tiny_cnn(tmp_path / "m.onnx"))
-    graph = model.import_proto(2).graph
+    proto = model.import_proto(2)
+    graph = proto.graph
     made = {o: n.op_type for n in graph.node for o in n.output}
-    chosen = quantized_tensors(graph)
+    chosen = quantized_tensors(proto)
     assert [made[t] for t in chosen] == ["Conv", "Relu", "Relu", "GlobalAveragePool"]
     assert graph.output[0].name not in chosen
     assert not {"MaxPool", "Flatten"} & {made[t] for t in chosen}
+
+
+def test_an_integer_sum_is_not_an_activation():
+    """Position ids `ids + 1` (int64) feeding an embedding: the sum computes but is no float: not
+    quantized (ONNX Runtime's calibrator would not even measure it)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Add", ["ids", "one"], ["pos"], name="positions"),
+        helper.make_node("Gather", ["table", "pos"], ["emb"], name="embed"),
+        helper.make_node("Mul", ["emb", "emb"], ["sq"], name="square"),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["logits"], name="mean", keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.ones((8, 3), np.float32), "table"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "ids",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3])],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    assert quantized_tensors(proto) == ["sq"]
 
 
 def test_calibrated_scales_span_each_activation_over_the_training_samples(tmp_path):
@@ -71,7 +99,7 @@ def test_calibrated_scales_span_each_activation_over_the_training_samples(tmp_pa
     index = np.linspace(0, len(dataset.train) - 1, 32).astype(np.int64)
     x, _ = dataset.train.batch(index)
     proto = model.import_proto(32)
-    assert list(scales) == quantized_tensors(proto.graph)
+    assert list(scales) == quantized_tensors(proto)
     del proto.graph.output[:]
     proto.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in scales)
     values = ReferenceEvaluator(proto).run(None, {model.only_input.name: x})
@@ -191,46 +219,46 @@ def test_an_int8_step_trains_on_the_emulated_cortex_m4_as_the_vm_in_less_sram(tm
     assert int8.memory.activations < 0.6 * fp32.memory.activations
 
 
-def _reference(x, codes, w, bias, clip, out, stride, pads, depthwise):
+def _reference(x, codes, w, bias, clip, out, strides, pads, depthwise):
     """The int8-activation convolution in numpy's float32, operation by operation as the step
     computes it: the input dequantized (`(q - zero) * scale`), the weight (`q * scale`), each
     output's sum over (channel, row, column) in order from 0, the bias added, the clip, then
-    `quantize`: divided by the scale, rounded half away from zero, the zero point added, saturated."""
+    `quantize`: divided by the scale, rounded half to even, the zero point added, saturated."""
     f32 = np.float32
     xd = (x.astype(np.int32) - codes[1]).astype(f32) * f32(codes[0]) if codes else x
     q, scale = w
     wd = q.astype(f32) * scale.reshape(-1, 1, 1, 1)
-    pt, pl, pb, pr = pads
+    (sh, sw), (pt, pl, pb, pr) = strides, pads
     padded = np.pad(xd, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
     n, c, h, wd_ = x.shape
     o, per, kh, kw = q.shape
-    oh, ow = (h + pt + pb - kh) // stride + 1, (wd_ + pl + pr - kw) // stride + 1
+    oh, ow = (h + pt + pb - kh) // sh + 1, (wd_ + pl + pr - kw) // sw + 1
     acc = np.zeros((n, o, oh, ow), f32)
     for ci in range(per):
         for ky in range(kh):
             for kx in range(kw):
-                taps = padded[:, :, ky : ky + stride * (oh - 1) + 1 : stride, kx : kx + stride * (ow - 1) + 1 : stride]
-                if depthwise:
-                    acc = acc + wd[None, :, ci, ky, kx, None, None] * taps
-                else:
-                    acc = acc + wd[None, :, ci, ky, kx, None, None] * taps[:, ci : ci + 1]
+                taps = padded[:, :, ky : ky + sh * (oh - 1) + 1 : sh, kx : kx + sw * (ow - 1) + 1 : sw]
+                tap = taps if depthwise else taps[:, ci : ci + 1]
+                acc = acc + wd[None, :, ci, ky, kx, None, None] * tap
     v = np.maximum(np.minimum(acc + bias[None, :, None, None], f32(clip[1])), f32(clip[0]))
-    d = (v / f32(out[0])).astype(np.float64)
-    rounded = np.where(d >= 0, np.floor(d + 0.5), np.ceil(d - 0.5)).astype(f32) + f32(out[1])
+    rounded = np.rint(v / f32(out[0])) + f32(out[1])
     return np.clip(rounded, -128, 127).astype(np.int8), (oh, ow)
 
 
 def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(tmp_path):
     """planner's C convolutions that write int8 activations (`planner_conv_q`, `planner_dwconv_q`
     and their float-input forms) against numpy's float32, operation by operation: dense kernels
-    1, 3 and 5 and depthwise 3 and 5, odd and even maps, strides 1 and 2, no padding and "same",
-    several images, the sums a few output pixels at a time (chunks of 4 to all), no clip, a ReLU,
-    a ReLU6; each output code the same."""
+    1, 3 and 5 and depthwise 3 and 5, odd and even maps, strides 1 and 2 (and unlike ones),
+    no padding, "same" and TensorFlow's uneven "same", several images, the chunks of output
+    pixels and the scratch the lowering gives each call (`scratch_floats`), no clip, a ReLU, a
+    ReLU6; each output code the same."""
     import ctypes
     import subprocess
 
     from planner.backend.graph.quantized import UNCLIPPED
+    from planner.backend.lower.quantized import scratch_floats
     from planner.backend.mcu._firmware import RUNTIME
+    from planner.backend.sgemm.im2col import Conv
 
     library = tmp_path / "q.so"
     sources = [str(RUNTIME / "dwconv.c"), str(RUNTIME / "sgemm.c")]
@@ -240,17 +268,18 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
     rng = np.random.default_rng(0)
     clips = ((-UNCLIPPED, UNCLIPPED), (0.0, UNCLIPPED), (0.0, 6.0))
     cases = 0
-    for depthwise, k, (h, w), stride, same, codes, chunk in [
-        (False, 1, (7, 6), 1, False, True, 4),
-        (False, 1, (8, 8), 1, False, False, 64),
-        (False, 3, (9, 7), 2, True, True, 8),
-        (False, 3, (8, 8), 1, True, True, 12),
-        (False, 3, (6, 5), 1, False, False, 4),
-        (False, 5, (11, 10), 2, True, True, 16),
-        (True, 3, (9, 7), 2, True, True, 0),
-        (True, 3, (8, 8), 1, True, False, 0),
-        (True, 5, (7, 10), 1, True, True, 0),
-        (True, 3, (5, 5), 1, False, True, 0),
+    for depthwise, k, (h, w), strides, pads, codes in [
+        (False, 1, (7, 6), (1, 1), (0, 0, 0, 0), True),
+        (False, 1, (8, 8), (1, 1), (0, 0, 0, 0), False),
+        (False, 3, (9, 7), (2, 2), (1, 1, 1, 1), True),
+        (False, 3, (8, 8), (2, 2), (0, 0, 1, 1), True),  # TensorFlow's "same" at stride 2: padded after only
+        (False, 3, (6, 5), (1, 2), (1, 0, 1, 2), False),
+        (False, 5, (11, 10), (2, 1), (2, 2, 2, 2), True),
+        (False, 3, (40, 40), (1, 1), (1, 1, 1, 1), True),  # several chunks of pixels, the last one short
+        (True, 3, (9, 7), (2, 2), (1, 1, 1, 1), True),
+        (True, 3, (8, 8), (1, 1), (1, 1, 1, 1), False),
+        (True, 5, (7, 10), (1, 2), (2, 1, 2, 2), True),
+        (True, 3, (5, 5), (1, 1), (0, 0, 0, 0), True),
     ]:
         n, c = 2, 3
         o = c if depthwise else 5
@@ -259,25 +288,68 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
         q = rng.integers(-127, 128, (o, 1 if depthwise else c, k, k)).astype(np.int8)
         scale = rng.uniform(0.005, 0.05, o).astype(np.float32)
         bias = rng.normal(0, 0.5, o).astype(np.float32)
-        pads = (k // 2,) * 4 if same else (0,) * 4
         for clip in clips:
             out = (float(np.float32(rng.uniform(0.02, 0.1))), int(rng.integers(-128, 0)))
-            expected, (oh, ow) = _reference(x, x_codes, (q, scale), bias, clip, out, stride, pads, depthwise)
-            y = np.full(expected.shape, 77, np.int8)
-            kk = (1 if depthwise else c) * k * k
-            scratch = np.full(4 * kk + (kk + o) * max(chunk, 1) + h * w + oh * ow, np.nan, np.float32)
+            expected, (oh, ow) = _reference(x, x_codes, (q, scale), bias, clip, out, strides, pads, depthwise)
+            sizes = Conv(n, c, h, w, o, k, k, oh, ow, *strides, pads[0], pads[1])
+            chunk, floats = scratch_floats(sizes, not depthwise, codes)
+            y, scratch = np.full(expected.shape, 77, np.int8), np.full(floats, np.nan, np.float32)
             args = [p(x.ctypes.data), *((f(x_codes[0]), i(x_codes[1])) if codes else ())]
             args += [p(q.ctypes.data), p(scale.ctypes.data), p(bias.ctypes.data), f(clip[0]), f(clip[1]), f(out[0])]
             args += [i(out[1]), p(y.ctypes.data), p(scratch.ctypes.data)]
-            sizes = [n, c, h, w, *(() if depthwise else (o,)), k, k, oh, ow, stride, stride, pads[0], pads[1]]
+            dims = [n, c, h, w, *(() if depthwise else (o,)), k, k, oh, ow, *strides, pads[0], pads[1]]
             name = ("planner_dwconv_q" if depthwise else "planner_conv_q") + ("" if codes else "f")
             kernel = getattr(lib, name)
             kernel.restype = i
-            assert kernel(*args, *([] if depthwise else [i(chunk)]), *map(i, sizes)) == 0, name
-            np.testing.assert_array_equal(y, expected, err_msg=f"{name} k{k} {h}x{w} s{stride} clip {clip} chunk {chunk}")
+            assert kernel(*args, *([] if depthwise else [i(chunk)]), *map(i, dims)) == 0, name
+            np.testing.assert_array_equal(y, expected, err_msg=f"{name} k{k} {h}x{w} {strides} {pads} clip {clip}")
             assert len(np.unique(y)) > 4  # the codes span a range: the case tests something
             cases += 1
-    assert cases == 30
+    assert cases == 33
+
+
+def _conv_unit(bias_shape=(1, 5, 1, 1), groups=1, dilation=1, out=(5, 6, 5), second_reader=False):
+    """A Relax function `quantize(relu(conv2d(x, astype(q) * s) + b))` over a [1, 5, 6, 5] input
+    (ow == o: a bias along the wrong axis broadcasts without error), its int8 output returned."""
+    from tvm import relax
+
+    o, oh, ow = out
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 5, 6, 5), "float32"))
+    q = relax.Var("q", relax.TensorType((o, 5 // groups, 3, 3), "int8"))
+    s = relax.Var("s", relax.TensorType((o, 1, 1, 1), "float32"))
+    b = relax.Var("b", relax.TensorType(bias_shape, "float32"))
+    with bb.function("f", [x, q, s, b]):
+        with bb.dataflow():
+            w = bb.emit(relax.op.multiply(bb.emit(relax.op.astype(q, "float32")), s))
+            conv = bb.emit(relax.op.nn.conv2d(x, w, padding=dilation, dilation=dilation, groups=groups))
+            r = bb.emit(relax.op.nn.relu(bb.emit(relax.op.add(conv, b))))
+            y = bb.emit(relax.op.quantize(r, relax.const(0.05, "float32"), relax.const(-128, "int8"), axis=1, out_dtype="int8"))
+            outputs = (y, conv) if second_reader else y
+            gv = bb.emit_output(relax.Tuple(outputs) if second_reader else outputs)
+        bb.emit_func_output(gv)
+    return bb.get()["f"]
+
+
+@pytest.mark.parametrize(
+    "case, found",
+    [
+        ({}, True),
+        ({"bias_shape": (5, 1, 1)}, True),
+        ({"bias_shape": (5,)}, False),  # broadcast along the columns, not the channels
+        ({"bias_shape": (1, 1, 1, 5)}, False),
+        ({"groups": 5}, True),  # depthwise
+        ({"groups": 5, "out": (10, 6, 5), "bias_shape": (1, 10, 1, 1)}, False),  # two filters a channel: grouped
+        ({"dilation": 2}, False),
+        ({"second_reader": True}, False),  # the fp32 output is read elsewhere: it must exist
+    ],
+)
+def test_a_quantized_convolution_is_a_unit_only_when_its_kernel_computes_it_exactly(case, found):
+    from planner.backend.graph.quantized import read_counts, units
+
+    func = _conv_unit(**case)
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    assert bool(units(bindings, read_counts(func))) is found
 
 
 @pytest.mark.slow

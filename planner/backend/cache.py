@@ -26,6 +26,7 @@ import tvm
 from planner import __version__, cachefile
 from planner.errors import EnvironmentFailure, reason
 from planner.inputs.model import Model
+from planner.types import Precision
 
 META_NAME = "train_step.json"  # the cache entry's record, never part of the artifact
 
@@ -72,7 +73,7 @@ def entry_key(model: Model, candidate: dict, build: dict) -> str:
     settings of the target that decide them, and the versions of planner, its code and TVM."""
     blob = json.dumps(
         {
-            "model": model.key,
+            "model": model.key_for(Precision(candidate.get("precision", "fp32"))),
             "candidate": candidate,
             "build": build,
             "versions": {"planner": __version__, "code": code_id(), "tvm": tvm.__version__},

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from planner.errors import BadInput, PlannerBug
+from planner.errors import BadInput, first_line
 from planner.types import Int8Scale
 
 if TYPE_CHECKING:
@@ -52,22 +52,34 @@ _COMPUTING = frozenset(
 _FUSED = frozenset({"Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid"})
 
 
-def quantized_tensors(graph: onnx.GraphProto) -> list[str]:
+def quantized_tensors(proto: onnx.ModelProto) -> list[str]:
     """The activations `precision: int8` stores in int8, in graph order (see the module's docstring)."""
+    graph = proto.graph
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
+    floats = _float_tensors(proto)
     chosen = []
     for node in graph.node:
-        if node.op_type not in _COMPUTING or node.domain not in ("", "ai.onnx") or not node.output:
+        if node.op_type not in _COMPUTING or node.domain not in ("", "ai.onnx") or node.output[:1] == []:
+            continue
+        if node.output[0] not in floats:  # an integer sum (position ids): not an activation
             continue
         tensor, read = node.output[0], readers.get(node.output[0], [])
         if tensor in outputs or not read or all(r.op_type in _FUSED and r.input[0] == tensor for r in read):
             continue
         chosen.append(tensor)
     return chosen
+
+
+def _float_tensors(proto: onnx.ModelProto) -> set[str]:
+    """The float32 values `proto` computes, as ONNX's shape inference types them (one it cannot
+    type is left float and unquantized)."""
+    inferred = onnx.shape_inference.infer_shapes(proto).graph
+    values = [*inferred.value_info, *inferred.output]
+    return {v.name for v in values if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
 
 
 def calibrate(model: Model, dataset: Dataset, *, samples: int = CALIBRATION_SAMPLES) -> dict[str, Int8Scale]:
@@ -84,7 +96,12 @@ def calibrate(model: Model, dataset: Dataset, *, samples: int = CALIBRATION_SAMP
     n -= n % batch
     proto = for_import(plain.proto, batch, set(plain.parameters), plain.lengths)
     proto.ir_version = min(proto.ir_version, 10)  # what ONNX Runtime reads
-    tensors = quantized_tensors(proto.graph)
+    try:
+        tensors = quantized_tensors(proto)
+    except onnx.shape_inference.InferenceError as exc:  # a graph ONNX cannot type: not one to calibrate
+        raise BadInput(
+            f"{model.path.name}: ONNX cannot type its values to calibrate int8 activations: {first_line(exc)}"
+        ) from None
     if not tensors:
         return {}
     index = np.linspace(0, len(dataset.train) - 1, n).astype(np.int64)
@@ -115,8 +132,10 @@ def calibrate(model: Model, dataset: Dataset, *, samples: int = CALIBRATION_SAMP
             calibrator.collect_data(Batches())
             ranges = calibrator.compute_data()
         except Exception as exc:  # ONNX Runtime refusing an operator or an opset: the model, not planner
-            raise BadInput(f"{model.path.name}: ONNX Runtime could not run it to calibrate int8 activations: {exc}") from None
-    spans = {t: [float(np.asarray(v).reshape(-1)[0]) for v in ranges[t].range_value] for t in tensors}
+            raise BadInput(
+                f"{model.path.name}: ONNX Runtime could not run it to calibrate int8 activations: {first_line(exc)}"
+            ) from None
+    spans = {t: [float(np.asarray(v).reshape(-1)[0]) for v in ranges[t].range_value] for t in tensors if t in ranges}
     # a tensor reaching an infinity (an attention mask's -inf) has no int8 scale: it stays float
     return {t: Int8Scale.spanning(lo, hi) for t, (lo, hi) in spans.items() if np.isfinite(lo) and np.isfinite(hi)}
 
@@ -125,8 +144,10 @@ def fake_quantize(proto: onnx.ModelProto, scales: Mapping[str, Int8Scale]) -> No
     """Each tensor named in `scales` quantized to int8 and dequantized right after the node that
     computes it, every reader taking the dequantized values (in place)."""
     g = proto.graph
-    if missing := sorted(set(scales) - {o for node in g.node for o in node.output}):
-        raise PlannerBug(f"int8 scales for {len(missing)} tensors the graph does not compute", missing[0])
+    computed = {o for node in g.node for o in node.output}
+    # a value this batch's graph folded into a constant (a constant computation small enough at batch 1,
+    # not at the calibration's 16) is not quantized: it is no activation
+    scales = {t: a for t, a in scales.items() if t in computed}
     renamed = {t: f"{t}:int8:fake" for t in scales}
     nodes: list[onnx.NodeProto] = []
     for node in g.node:

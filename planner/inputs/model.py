@@ -66,11 +66,11 @@ class Model:
         """What identifies the model a step is built from: its files, the lengths bound, the
         task (whose loss the step computes), its inputs' encodings and its activations' scales."""
         codes = [i.to_json() for i in self.inputs if i.encoding is not None]
-        if not self.lengths and self.task is CLASSIFICATION and not codes and self.calibration is None:
+        if not self.lengths and self.task is CLASSIFICATION and not codes and not self.int8:
             return self.sha256
         extra: list = [] if self.task is CLASSIFICATION else [self.task.name]
-        if self.calibration is not None:
-            extra += [self.int8, sorted((t, a.to_json()) for t, a in self.calibration.items())]
+        if self.int8:  # the scales a float step never reads (calibrated anew where a worker loads the data) stay out
+            extra.append(sorted((t, a.to_json()) for t, a in (self.calibration or {}).items()))
         return hashlib.sha256(json.dumps([self.sha256, sorted(self.lengths.items()), *extra, *codes]).encode()).hexdigest()
 
     @property
@@ -146,6 +146,13 @@ class Model:
         if self.calibration is None:  # not calibrated, or ONNX Runtime could not run it: no int8 candidate builds
             raise CandidateFailed(f"{self.path.name}: precision int8 needs its activations calibrated on training data")
         return self._replaced(int8=True)
+
+    def key_for(self, precision: Precision) -> str:
+        """The key of the model a candidate of `precision` builds its step from (`for_precision`):
+        an int8 one's includes the activations' scales."""
+        if precision is Precision.INT8 and self.calibration is not None:
+            return self.for_precision(precision).key
+        return self.key
 
     @property
     def exported(self) -> Model:

@@ -108,7 +108,7 @@ class FineTune:
     def _path(self, steps: int) -> tuple[Path, str]:
         m, d, c = self.model, self.data, self.candidate
         key = hashlib.sha256(
-            json.dumps([m.key, d.sha256, c.to_json(), steps, self.seed, code_id()], sort_keys=True).encode()
+            json.dumps([m.key_for(c.precision), d.sha256, c.to_json(), steps, self.seed, code_id()], sort_keys=True).encode()
         ).hexdigest()[:32]
         return self.cache_dir / "accuracy" / f"{key}.json", key
 
@@ -130,7 +130,8 @@ class FineTune:
         sig, m, d = session.sig, self.model, self.data
         # with int8 weights, how each reshaped weight is stored decides what is quantized around it
         layouts = sorted((w, [lay.mode, lay.axis, lay.size]) for w, lay in sig.layouts.items()) if sig.quantized else []
-        blob = [m.key, d.sha256, str(self.candidate.precision), sorted(sig.quantized.items()), layouts, code_id()]
+        precision = self.candidate.precision
+        blob = [m.key_for(precision), d.sha256, str(precision), sorted(sig.quantized.items()), layouts, code_id()]
         key = hashlib.sha256(json.dumps(blob).encode()).hexdigest()[:32]
         path = self.cache_dir / "accuracy" / "before" / f"{key}.json"
         cached = cachefile.read_json(path, key)

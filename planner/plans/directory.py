@@ -41,6 +41,7 @@ from planner.inputs.data import Dataset
 from planner.inputs.model import Model, load_model
 from planner.plans.schema import READS, Plan, content_sha256
 from planner.tasks import task_named
+from planner.types import Precision
 
 # The plan directory's files: every module names them through these
 PLAN_FILE = "plan.json"
@@ -335,7 +336,8 @@ def plan_model(plan_dir: Path, plan: Plan) -> Model:
     model = load_model(plan_dir / MODEL_FILE).bind([i.static for i in plan.signature.inputs], "plan.json")
     codes = {i.name: i.encoding for i in plan.signature.inputs if i.encoding is not None}
     model = model.with_task(task_named(plan.dataset.task)).encoded(codes)
-    return model.calibrated(plan.signature.activations) if plan.signature.activations else model
+    int8 = plan.candidate.precision is Precision.INT8  # its scales, even none (no activation to quantize)
+    return model.calibrated(plan.signature.activations) if int8 else model
 
 
 def plan_tokenizer(plan_dir: Path, plan: Plan) -> Path | None:

@@ -22,6 +22,7 @@ from planner.backend.graph.rewrites import scalar
 from planner.backend.graph.weights import dequantized
 
 UNCLIPPED = float(np.finfo(np.float32).max)  # a side no clip bounds: min(v, FLT_MAX) is v
+MAX_SIDE = 7  # the kernels' largest filter side (dwconv.c's MAX_TAPS: 7x7; a dense one's im2col too)
 _OPS = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("quantize", "dequantize", "nn.relu", "clip", "add", "nn.conv2d")}
 
 
@@ -112,6 +113,33 @@ def _number(arg: relax.Expr) -> float:
     return float(getattr(value, "value", value))
 
 
+def _computed(conv: relax.Call) -> bool:
+    """Whether the kernels compute `conv`: float32 NCHW/OIHW, static, undilated, dense or
+    depthwise, at most `MAX_SIDE` taps a side."""
+    a = conv.attrs
+    shapes = [conv.args[0].ty.shape, conv.args[1].ty.shape, conv.ty.shape]
+    if (a.data_layout, a.kernel_layout, a.out_layout or "NCHW") != ("NCHW", "OIHW", "NCHW") or str(conv.ty.dtype) != "float32":
+        return False
+    if not all(s is not None and all(isinstance(d, tvm.tirx.IntImm) for d in s) for s in shapes):
+        return False
+    c, (o, per, kh, kw), groups = int(shapes[0][1]), (int(d) for d in shapes[1]), int(a.groups)
+    depthwise = groups == c == o and per == 1
+    return (groups == 1 or depthwise) and all(int(d) == 1 for d in a.dilation) and max(kh, kw) <= MAX_SIDE
+
+
+def _per_channel(add: relax.Call, conv: relax.Call) -> bool:
+    """Whether `add` is `conv`'s output plus one value per output channel (a bias `[1, O, 1, 1]`
+    or `[O, 1, 1]`), of the convolution's shape."""
+    shape = [int(d) for d in add.args[1].ty.shape] if add.args[1].ty.shape is not None else []
+    same = [int(d) for d in add.ty.shape] == [int(d) for d in conv.ty.shape]
+    return (
+        same
+        and len(shape) >= 3
+        and shape[-3] == int(conv.ty.shape[1])
+        and all(d == 1 for i, d in enumerate(shape) if i != len(shape) - 3)
+    )
+
+
 def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
     """`value` as a quantized convolution, else None."""
     if not (isinstance(value, relax.Call) and value.op.same_as(_OPS["quantize"])) or str(value.ty.dtype) != "int8":
@@ -129,12 +157,11 @@ def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
         fused.append(v)
         v, bias = add.args[0], add.args[1]
     conv = _call_of(v, "nn.conv2d", bound, uses)
-    if out is None or conv is None or str(conv.ty.dtype) != "float32" or conv.attrs.data_layout != "NCHW":
+    if out is None or conv is None or not _computed(conv) or (add is not None and not _per_channel(add, conv)):
         return None
     fused.append(v)
     weight = dequantized(conv.args[1], bound)
-    o = int(conv.ty.shape[1])
-    if weight is None or (bias is not None and [int(d) for d in bias.ty.shape if int(d) != 1] != [o]):
+    if weight is None:
         return None
     x, codes = conv.args[0], None
     if (dq := _call_of(x, "dequantize", bound)) is not None and (codes := _quantization(dq)) is not None:

@@ -71,16 +71,27 @@ def _sizes(unit: Unit) -> tuple[Conv, bool] | None:
     return None if s is None else (s, True)
 
 
+def scratch_floats(s: Conv, dense: bool, codes: bool) -> tuple[int, int]:
+    """(output pixels a dense kernel sums at once, the floats of scratch its call takes): a
+    dense kernel's weight panel, its columns and sums for `CHUNK_FLOATS` at most; a depthwise
+    one's output plane, and its input plane dequantized when it reads `codes`."""
+    if dense:
+        k = s.c * s.kh * s.kw
+        chunk = min(s.oh * s.ow, max(4, CHUNK_FLOATS // (k + s.o) // 4 * 4))
+        return chunk, 4 * k + (k + s.o) * chunk
+    return 0, s.oh * s.ow + (s.h * s.w if codes else 0)
+
+
 def _call(bb: relax.BlockBuilder, unit: Unit, s: Conv, dense: bool, ty: relax.TensorType) -> relax.Call:
     """The kernel's call for `unit`: its int8 output, then its scratch (a second output, which
     the arena holds for the call alone)."""
     k = s.c * s.kh * s.kw
     sizes: tuple[int, ...]
+    chunk, scratch = scratch_floats(s, dense, unit.codes is not None)
     if dense:
-        chunk = max(4, min(s.oh * s.ow, CHUNK_FLOATS // (k + s.o) // 4 * 4))
-        scratch, sizes = 4 * k + (k + s.o) * chunk, (chunk, s.n, s.c, s.h, s.w, s.o)
+        sizes = (chunk, s.n, s.c, s.h, s.w, s.o)
     else:
-        scratch, sizes = s.oh * s.ow + (s.h * s.w if unit.codes else 0), (s.n, s.c, s.h, s.w)
+        sizes = (s.n, s.c, s.h, s.w)
     sizes += (s.kh, s.kw, s.oh, s.ow, s.sh, s.sw, s.pt, s.pl)
     x_scale, x_zero = unit.codes or (1.0, 0)
     (lo, hi), (out_scale, out_zero) = unit.clip, unit.out

@@ -95,11 +95,12 @@ int32_t planner_dwconv_s8(float* x, int8_t* q, float* scale, float* y, int32_t n
 static inline float dequantized(int8_t q, float scale, int32_t zero) { return (float)((int32_t)q - zero) * scale; }
 
 /* A convolution's sum plus its bias, clipped to [lo, hi] (a ReLU: [0, FLT_MAX]) and quantized as the
-   step's `quantize`: divided by the scale, rounded half away from zero, the zero point added, saturated. */
+   step's `quantize`: divided by the scale, rounded half to even (`nearbyintf`, as TVM's kernels and ONNX
+   round), the zero point added, saturated. */
 static inline int8_t requantized(float sum, float lo, float hi, float scale, int32_t zero) {
   float v = sum > hi ? hi : sum;
   v = v < lo ? lo : v;
-  v = __builtin_roundf(v / scale) + (float)zero;
+  v = __builtin_nearbyintf(v / scale) + (float)zero;
   return (int8_t)(v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v);
 }
 
