@@ -155,19 +155,26 @@ static int32_t conv_q(const void* x, int32_t codes, float x_scale, int32_t x_zer
     for (int32_t p0 = 0; p0 < pixels; p0 += chunk) {
       const int32_t m = pixels - p0 < chunk ? pixels - p0 : chunk;
       float* col = cols;
-      for (int32_t ci = 0; ci < c; ++ci)
-        for (int32_t ky = 0; ky < kh; ++ky)
-          for (int32_t kx = 0; kx < kw; ++kx) {
-            int32_t oy = p0 / ow, ox = p0 % ow;
-            for (int32_t j = 0; j < m; ++j, ++col) {
-              const int32_t iy = oy * sh - pt + ky, ix = ox * sw - pl + kx;
-              const int32_t at = (ci * h + iy) * wd + ix;
-              *col = iy < 0 || iy >= h || ix < 0 || ix >= wd ? 0.0f
-                     : codes                                  ? dequantized(xq[at], x_scale, x_zero)
-                                                              : xf[at];
-              if (++ox == ow) ox = 0, ++oy;
+      if (k == c && sh == 1 && sw == 1 && pt == 0 && pl == 0 && oh == h && ow == wd) { /* 1x1: rows as they lie */
+        for (int32_t ci = 0; ci < c; ++ci, col += m) {
+          const int32_t at = ci * pixels + p0;
+          for (int32_t j = 0; j < m; ++j) col[j] = codes ? dequantized(xq[at + j], x_scale, x_zero) : xf[at + j];
+        }
+      } else {
+        for (int32_t ci = 0; ci < c; ++ci)
+          for (int32_t ky = 0; ky < kh; ++ky)
+            for (int32_t kx = 0; kx < kw; ++kx) {
+              int32_t oy = p0 / ow, ox = p0 % ow;
+              for (int32_t j = 0; j < m; ++j, ++col) {
+                const int32_t iy = oy * sh - pt + ky, ix = ox * sw - pl + kx;
+                const int32_t at = (ci * h + iy) * wd + ix;
+                *col = iy < 0 || iy >= h || ix < 0 || ix >= wd ? 0.0f
+                       : codes                                  ? dequantized(xq[at], x_scale, x_zero)
+                                                                : xf[at];
+                if (++ox == ow) ox = 0, ++oy;
+              }
             }
-          }
+      }
       if (planner_sgemm_s8(101, 111, 111, o, m, k, 1.0f, q, k, scale, panel, cols, m, 0.0f, sums, m)) return -1;
       for (int32_t oc = 0; oc < o; ++oc)
         for (int32_t j = 0; j < m; ++j)
