@@ -24,11 +24,7 @@ import planner
 from planner.inputs.model import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mcu_plans import kws_tasks, pretrained  # noqa: E402
-from mobilenet_v2_eighth import digits_tasks  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import zoo  # noqa: E402
+from mcu_plans import transfer  # noqa: E402
 
 TARGET = "tvm_target: {kind: llvm}\nram_budget_bytes: 64MiB\nprecisions: [fp32, int8]\ninput_bits: 8\n"
 SCHEMES = ((1, 1), (4, 2), (8, 4))  # (layers whose bias trains, of them the last ones whose weight does)
@@ -51,15 +47,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out/int8"))
     args = parser.parse_args()
     out = args.out / args.model
-    out.mkdir(parents=True, exist_ok=True)
-    if args.model == "ds-cnn":
-        init = zoo.save(zoo.ds_cnn(), out / "ds_cnn_init.onnx")
-        source, downstream = kws_tasks(out)
-    else:
-        r = args.resolution
-        init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=r), out / f"mobilenet_v2_035_{r}_init.onnx")
-        source, downstream = digits_tasks(out, r)
-    model = pretrained(init, source, out, args.pretrain_steps)
+    model, downstream = transfer(args.model, args.resolution, out, args.pretrain_steps)
     layers = [layer.name for layer in load_model(model).layers if layer.params_for("bias")]  # those with a bias
     (out / "target.yaml").write_text(TARGET)
     print(f"\n{args.model}, {args.steps} fine-tune steps, batch 8, Adam lr 0.001, 8-bit input:\n")

@@ -57,6 +57,19 @@ def pretrained(model: Path, source: Path, out: Path, steps: int) -> Path:
     return out / "pretrained" / "model.onnx"
 
 
+def transfer(name: str, resolution: int, out: Path, pretrain_steps: int) -> tuple[Path, Path]:
+    """(the model pretrained on its source task, its downstream task) in `out`: DS-CNN on zoo's
+    keyword task, or MobileNetV2-w0.35 at `resolution` on the digits."""
+    out.mkdir(parents=True, exist_ok=True)
+    if name == "ds-cnn":
+        init = zoo.save(zoo.ds_cnn(), out / "ds_cnn_init.onnx")
+        source, downstream = kws_tasks(out)
+    else:
+        init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=resolution), out / f"mobilenet_v2_035_{resolution}_init.onnx")
+        source, downstream = digits_tasks(out, resolution)
+    return pretrained(init, source, out, pretrain_steps), downstream
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["ds-cnn", "mobilenet-v2"], default="ds-cnn")
@@ -70,15 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     budgets = tuple(args.budgets.split(","))
     out = args.out / args.model
-    out.mkdir(parents=True, exist_ok=True)
-    if args.model == "ds-cnn":
-        init = zoo.save(zoo.ds_cnn(), out / "ds_cnn_init.onnx")
-        source, downstream = kws_tasks(out)
-    else:
-        r = args.resolution
-        init = zoo.save(zoo.mobilenet_v2(width=0.35, resolution=r), out / f"mobilenet_v2_035_{r}_init.onnx")
-        source, downstream = digits_tasks(out, r)
-    model = pretrained(init, source, out, args.pretrain_steps)
+    model, downstream = transfer(args.model, args.resolution, out, args.pretrain_steps)
     space = yaml.safe_load((Path(__file__).resolve().parent.parent / "search_spaces" / "sparse-update.yaml").read_text())
     (out / "space.yaml").write_text(yaml.safe_dump(space))
     try:

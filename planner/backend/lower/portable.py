@@ -18,6 +18,7 @@ measures both).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import tvm
@@ -92,26 +93,46 @@ def depthwise(bb: relax.BlockBuilder, call: relax.Call, *, fallback: Lowering) -
     return fallback(bb, call) if s is None else _depthwise_call(bb, s, call.args[0], [call.args[1]])
 
 
+# a binding's replacement (None: kept as it is), as `rewrite_bindings` asks each function for it
+Rewrite = Callable[[relax.VarBinding], "list[relax.VarBinding] | None"]
+
+
 def int8_weights(mod: tvm.IRModule, threads: int, limits: Limits, *, cache: Path | None) -> tvm.IRModule:
     """`mod` with each convolution of a dequantized int8 weight that a kernel here can read in
     place (dense: forward and input gradient; depthwise: forward) calling that kernel on the
     int8 values and scales, the dequantized copy left to dead-code elimination."""
+
+    def per_function(builder: relax.BlockBuilder, func: relax.Function) -> Rewrite:
+        bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+
+        def rewrite(b: relax.VarBinding) -> list[relax.VarBinding] | None:
+            value = _int8_weight_call(builder, b.value, bound, threads, limits, cache)
+            return None if value is None else [relax.VarBinding(b.var, value)]
+
+        return rewrite
+
+    return rewrite_bindings(mod, per_function)
+
+
+def rewrite_bindings(mod: tvm.IRModule, per_function: Callable[[relax.BlockBuilder, relax.Function], Rewrite]) -> tvm.IRModule:
+    """`mod` with each binding of each Relax function that `per_function(builder, func)`'s
+    rewrite returns bindings for replaced by them (None: kept), the kernels it adds to `builder`
+    in the module, and what the replaced bindings alone read left to dead-code elimination."""
     builder = relax.BlockBuilder(mod)
-    rewritten: list[str] = []
+    rewritten = []
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
             continue
-        bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+        rewrite = per_function(builder, func)
         blocks, changed = [], False
         for block in func.body.blocks:
             bindings = []
             for b in block.bindings:
-                value = _int8_weight_call(builder, b.value, bound, threads, limits, cache)
-                changed |= value is not None
-                bindings.append(b if value is None else relax.VarBinding(b.var, value))
-            blocks.append(
-                relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock) else relax.BindingBlock(bindings)
-            )
+                new = rewrite(b)
+                changed |= new is not None
+                bindings += [b] if new is None else new
+            kind = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
+            blocks.append(kind(bindings))
         if changed:
             body = relax.SeqExpr(blocks, func.body.body)
             builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))

@@ -20,7 +20,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from planner.backend.graph.quantized import Unit, read_counts, units
-from planner.backend.lower.portable import depthwise_conv
+from planner.backend.lower.portable import Rewrite, depthwise_conv, rewrite_bindings
 from planner.backend.sgemm.gemm import forward_conv
 from planner.backend.sgemm.gemm_kernels import FLOPS
 from planner.backend.sgemm.im2col import Conv
@@ -32,33 +32,21 @@ CHUNK_FLOATS = 4096  # a dense kernel's columns and sums for this many floats at
 def int8_activations(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` with every quantized convolution (`graph.quantized.Unit`) a kernel here computes
     one call of it, the fp32 chain it replaces left to dead-code elimination."""
-    builder = relax.BlockBuilder(mod)
-    rewritten = []
-    for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
+
+    def per_function(builder: relax.BlockBuilder, func: relax.Function) -> Rewrite:
         found = units([b for block in func.body.blocks for b in block.bindings], read_counts(func))
-        blocks, changed = [], False
-        for block in func.body.blocks:
-            bindings = []
-            for b in block.bindings:
-                sizes = _sizes(found[b.var]) if b.var in found else None
-                if sizes is None:
-                    bindings.append(b)
-                    continue
-                call = _call(builder, found[b.var], *sizes, b.value.ty)
-                both = (relax.DataflowVar if isinstance(b.var, relax.DataflowVar) else relax.Var)(f"{b.var.name}_q", call.ty)
-                bindings += [relax.VarBinding(both, call), relax.VarBinding(b.var, relax.TupleGetItem(both, 0))]
-                changed = True
-            kind = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
-            blocks.append(kind(bindings))
-        if changed:
-            body = relax.SeqExpr(blocks, func.body.body)
-            builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
-            rewritten.append(gv.name_hint)
-    if not rewritten:
-        return mod
-    return relax.transform.DeadCodeElimination(rewritten)(builder.get())
+
+        def rewrite(b: relax.VarBinding) -> list[relax.VarBinding] | None:
+            sizes = _sizes(found[b.var]) if b.var in found else None
+            if sizes is None:
+                return None
+            call = _call(builder, found[b.var], *sizes, b.value.ty)
+            both = (relax.DataflowVar if isinstance(b.var, relax.DataflowVar) else relax.Var)(f"{b.var.name}_q", call.ty)
+            return [relax.VarBinding(both, call), relax.VarBinding(b.var, relax.TupleGetItem(both, 0))]
+
+        return rewrite
+
+    return rewrite_bindings(mod, per_function)
 
 
 def _sizes(unit: Unit) -> tuple[Conv, bool] | None:
