@@ -357,7 +357,7 @@ def test_mobilenet_v2_in_int8_trains_on_the_emulated_cortex_m7_as_the_vm(tmp_pat
     """MobileNetV2 (BatchNorm after each convolution, ReLU6, residual sums) calibrated in int8,
     its first layers frozen and its input 8-bit pixels, on qemu's Cortex-M7: its dense and
     depthwise convolutions write their codes (planner's kernels), its BatchNorms, ReLU6s and
-    residual sums read and write codes in TVM's fused kernels, and the weights after 10 steps
+    residual sums read and write codes in TVM's fused kernels, its pooling reads codes, and the weights after 10 steps
     are the VM's within what a code apart makes: the board's sums (sgemm's order, fused
     multiply-adds) and the VM's differ in their last bits, and a value that close to a rounding
     boundary takes the next code (the kernels themselves are numpy's arithmetic to the bit:
@@ -380,3 +380,4 @@ def test_mobilenet_v2_in_int8_trains_on_the_emulated_cortex_m7_as_the_vm(tmp_pat
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-3, err_msg=name)
     kernels = [kernel for kernel, _ in firmware.calls]
     assert sum(k.startswith("conv2d_q") for k in kernels) > 20 and sum(k.startswith("depthwise_conv2d_q") for k in kernels) > 10
+    assert any(k.startswith("mean_of_codes") for k in kernels)  # the global pooling sums the last map's codes

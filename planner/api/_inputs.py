@@ -8,8 +8,8 @@ cannot import, a data file the plan directory could not hold — before anything
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from planner.inputs.model import Model, load_model
 from planner.inputs.settings import Settings
 from planner.inputs.targets import HardwareTarget, load_target
 from planner.plans.directory import model_files
+from planner.types import Precision
 
 if TYPE_CHECKING:
     from planner.measurement import Runner
@@ -113,12 +114,20 @@ def load_inputs(inputs: Inputs, settings: Settings, *, on_data: Callable[[int, i
     hw = resolve_target(inputs.target, tracker=inputs.tracker, key=inputs.key)
     if hw.input_bits == 8:  # the board takes its batches as 8-bit codes (a camera's pixels)
         m = m.encoded(input_encodings(m, dataset))
-    if "int8" in hw.precisions:  # an int8 candidate's activations: scales measured on the data
-        with contextlib.suppress(BadInput):  # a model ONNX Runtime cannot run: its int8 candidates fail, fp32 ones run
-            m = m.calibrated(calibrate(m, dataset))
     model_files(m)  # a data file the plan directory cannot hold fails now, not after the study
     check_importable(m)
     return Loaded(m, dataset, hw, runner_for(hw), cache)
+
+
+def for_precisions(loaded: Loaded, precisions: Iterable[Precision]) -> Loaded:
+    """`loaded` with its model's activations calibrated on its data when a candidate may be int8
+    (`precisions` lists it; ONNX Runtime runs the model over training samples, so not otherwise).
+    A model ONNX Runtime cannot run stays uncalibrated: its int8 candidates fail, the others run."""
+    if Precision.INT8 not in precisions:
+        return loaded
+    with contextlib.suppress(BadInput):
+        return replace(loaded, model=loaded.model.calibrated(calibrate(loaded.model, loaded.dataset)))
+    return loaded
 
 
 def where(name_or_path: str | Path) -> str:

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from planner.api._inputs import INPUT_FIELDS, load_inputs, split_options
+from planner.api._inputs import INPUT_FIELDS, for_precisions, load_inputs, split_options
 from planner.api._search import PlanResult, _evaluation
 from planner.api._writing import write
 from planner.errors import BadInput, CandidateFailed, MeasureFailed
@@ -62,6 +62,8 @@ def measure(
             f"scheme {Path(scheme).name} trains in {candidate.precision}; target {hw.name} supports only "
             f"{', '.join(hw.precisions)}"
         )
+    loaded = for_precisions(loaded, [candidate.precision])
+    m = loaded.model
     runner.capacity()
     out = prepare_out_dir(out, create=False)  # checked before measuring; made when the plan is written
     measured = TrialResult()

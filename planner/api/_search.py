@@ -15,6 +15,7 @@ from planner.api._inputs import (
     SETTING_FIELDS,
     Inputs,
     Loaded,
+    for_precisions,
     load_inputs,
     recorded_preprocess,
     split_options,
@@ -132,6 +133,8 @@ def plan(
         .for_data(len(dataset.train), dataset.source.name)
     )
     sp.layer_names(m)  # a space listing a layer that cannot train fails now, not in the first trial
+    loaded = for_precisions(loaded, sp.precision)
+    m = loaded.model
     loaded.runner.capacity()  # an unreachable tracker or a key without boards fails here (exit 3)
 
     out = prepare_out_dir(out)  # a file, a read-only or foreign directory: one line before any trial
@@ -388,6 +391,8 @@ def work(
     if (m.key, loaded.dataset.sha256) != (config["model"], config["dataset"]):
         raise BadInput(f"the model or data of study '{study}' changed since it was created ({rec.model}, {rec.data})")
     sp = load_space(rec.space).for_target(hw.precisions).for_model(m)
+    loaded = for_precisions(loaded, sp.precision)
+    m = loaded.model
     loaded.runner.capacity()
     anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
     with storage_writes(storage):  # a full disk under the journal: one line, not a traceback

@@ -247,13 +247,22 @@ class _QuantizedValues(relax.PyExprMutator):
 _ADD, _SUBTRACT, _NO_GRAD = (tvm.ir.Op.get(f"relax.{name}") for name in ("add", "subtract", "grad.no_grad"))
 
 
+def _quantizes(func: relax.Function) -> bool:
+    """Whether `func` quantizes anything: a look at its bindings, not a rewrite of every
+    expression of every model's step (a mutator in Python over a transformer's took seconds)."""
+    body = func.body
+    return isinstance(body, relax.SeqExpr) and any(
+        isinstance(b.value, relax.Call) and b.value.op.same_as(_QUANTIZE) for block in body.blocks for b in block.bindings
+    )
+
+
 def fake_quantized_values(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` (a built step) with each straight-through fake quantization's forward value the
     quantized one, `dequantize(quantize(x))`: its gradient is built, and the sum it was equals
     that value only up to rounding (see the module's docstring)."""
     out, changed = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs), []
     for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function):
+        if not isinstance(func, relax.Function) or not _quantizes(func):
             continue
         rewrite = _QuantizedValues()
         new = rewrite.visit_expr(func)
@@ -269,6 +278,8 @@ def frozen_quantized_values(func: relax.Function, trainable: list[relax.Var]) ->
     that no `trainable` parameter reaches taking their quantized values (`fake_quantized_values`):
     no gradient passes through them, and the row bands then see the step's int8 units whole
     (`planner.backend.graph.quantized`)."""
+    if not _quantizes(func):
+        return func
     reached = set(trainable)
     for block in func.body.blocks:
         for b in block.bindings:
