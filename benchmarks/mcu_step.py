@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--trained", default="classifier:bias", help="layer:mode,... or last:N (the last N layers' biases)")
     parser.add_argument("--frozen-weights", choices=["fp32", "int8"], default="int8")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--top", type=int, default=0, help="list the N calls that cost most instructions")
     parser.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="mcu-step-"))
@@ -112,6 +113,10 @@ def main() -> None:
     for kind, count in by.most_common():
         per = f", {count / macs[kind]:.2f} per multiply-accumulate" if macs[kind] else ""
         print(f"  {kind}: {count / 1e6:.1f} M{per}")
+    costliest = sorted(zip(counts, firmware.calls), reverse=True)[: args.top]
+    for count, (kernel, flops) in costliest:  # `--top N`: the calls that cost most
+        per = f", {2 * count / flops:.2f} per multiply-accumulate" if flops else ""
+        print(f"    {kernel}: {count / 1e6:.2f} M{per}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ one. Here each frozen convolution with an int8 weight (dense or depthwise) whose
 bias, a ReLU or a clip, and the quantization read — the unit an int8 kernel of TFLite or
 TinyEngine computes — becomes one call of planner's C kernel (`planner_conv_q`,
 `planner_dwconv_q`, runtime/dwconv.c), which reads the input's codes where they lie (or a float
-input, the decoded image), keeps a few output pixels' sums in scratch and writes the codes. The
-kernel computes each sum as the step's own kernels do, on the values the step dequantizes, and
-then the bias, the clip and `quantize` as TVM's do: the same codes, without the fp32 output.
+input, the decoded image), keeps a few output pixels' columns in scratch and writes the codes.
+Its sums of codes are integers, exact, scaled to the output's codes once in float32: the values
+the step's fp32 kernels compute up to their rounding, without the fp32 output.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from planner.backend.sgemm.gemm_kernels import FLOPS
 from planner.backend.sgemm.im2col import Conv
 
 CONV_Q, DWCONV_Q = "planner_conv_q", "planner_dwconv_q"  # and `_qf`, of a float input
-CHUNK_FLOATS = 4096  # a dense kernel's columns and sums for this many floats at most (16 KiB)
+CHUNK_FLOATS = 4096  # a float-input dense kernel's columns and sums for this many floats at most (16 KiB)
+CHUNK_CODES = 4096  # an int8-input dense kernel's int16 columns for this many values at most (8 KiB)
 
 
 def int8_activations(mod: tvm.IRModule) -> tvm.IRModule:
@@ -107,13 +108,20 @@ def _sizes(unit: Unit) -> tuple[Conv, bool] | None:
 
 def scratch_floats(s: Conv, dense: bool, codes: bool) -> tuple[int, int]:
     """(output pixels a dense kernel sums at once, the floats of scratch its call takes): a
-    dense kernel's weight panel, its columns and sums for `CHUNK_FLOATS` at most; a depthwise
-    one's output plane, and its input plane dequantized when it reads `codes`."""
+    dense kernel's int16 columns for `CHUNK_CODES` values at most when it reads `codes`, else its
+    weight panel, columns and sums for `CHUNK_FLOATS`; a depthwise one's input plane padded, as
+    int16, when it reads `codes`, else its output plane."""
+    if dense and codes:
+        k = s.c * s.kh * s.kw
+        chunk = min(s.oh * s.ow, max(2, CHUNK_CODES // k // 2 * 2))
+        return chunk, (chunk * k + 1) // 2
     if dense:
         k = s.c * s.kh * s.kw
         chunk = min(s.oh * s.ow, max(4, CHUNK_FLOATS // (k + s.o) // 4 * 4))
         return chunk, 4 * k + (k + s.o) * chunk
-    return 0, s.oh * s.ow + (s.h * s.w if codes else 0)
+    if codes:  # the input plane as int16 with its padding
+        return 0, ((s.oh - 1) * s.sh + s.kh) * ((s.ow - 1) * s.sw + s.kw) // 2 + 1
+    return 0, s.oh * s.ow
 
 
 def _call(bb: relax.BlockBuilder, unit: Unit, s: Conv, dense: bool, ty: relax.TensorType) -> relax.Call:
