@@ -9,8 +9,8 @@ straight through (`planner.backend.graph.rewrites`): the QDQ form ONNX Runtime's
 
 Which tensors: the output of every operation that computes (a convolution, a product, a sum, a
 pooling average, an activation), as an int8 kernel requantizes it; not a convolution's output
-that only a ReLU or a clip reads (the kernel applies those before requantizing, so the tensor is
-never stored), not what merely moves values (a reshape, a max-pool: they stay on their input's
+that only a ReLU, a clip or a BatchNorm reads (the kernel applies those before requantizing, so
+the tensor is never stored), not what merely moves values (a reshape, a max-pool: they stay on their input's
 codes), not the model's output (the loss reads floats). The input is the step's own 8-bit codes
 (`planner.inputs.encodings`) where the target takes 8-bit inputs.
 """
@@ -48,8 +48,10 @@ _COMPUTING = frozenset(
         "ReduceMean", "Concat", "BatchNormalization", "LayerNormalization",
     }
 )  # fmt: skip
-# activations an int8 kernel applies to its accumulators before it requantizes
-_FUSED = frozenset({"Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid"})
+# what an int8 kernel applies to its accumulators before it requantizes: activations, and an
+# inference BatchNorm (folded into the convolution's per-channel scales and bias, as TFLite's
+# and TinyEngine's converters fold it)
+_FUSED = frozenset({"Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid", "BatchNormalization"})
 
 
 def quantized_tensors(proto: onnx.ModelProto) -> list[str]:

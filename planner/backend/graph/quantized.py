@@ -2,8 +2,10 @@
 
 Under `precision: int8` every activation a layer hands on is `dequantize(quantize(v))`
 (`planner.inputs.calibration`). A frozen convolution with an int8 weight whose output only its
-bias, a ReLU or a clip, and the quantization read is the unit TFLite's and TinyEngine's int8
-kernels compute: `quantize(clip(conv2d(dequantize(codes), w) + bias, lo, hi))`. Found here, once,
+bias (or an inference BatchNorm's per-channel multiply-add), a ReLU or a clip, and the
+quantization read is the unit TFLite's and TinyEngine's int8 kernels compute:
+`quantize(clip(conv2d(dequantize(codes), w) * times + bias, lo, hi))`, the BatchNorm folded into
+the weight's per-channel scales as their converters fold it. Found here, once,
 for the microcontroller's kernels that write its codes (`planner.backend.lower.quantized`) and
 for the row bands' estimate of what the step holds (`planner.backend.graph.bands`): the unit's
 fp32 values — the convolution's output, its sum with the bias, its clip, the dequantized input
@@ -23,18 +25,23 @@ from planner.backend.graph.weights import dequantized
 
 UNCLIPPED = float(np.finfo(np.float32).max)  # a side no clip bounds: min(v, FLT_MAX) is v
 MAX_SIDE = 7  # the kernels' largest filter side (dwconv.c's MAX_TAPS: 7x7; a dense one's im2col too)
-_OPS = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("quantize", "dequantize", "nn.relu", "clip", "add", "nn.conv2d")}
+_OPS = {
+    name: tvm.ir.Op.get(f"relax.{name}") for name in ("quantize", "dequantize", "nn.relu", "clip", "add", "multiply", "nn.conv2d")
+}
 
 
 @dataclass(frozen=True)
 class Unit:
-    """`quantize(clip(conv2d(x, w) + bias, lo, hi), *out)`, x possibly `dequantize(codes)`."""
+    """`quantize(clip((conv2d(x, w) + bias_before) * times + bias, lo, hi), *out)`, x possibly
+    `dequantize(codes)`."""
 
     conv: relax.Call
     x: relax.Expr  # the input as a kernel reads it: the int8 codes (when `codes`) or the fp32 tensor
     codes: tuple[float, int] | None  # the input's (scale, zero point) when `x` is its codes
     weight: tuple[relax.Expr, relax.Expr]  # int8 values and fp32 scales per output channel
+    times: relax.Expr | None  # one factor per output channel (an inference BatchNorm's), else 1
     bias: relax.Expr | None
+    bias_before: relax.Expr | None  # with `times`, the convolution's own bias, added before it
     clip: tuple[float, float]
     out: tuple[float, int]
     fused: tuple[relax.Var, ...]  # the fp32 values the unit computes and only it reads
@@ -128,8 +135,8 @@ def _computed(conv: relax.Call) -> bool:
 
 
 def _per_channel(add: relax.Call, conv: relax.Call) -> bool:
-    """Whether `add` is `conv`'s output plus one value per output channel (a bias `[1, O, 1, 1]`
-    or `[O, 1, 1]`), of the convolution's shape."""
+    """Whether `add` is `conv`'s output plus (or times) one value per output channel (a bias
+    `[1, O, 1, 1]` or `[O, 1, 1]`), of the convolution's shape."""
     shape = [int(d) for d in add.args[1].ty.shape] if add.args[1].ty.shape is not None else []
     same = [int(d) for d in add.ty.shape] == [int(d) for d in conv.ty.shape]
     return (
@@ -152,12 +159,21 @@ def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
     elif (clip := _call_of(v, "clip", bound, uses)) is not None:
         fused.append(v)
         v, lo, hi = clip.args[0], _number(clip.args[1]), _number(clip.args[2])
-    bias = None
+    bias = times = None
     if (add := _call_of(v, "add", bound, uses)) is not None:
         fused.append(v)
         v, bias = add.args[0], add.args[1]
+    inner = bias_before = None
+    if (mul := _call_of(v, "multiply", bound, uses)) is not None:  # a BatchNorm's `x * a + b`
+        fused.append(v)
+        v, times = mul.args[0], mul.args[1]
+        if (inner := _call_of(v, "add", bound, uses)) is not None:  # of a convolution with a bias
+            fused.append(v)
+            v, bias_before = inner.args[0], inner.args[1]
     conv = _call_of(v, "nn.conv2d", bound, uses)
-    if out is None or conv is None or not _computed(conv) or (add is not None and not _per_channel(add, conv)):
+    if out is None or conv is None or not _computed(conv):
+        return None
+    if any(op is not None and not _per_channel(op, conv) for op in (add, mul, inner)):
         return None
     fused.append(v)
     weight = dequantized(conv.args[1], bound)
@@ -170,4 +186,4 @@ def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
         x = dq.args[0]
     if str(x.ty.dtype) not in ("int8", "float32"):
         return None
-    return Unit(conv, x, codes, weight, bias, (lo, hi), out, tuple(fused))
+    return Unit(conv, x, codes, weight, times, bias, bias_before, (lo, hi), out, tuple(fused))

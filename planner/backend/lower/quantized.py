@@ -46,9 +46,20 @@ def int8_activations(mod: tvm.IRModule) -> tvm.IRModule:
             sizes = _sizes(found[b.var]) if b.var in found else None
             if sizes is None:
                 return None
-            call = _call(builder, found[b.var], *sizes, b.value.ty)
-            both = (relax.DataflowVar if isinstance(b.var, relax.DataflowVar) else relax.Var)(f"{b.var.name}_q", call.ty)
-            return [relax.VarBinding(both, call), relax.VarBinding(b.var, relax.TupleGetItem(both, 0))]
+            unit, var = found[b.var], relax.DataflowVar if isinstance(b.var, relax.DataflowVar) else relax.Var
+            scale, bias, folded = unit.weight[1], unit.bias, []
+            if unit.times is not None:  # a BatchNorm folded: its factor into the weight's scales, the bias through it
+                scaled = builder.normalize(builder.call_te(_times, scale, unit.times, primfunc_name_hint="folded_scale"))
+                scale = var(f"{b.var.name}_scale", scaled.ty)
+                folded = [relax.VarBinding(scale, scaled)]
+                if unit.bias_before is not None:
+                    after = [t for t in (unit.bias_before, unit.times, unit.bias) if t is not None]
+                    through = builder.normalize(builder.call_te(_through, *after, primfunc_name_hint="folded_bias"))
+                    bias = var(f"{b.var.name}_bias", through.ty)
+                    folded.append(relax.VarBinding(bias, through))
+            call = _call(builder, unit, scale, bias, *sizes, b.value.ty)
+            both = var(f"{b.var.name}_q", call.ty)
+            return [*folded, relax.VarBinding(both, call), relax.VarBinding(b.var, relax.TupleGetItem(both, 0))]
 
         return rewrite
 
@@ -124,9 +135,28 @@ def scratch_floats(s: Conv, dense: bool, codes: bool) -> tuple[int, int]:
     return 0, s.oh * s.ow
 
 
-def _call(bb: relax.BlockBuilder, unit: Unit, s: Conv, dense: bool, ty: relax.TensorType) -> relax.Call:
-    """The kernel's call for `unit`: its int8 output, then its scratch (a second output, which
-    the arena holds for the call alone)."""
+def _channel(t: te.Tensor, o: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Channel `o`'s value of a per-channel `t` (`[1, O, 1, 1]`, `[O, 1, 1]`: on its third axis from the end)."""
+    return t[tuple(o if i == len(t.shape) - 3 else 0 for i in range(len(t.shape)))]
+
+
+def _times(scale: te.Tensor, times: te.Tensor) -> te.Tensor:
+    """`scale` (o, 1, 1, 1) times `times`, one value per channel."""
+    return te.compute(scale.shape, lambda o, *_: scale[o, 0, 0, 0] * _channel(times, o))
+
+
+def _through(before: te.Tensor, times: te.Tensor, after: te.Tensor | None = None) -> te.Tensor:
+    """The bias of `(conv + before) * times + after` as `conv * times + bias`, one per channel."""
+    n = before.shape[len(before.shape) - 3]
+    return te.compute((n,), lambda o: _channel(before, o) * _channel(times, o) + (0 if after is None else _channel(after, o)))
+
+
+def _call(
+    bb: relax.BlockBuilder, unit: Unit, scale: relax.Expr, bias: relax.Expr | None, s: Conv, dense: bool, ty: relax.TensorType
+) -> relax.Call:
+    """The kernel's call for `unit` (`scale` and `bias`: its weight's and its own, a BatchNorm
+    folded in): its int8 output, then its scratch (a second output, which the arena holds for the
+    call alone)."""
     k = s.c * s.kh * s.kw
     sizes: tuple[int, ...]
     chunk, scratch = scratch_floats(s, dense, unit.codes is not None)
@@ -137,7 +167,7 @@ def _call(bb: relax.BlockBuilder, unit: Unit, s: Conv, dense: bool, ty: relax.Te
     sizes += (s.kh, s.kw, s.oh, s.ow, s.sh, s.sw, s.pt, s.pl)
     x_scale, x_zero = unit.codes or (1.0, 0)
     (lo, hi), (out_scale, out_zero) = unit.clip, unit.out
-    bias = unit.bias if unit.bias is not None else relax.const(np.zeros(s.o, np.float32))
+    bias = bias if bias is not None else relax.const(np.zeros(s.o, np.float32))
     f32, i32 = (lambda v: tirx.FloatImm("float32", v)), (lambda v: tirx.IntImm("int32", v))
 
     def compute(x: te.Tensor, q: te.Tensor, scale: te.Tensor, b: te.Tensor) -> list[te.Tensor]:
@@ -150,7 +180,9 @@ def _call(bb: relax.BlockBuilder, unit: Unit, s: Conv, dense: bool, ty: relax.Te
 
         return te.extern([tuple(ty.shape), (scratch,)], [x, q, scale, b], body, dtype=["int8", "float32"], name="conv_q")
 
-    call = bb.call_te(compute, unit.x, *unit.weight, bias, primfunc_name_hint="conv2d_q" if dense else "depthwise_conv2d_q")
+    call = bb.call_te(
+        compute, unit.x, unit.weight[0], scale, bias, primfunc_name_hint="conv2d_q" if dense else "depthwise_conv2d_q"
+    )
     gv = call.args[0]
     bb.update_func(gv, bb.get()[gv].with_attr(FLOPS, 2 * s.n * s.o * s.oh * s.ow * (k if dense else s.kh * s.kw)))
     return bb.normalize(call)
