@@ -259,7 +259,7 @@ def _reference(x, codes, w, bias, clip, out, strides, pads, depthwise):
 
 def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(tmp_path):
     """planner's C convolutions that write int8 activations (`planner_conv_q`, `planner_dwconv_q`
-    and their float-input forms) against numpy's integers and float32, operation by operation, in
+    and their float- and pixel-input forms) against numpy's integers and float32, operation by operation, in
     plain C and in the DSP extension's order (SMLAD, SXTB16, emulated on the host): dense kernels
     1, 3 and 5 and depthwise 3 and 5, odd and even maps, strides 1 and 2 (and unlike ones),
     no padding, "same" and TensorFlow's uneven "same", several images, the chunks of output
@@ -292,6 +292,7 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
         (False, 3, (6, 5), (1, 2), (1, 0, 1, 2), False),
         (False, 5, (11, 10), (2, 1), (2, 2, 2, 2), True),
         (False, 3, (40, 40), (1, 1), (1, 1, 1, 1), True),  # several chunks of pixels, the last one short
+        (False, 3, (9, 8), (2, 2), (1, 1, 1, 1), "pixels"),  # 8-bit pixels decoded per channel as read
         (True, 3, (9, 7), (2, 2), (1, 1, 1, 1), True),
         (True, 3, (8, 8), (1, 1), (1, 1, 1, 1), False),
         (True, 5, (7, 10), (1, 2), (2, 1, 2, 2), True),
@@ -300,7 +301,11 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
         n, c = 2, 10 if k == 1 and not depthwise else 3
         o = c if depthwise else 5
         x = rng.integers(-128, 128, (n, c, h, w)).astype(np.int8) if codes else rng.normal(0, 2, (n, c, h, w)).astype(np.float32)
-        x_codes = (0.05, int(rng.integers(-20, 20))) if codes else None
+        x_codes = (0.05, int(rng.integers(-20, 20))) if codes is True else None
+        decode = (rng.uniform(0.01, 0.02, c).astype(np.float32), rng.uniform(-2, 2, c).astype(np.float32))
+        pixels = rng.integers(0, 256, (n, c, h, w)).astype(np.uint8)
+        if codes == "pixels":  # the reference reads them decoded as the step decodes them (float32 `p * s + o`)
+            x = pixels.astype(np.float32) * decode[0][:, None, None] + decode[1][:, None, None]
         q = rng.integers(-127, 128, (o, 1 if depthwise else c, k, k)).astype(np.int8)
         scale = rng.uniform(0.005, 0.05, o).astype(np.float32)
         bias = rng.normal(0, 0.5, o).astype(np.float32)
@@ -308,13 +313,15 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
             out = (float(np.float32(rng.uniform(0.02, 0.1))), int(rng.integers(-128, 0)))
             expected, (oh, ow) = _reference(x, x_codes, (q, scale), bias, clip, out, strides, pads, depthwise)
             sizes = Conv(n, c, h, w, o, k, k, oh, ow, *strides, pads[0], pads[1])
-            chunk, floats = scratch_floats(sizes, not depthwise, codes)
+            chunk, floats = scratch_floats(sizes, not depthwise, codes is True)
             y, scratch = np.full(expected.shape, 77, np.int8), np.full(floats, np.nan, np.float32)
-            args = [p(x.ctypes.data), *((f(x_codes[0]), i(x_codes[1])) if codes else ())]
+            args = [p(x.ctypes.data), *((f(x_codes[0]), i(x_codes[1])) if x_codes else ())]
+            if codes == "pixels":
+                args = [p(pixels.ctypes.data), p(decode[0].ctypes.data), p(decode[1].ctypes.data)]
             args += [p(q.ctypes.data), p(scale.ctypes.data), p(bias.ctypes.data), f(clip[0]), f(clip[1]), f(out[0])]
             args += [i(out[1]), p(y.ctypes.data), p(scratch.ctypes.data)]
             dims = [n, c, h, w, *(() if depthwise else (o,)), k, k, oh, ow, *strides, pads[0], pads[1]]
-            name = ("planner_dwconv_q" if depthwise else "planner_conv_q") + ("" if codes else "f")
+            name = ("planner_dwconv_q" if depthwise else "planner_conv_q") + {True: "", False: "f", "pixels": "p"}[codes]
             for simd, lib in enumerate(libraries):
                 y[:] = 77
                 kernel = getattr(lib, name)
@@ -324,7 +331,7 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
                 np.testing.assert_array_equal(y, expected, err_msg=message)
             assert len(np.unique(y)) > 4  # the codes span a range: the case tests something
             cases += 1
-    assert cases == 33
+    assert cases == 36
 
 
 def _conv_unit(bias_shape=(1, 5, 1, 1), groups=1, dilation=1, out=(5, 6, 5), second_reader=False, times_shape=None):

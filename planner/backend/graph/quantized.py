@@ -26,7 +26,8 @@ from planner.backend.graph.weights import dequantized
 UNCLIPPED = float(np.finfo(np.float32).max)  # a side no clip bounds: min(v, FLT_MAX) is v
 MAX_SIDE = 7  # the kernels' largest filter side (dwconv.c's MAX_TAPS: 7x7; a dense one's im2col too)
 _OPS = {
-    name: tvm.ir.Op.get(f"relax.{name}") for name in ("quantize", "dequantize", "nn.relu", "clip", "add", "multiply", "nn.conv2d")
+    name: tvm.ir.Op.get(f"relax.{name}")
+    for name in ("quantize", "dequantize", "nn.relu", "clip", "add", "multiply", "astype", "nn.conv2d")
 }
 
 
@@ -38,6 +39,7 @@ class Unit:
     conv: relax.Call
     x: relax.Expr  # the input as a kernel reads it: the int8 codes (when `codes`) or the fp32 tensor
     codes: tuple[float, int] | None  # the input's (scale, zero point) when `x` is its codes
+    decode: tuple[relax.Expr, relax.Expr] | None  # 8-bit pixels' scale and offset per channel when `x` is them
     weight: tuple[relax.Expr, relax.Expr]  # int8 values and fp32 scales per output channel
     times: relax.Expr | None  # one factor per output channel (an inference BatchNorm's), else 1
     bias: relax.Expr | None
@@ -147,6 +149,22 @@ def _per_channel(add: relax.Call, conv: relax.Call) -> bool:
     )
 
 
+def _decoded(x: relax.Expr, bound: dict, uses: dict) -> tuple[list[relax.Var], relax.Expr, tuple[relax.Expr, relax.Expr]] | None:
+    """`x` as 8-bit pixels decoded per channel, `astype(p, "float32") * scale + offset`
+    (`planner.inputs.encodings`), each step read once: (those steps' values, p, (scale, offset)); else None."""
+    add = _call_of(x, "add", bound, uses)
+    mul = None if add is None else _call_of(add.args[0], "multiply", bound, uses)
+    cast = None if mul is None else _call_of(mul.args[0], "astype", bound, uses)
+    if add is None or mul is None or cast is None or str(cast.args[0].ty.dtype) != "uint8" or cast.args[0].ty.shape is None:
+        return None
+    channels = int(cast.args[0].ty.shape[1])
+    for factor in (mul.args[1], add.args[1]):
+        shape = [int(d) for d in factor.ty.shape] if factor.ty.shape is not None else []
+        if len(shape) < 3 or shape[-3] != channels or any(d != 1 for i, d in enumerate(shape) if i != len(shape) - 3):
+            return None
+    return [x, add.args[0], mul.args[0]], cast.args[0], (mul.args[1], add.args[1])
+
+
 def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
     """`value` as a quantized convolution, else None."""
     if not (isinstance(value, relax.Call) and value.op.same_as(_OPS["quantize"])) or str(value.ty.dtype) != "int8":
@@ -180,10 +198,14 @@ def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
     if weight is None:
         return None
     x, codes = conv.args[0], None
+    decode = None
     if (dq := _call_of(x, "dequantize", bound)) is not None and (codes := _quantization(dq)) is not None:
         if uses.get(x, 0) == 1:
             fused.append(x)
         x = dq.args[0]
-    if str(x.ty.dtype) not in ("int8", "float32"):
+    elif int(conv.attrs.groups) == 1 and (pixels := _decoded(x, bound, uses)) is not None:
+        fused += pixels[0]
+        x, decode = pixels[1], pixels[2]
+    if str(x.ty.dtype) not in ("int8", "float32", "uint8"):
         return None
-    return Unit(conv, x, codes, weight, times, bias, bias_before, (lo, hi), out, tuple(fused))
+    return Unit(conv, x, codes, decode, weight, times, bias, bias_before, (lo, hi), out, tuple(fused))

@@ -26,7 +26,7 @@ from planner.backend.sgemm.gemm import forward_conv
 from planner.backend.sgemm.gemm_kernels import FLOPS
 from planner.backend.sgemm.im2col import Conv
 
-CONV_Q, DWCONV_Q = "planner_conv_q", "planner_dwconv_q"  # and `_qf`, of a float input
+CONV_Q, DWCONV_Q = "planner_conv_q", "planner_dwconv_q"  # and `_qf`, of a float input; `planner_conv_qp` of pixels
 CHUNK_FLOATS = 4096  # a float-input dense kernel's columns and sums for this many floats at most (16 KiB)
 CHUNK_CODES = 4096  # an int8-input dense kernel's int16 columns for this many values at most (8 KiB)
 
@@ -170,18 +170,24 @@ def _call(
     bias = bias if bias is not None else relax.const(np.zeros(s.o, np.float32))
     f32, i32 = (lambda v: tirx.FloatImm("float32", v)), (lambda v: tirx.IntImm("int32", v))
 
-    def compute(x: te.Tensor, q: te.Tensor, scale: te.Tensor, b: te.Tensor) -> list[te.Tensor]:
+    def compute(x: te.Tensor, *rest: te.Tensor) -> list[te.Tensor]:
         def body(ins, outs):
             codes = () if unit.codes is None else (f32(x_scale), i32(x_zero))
             head = (ins[0].data, *codes, *(t.data for t in ins[1:]))
             tail = (f32(lo), f32(hi), f32(out_scale), i32(out_zero), outs[0].data, outs[1].data)
-            symbol = (CONV_Q if dense else DWCONV_Q) + ("" if unit.codes else "f")
+            symbol = (CONV_Q if dense else DWCONV_Q) + ("" if unit.codes else "p" if unit.decode else "f")
             return tirx.call_extern("int32", symbol, *head, *tail, *sizes)
 
-        return te.extern([tuple(ty.shape), (scratch,)], [x, q, scale, b], body, dtype=["int8", "float32"], name="conv_q")
+        return te.extern([tuple(ty.shape), (scratch,)], [x, *rest], body, dtype=["int8", "float32"], name="conv_q")
 
     call = bb.call_te(
-        compute, unit.x, unit.weight[0], scale, bias, primfunc_name_hint="conv2d_q" if dense else "depthwise_conv2d_q"
+        compute,
+        unit.x,
+        *(unit.decode or ()),  # 8-bit pixels' per-channel scale and offset
+        unit.weight[0],
+        scale,
+        bias,
+        primfunc_name_hint="conv2d_q" if dense else "depthwise_conv2d_q",
     )
     gv = call.args[0]
     bb.update_func(gv, bb.get()[gv].with_attr(FLOPS, 2 * s.n * s.o * s.oh * s.ow * (k if dense else s.kh * s.kw)))

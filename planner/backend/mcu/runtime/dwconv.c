@@ -282,17 +282,18 @@ int32_t planner_sgemm_s8(int32_t order, int32_t trans_a, int32_t trans_b, int32_
    `planner_sgemm_s8`, the sums requantized into y: the sums over (channel, row, column) in order that the
    step's own im2col kernels make; `scratch` holds 4 * K + (K + o) * chunk floats, K = c * kh * kw — not
    the o x oh x ow fp32 output. */
-static int32_t conv_qf(const float* x, int8_t* q, float* scale, const float* bias, float lo, float hi, float out_scale,
-                       int32_t out_zero, int8_t* y, float* scratch, int32_t chunk, int32_t n, int32_t c, int32_t h,
-                       int32_t wd, int32_t o, int32_t kh, int32_t kw, int32_t oh, int32_t ow, int32_t sh, int32_t sw,
-                       int32_t pt, int32_t pl) {
+static int32_t conv_qf(const void* x, const float* dscale, const float* doffset, int8_t* q, float* scale, const float* bias, float lo,
+                       float hi, float out_scale, int32_t out_zero, int8_t* y, float* scratch, int32_t chunk, int32_t n,
+                       int32_t c, int32_t h, int32_t wd, int32_t o, int32_t kh, int32_t kw, int32_t oh, int32_t ow,
+                       int32_t sh, int32_t sw, int32_t pt, int32_t pl) {
   const Codes codes = codes_of(lo, hi, out_scale, out_zero);
   const int32_t k = c * kh * kw, pixels = oh * ow;
   float* panel = scratch;
   float* cols = panel + 4 * k;
   float* sums = cols + k * chunk;
   for (int32_t image = 0; image < n; ++image) {
-    const float* xf = x + image * c * h * wd;
+    const float* xf = (const float*)x + image * c * h * wd;
+    const uint8_t* xp = (const uint8_t*)x + image * c * h * wd;
     int8_t* out = y + image * o * pixels;
     for (int32_t p0 = 0; p0 < pixels; p0 += chunk) {
       const int32_t m = pixels - p0 < chunk ? pixels - p0 : chunk;
@@ -303,7 +304,10 @@ static int32_t conv_qf(const float* x, int8_t* q, float* scale, const float* bia
             int32_t oy = p0 / ow, ox = p0 % ow;
             for (int32_t j = 0; j < m; ++j, ++col) {
               const int32_t iy = oy * sh - pt + ky, ix = ox * sw - pl + kx;
-              *col = iy < 0 || iy >= h || ix < 0 || ix >= wd ? 0.0f : xf[(ci * h + iy) * wd + ix];
+              const int32_t at = (ci * h + iy) * wd + ix;
+              *col = iy < 0 || iy >= h || ix < 0 || ix >= wd ? 0.0f
+                     : dscale                                 ? (float)xp[at] * dscale[ci] + doffset[ci]
+                                                              : xf[at];
               if (++ox == ow) ox = 0, ++oy;
             }
           }
@@ -466,6 +470,14 @@ int32_t planner_conv_q(int8_t* x, float x_scale, int32_t x_zero, int8_t* q, floa
 int32_t planner_conv_qf(float* x, int8_t* q, float* scale, float* bias, QUANTIZED_ARGS, int32_t chunk, int32_t n, SIZES,
                         int32_t o, int32_t kh, int32_t kw, int32_t oh, int32_t ow, int32_t sh, int32_t sw, int32_t pt,
                         int32_t pl) {
-  return conv_qf(x, q, scale, bias, lo, hi, out_scale, out_zero, y, scratch, chunk, n, c, h, wd, o, kh, kw, oh, ow, sh,
-                 sw, pt, pl);
+  return conv_qf(x, 0, 0, q, scale, bias, lo, hi, out_scale, out_zero, y, scratch, chunk, n, c, h, wd, o, kh, kw, oh, ow,
+                 sh, sw, pt, pl);
+}
+/* Of 8-bit pixels `x` decoded as the step decodes them, `(float)p * dscale[ci] + doffset[ci]` per
+   channel, as each is copied into the columns: the decoded image never in SRAM. */
+int32_t planner_conv_qp(uint8_t* x, float* dscale, float* doffset, int8_t* q, float* scale, float* bias, QUANTIZED_ARGS, int32_t chunk,
+                        int32_t n, SIZES, int32_t o, int32_t kh, int32_t kw, int32_t oh, int32_t ow, int32_t sh,
+                        int32_t sw, int32_t pt, int32_t pl) {
+  return conv_qf(x, dscale, doffset, q, scale, bias, lo, hi, out_scale, out_zero, y, scratch, chunk, n, c, h, wd, o, kh, kw, oh,
+                 ow, sh, sw, pt, pl);
 }
