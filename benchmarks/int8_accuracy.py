@@ -1,11 +1,13 @@
 """int8 against fp32: the same sparse-update schemes fine-tuned both ways on a transfer task.
 
     python benchmarks/int8_accuracy.py [--model ds-cnn|mobilenet-v2] [--resolution 128] [--steps 200]
+                                       [--schemes 1:1,1:1:0.25,4:2,8:4]
 
 The model is pretrained on the source task as benchmarks/mcu_plans.py does it (DS-CNN: zoo's
 synthetic keyword task and its "new microphone" half; MobileNetV2-w0.35: the digits transfer
-task). Each scheme — the last `bias` layers with a bias update it, the last `weights` of them
-their weights in full, batch 8, Adam at 0.001 — is measured by `planner measure` twice, in
+task). Each scheme `bias:weights[:ratio]` — the last `bias` layers with a bias update it, the last
+`weights` of them their weights (in full, or the first `ratio` of their output channels), batch 8,
+Adam at 0.001 — is measured by `planner measure` twice, in
 fp32 and in int8 (activations per tensor at scales calibrated on the downstream training data,
 frozen weights per channel), on a target that takes the input in 8 bits as the microcontrollers
 do but fine-tunes on this host's VM: a plan's accuracy is a host fine-tune on any target.
@@ -27,12 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mcu_plans import transfer  # noqa: E402
 
 TARGET = "tvm_target: {kind: llvm}\nram_budget_bytes: 64MiB\nprecisions: [fp32, int8]\ninput_bits: 8\n"
-SCHEMES = ((1, 1), (4, 2), (8, 4))  # (layers whose bias trains, of them the last ones whose weight does)
+SCHEMES = "1:1,1:1:0.25,4:2,8:4"  # layers whose bias trains : of them the last ones whose weight does [: ratio]
 
 
-def scheme(path: Path, layers: list[str], bias: int, weights: int, precision: str) -> Path:
-    trained = [{"layer": n, "mode": "bias"} for n in layers[-bias:-weights]] if bias > weights else []
-    trained += [{"layer": n, "mode": "full"} for n in layers[-weights:]]
+def scheme(path: Path, layers: list[str], bias: int, weights: int, ratio: float | None, precision: str) -> Path:
+    trained: list[dict[str, object]] = [{"layer": n, "mode": "bias"} for n in layers[-bias:-weights]] if bias > weights else []
+    mode: dict[str, object] = {"mode": "full"} if ratio is None else {"mode": "ratio", "ratio": ratio}
+    trained += [{"layer": n, **mode} for n in layers[-weights:]]
     body = {"trainable": trained, "batch_size": 8, "optimizer": {"name": "adam", "lr": 0.001}, "precision": precision}
     path.write_text(yaml.safe_dump(body))
     return path
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=200, help="fine-tune steps per scheme and precision")
     parser.add_argument("--out", type=Path, default=Path("bench-out/int8"))
+    parser.add_argument("--schemes", default=SCHEMES, help="bias:weights[:ratio],... (see above)")
     args = parser.parse_args()
     out = args.out / args.model
     model, downstream = transfer(args.model, args.resolution, out, args.pretrain_steps)
@@ -53,23 +57,27 @@ def main() -> None:
     print(f"\n{args.model}, {args.steps} fine-tune steps, batch 8, Adam lr 0.001, 8-bit input:\n")
     print("| trained | fp32: before -> after | int8: before -> after | int8 - fp32 (after) |")
     print("|---|---:|---:|---:|")
-    for bias, weights in SCHEMES:
+    for spec in args.schemes.split(","):
+        bias, weights, *rest = spec.split(":")
+        bias, weights, ratio = int(bias), int(weights), float(rest[0]) if rest else None
         acc = {}
         for precision in ("fp32", "int8"):
-            name = f"b{bias}w{weights}-{precision}"
+            name = f"b{bias}w{weights}{'' if ratio is None else f'r{ratio}'}-{precision}"
             result = planner.measure(
                 model,
-                scheme=scheme(out / f"{name}.yaml", layers, bias, weights, precision),
+                scheme=scheme(out / f"{name}.yaml", layers, bias, weights, ratio, precision),
                 data=downstream,
                 target=str(out / "target.yaml"),
                 out=out / name,
                 accuracy_steps=args.steps,
                 latency_repeats=1,
             )
+            assert result.plan is not None, name
             acc[precision] = result.plan.metrics.accuracy
         f, q = acc["fp32"], acc["int8"]
         print(
-            f"| last {bias} biases, last {weights} weights | {f.before:.3f} -> {f.after:.3f} | "
+            f"| last {bias} biases, last {weights} weights{'' if ratio is None else f' (ratio {ratio})'} | "
+            f"{f.before:.3f} -> {f.after:.3f} | "
             f"{q.before:.3f} -> {q.after:.3f} | {100 * (q.after - f.after):+.1f} pts |"
         )
 

@@ -287,6 +287,7 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
     for depthwise, k, (h, w), strides, pads, codes in [
         (False, 1, (7, 5), (1, 1), (0, 0, 0, 0), True),  # 10 channels: two words of 4 and 2 more; odd pixels
         (False, 1, (8, 8), (1, 1), (0, 0, 0, 0), False),
+        (False, 1, (6, 6), (1, 1), (0, 0, 0, 0), "words"),  # 8 channels: two words of 4, no remainder
         (False, 3, (9, 7), (2, 2), (1, 1, 1, 1), True),
         (False, 3, (8, 8), (2, 2), (0, 0, 1, 1), True),  # TensorFlow's "same" at stride 2: padded after only
         (False, 3, (6, 5), (1, 2), (1, 0, 1, 2), False),
@@ -298,7 +299,8 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
         (True, 5, (7, 10), (1, 2), (2, 1, 2, 2), True),
         (True, 3, (5, 5), (1, 1), (0, 0, 0, 0), True),
     ]:
-        n, c = 2, 10 if k == 1 and not depthwise else 3
+        n, c = 2, 8 if codes == "words" else 10 if k == 1 and not depthwise else 3
+        codes = True if codes == "words" else codes
         o = c if depthwise else 5
         x = rng.integers(-128, 128, (n, c, h, w)).astype(np.int8) if codes else rng.normal(0, 2, (n, c, h, w)).astype(np.float32)
         x_codes = (0.05, int(rng.integers(-20, 20))) if codes is True else None
@@ -314,7 +316,7 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
             expected, (oh, ow) = _reference(x, x_codes, (q, scale), bias, clip, out, strides, pads, depthwise)
             sizes = Conv(n, c, h, w, o, k, k, oh, ow, *strides, pads[0], pads[1])
             chunk, floats = scratch_floats(sizes, not depthwise, codes is True)
-            y, scratch = np.full(expected.shape, 77, np.int8), np.full(floats, np.nan, np.float32)
+            y, scratch = np.full(expected.shape, 77, np.int8), np.full(floats + 64, np.nan, np.float32)  # 64 guards
             args = [p(x.ctypes.data), *((f(x_codes[0]), i(x_codes[1])) if x_codes else ())]
             if codes == "pixels":
                 args = [p(pixels.ctypes.data), p(decode[0].ctypes.data), p(decode[1].ctypes.data)]
@@ -329,15 +331,19 @@ def test_the_int8_activation_kernels_are_numpys_float32_arithmetic_bit_for_bit(t
                 assert kernel(*args, *([] if depthwise else [i(chunk)]), *map(i, dims)) == 0, name
                 message = f"{name} k{k} {h}x{w} {strides} {pads} clip {clip} simd32 {simd}"
                 np.testing.assert_array_equal(y, expected, err_msg=message)
-            assert len(np.unique(y)) > 4  # the codes span a range: the case tests something
+                assert np.isnan(scratch[floats:]).all(), f"{message}: wrote past its scratch"
+            assert len(np.unique(expected)) > 4  # the codes span a range: the case tests something
             cases += 1
-    assert cases == 36
+    assert cases == 39
 
 
-def _conv_unit(bias_shape=(1, 5, 1, 1), groups=1, dilation=1, out=(5, 6, 5), second_reader=False, times_shape=None):
+def _conv_unit(
+    bias_shape=(1, 5, 1, 1), groups=1, dilation=1, out=(5, 6, 5), second_reader=False, times_shape=None, bias_before=False
+):
     """A Relax function `quantize(relu(conv2d(x, astype(q) * s) [* t] + b))` over a [1, 5, 6, 5]
     input (ow == o: a bias along the wrong axis broadcasts without error), its int8 output
-    returned; with `times_shape`, the conv times `t` first (an inference BatchNorm's `x * a + b`)."""
+    returned; with `times_shape`, the conv times `t` first (an inference BatchNorm's `x * a + b`),
+    with `bias_before` the conv plus `b` before that."""
     from tvm import relax
 
     o, oh, ow = out
@@ -351,6 +357,8 @@ def _conv_unit(bias_shape=(1, 5, 1, 1), groups=1, dilation=1, out=(5, 6, 5), sec
         with bb.dataflow():
             w = bb.emit(relax.op.multiply(bb.emit(relax.op.astype(q, "float32")), s))
             conv = bb.emit(relax.op.nn.conv2d(x, w, padding=dilation, dilation=dilation, groups=groups))
+            if bias_before:
+                conv = bb.emit(relax.op.add(conv, b))
             if times_shape is not None:
                 conv = bb.emit(relax.op.multiply(conv, t))
             r = bb.emit(relax.op.nn.relu(bb.emit(relax.op.add(conv, b))))
@@ -374,6 +382,8 @@ def _conv_unit(bias_shape=(1, 5, 1, 1), groups=1, dilation=1, out=(5, 6, 5), sec
         ({"second_reader": True}, False),  # the fp32 output is read elsewhere: it must exist
         ({"times_shape": (5, 1, 1)}, True),  # a BatchNorm's multiply-add, folded
         ({"times_shape": (1, 1, 1, 5)}, False),
+        ({"times_shape": (5, 1, 1), "bias_before": True}, True),  # a convolution's own bias, then its BatchNorm
+        ({"bias_before": True}, False),  # two biases, no factor: not a unit the kernel computes
     ],
 )
 def test_a_quantized_convolution_is_a_unit_only_when_its_kernel_computes_it_exactly(case, found):
@@ -429,6 +439,8 @@ def test_mobilenet_v2_in_int8_computes_on_the_emulated_cortex_m7_what_the_vm_doe
     runner_for(target).train(firmware, dict(model.initializers), forward)
     apart = [abs(board - here) / here for board, here in losses]
     assert sum(d < 1e-5 for d in apart) >= 8 and max(apart) < 5e-2, apart
+    here = [h for _, h in losses]
+    assert max(here) > 1.2 * min(here)  # the losses follow the batches: equal ones would prove nothing
     kernels = [kernel for kernel, _ in firmware.calls]
     assert sum(k.startswith("conv2d_q") for k in kernels) > 20 and sum(k.startswith("depthwise_conv2d_q") for k in kernels) > 10
     assert any(k.startswith("mean_of_codes") for k in kernels)  # the global pooling sums the last map's codes

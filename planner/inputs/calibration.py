@@ -48,10 +48,11 @@ _COMPUTING = frozenset(
         "ReduceMean", "Concat", "BatchNormalization", "LayerNormalization",
     }
 )  # fmt: skip
-# what an int8 kernel applies to its accumulators before it requantizes: activations, and an
-# inference BatchNorm (folded into the convolution's per-channel scales and bias, as TFLite's
-# and TinyEngine's converters fold it)
-_FUSED = frozenset({"Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid", "BatchNormalization"})
+# what an int8 kernel applies to its accumulators before it requantizes: activations, and after a
+# convolution an inference BatchNorm (folded into its per-channel scales and bias, as TFLite's and
+# TinyEngine's converters fold it)
+_FUSED = frozenset({"Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid"})
+_FOLDED = {"Conv": _FUSED | {"BatchNormalization"}}
 
 
 def quantized_tensors(proto: onnx.ModelProto) -> list[str]:
@@ -70,7 +71,8 @@ def quantized_tensors(proto: onnx.ModelProto) -> list[str]:
         if node.output[0] not in floats:  # an integer sum (position ids): not an activation
             continue
         tensor, read = node.output[0], readers.get(node.output[0], [])
-        if tensor in outputs or not read or all(r.op_type in _FUSED and r.input[0] == tensor for r in read):
+        fused = _FOLDED.get(node.op_type, _FUSED)
+        if tensor in outputs or not read or all(r.op_type in fused and r.input[0] == tensor for r in read):
             continue
         chosen.append(tensor)
     return chosen

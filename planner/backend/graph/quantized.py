@@ -157,6 +157,10 @@ def _decoded(x: relax.Expr, bound: dict, uses: dict) -> tuple[list[relax.Var], r
     cast = None if mul is None else _call_of(mul.args[0], "astype", bound, uses)
     if add is None or mul is None or cast is None or str(cast.args[0].ty.dtype) != "uint8" or cast.args[0].ty.shape is None:
         return None
+    if str(cast.ty.dtype) != "float32" or not all(v.ty.shape is not None for v in (mul, add)):
+        return None
+    if [int(d) for d in add.ty.shape] != [int(d) for d in cast.args[0].ty.shape]:
+        return None  # the decode broadcast the pixels to another shape
     channels = int(cast.args[0].ty.shape[1])
     for factor in (mul.args[1], add.args[1]):
         shape = [int(d) for d in factor.ty.shape] if factor.ty.shape is not None else []
@@ -206,6 +210,6 @@ def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
     elif int(conv.attrs.groups) == 1 and (pixels := _decoded(x, bound, uses)) is not None:
         fused += pixels[0]
         x, decode = pixels[1], pixels[2]
-    if str(x.ty.dtype) not in ("int8", "float32", "uint8"):
+    if str(x.ty.dtype) not in ("int8", "float32", *(("uint8",) if decode is not None else ())):
         return None
     return Unit(conv, x, codes, decode, weight, times, bias, bias_before, (lo, hi), out, tuple(fused))

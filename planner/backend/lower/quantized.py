@@ -110,7 +110,7 @@ _MEAN, _DEQUANTIZE = tvm.ir.Op.get("relax.mean"), tvm.ir.Op.get("relax.dequantiz
 def _sizes(unit: Unit) -> tuple[Conv, bool] | None:
     """The unit's convolution as a kernel here computes it, and whether dense (groups 1) or
     depthwise; None for any other (a grouped one, a dilated one)."""
-    s = depthwise_conv(unit.conv)
+    s = depthwise_conv(unit.conv) if unit.decode is None else None  # pixels: the dense kernel reads them
     if s is not None:
         return s, False
     s = forward_conv(unit.conv) if int(unit.conv.attrs.groups) == 1 else None

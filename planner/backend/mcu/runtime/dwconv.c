@@ -188,9 +188,7 @@ static inline int8_t requantized(float sum, float out_scale, Codes c) { return c
 /* A depthwise convolution whose output is an int8 activation (`precision: int8`): the codes
    `quantize(clip(conv(x, q * scale) + bias, lo, hi))`, out_scale and out_zero its quantization. Of a
    float input (`dwconv_qf`, a decoded image) each sum is `planner_dwconv_s8`'s, `scratch` one output
-   plane. Of int8 codes (`dwconv_q`) each channel's plane is first (x - x_zero) as int16 and its sums
-   int32, exact, then times x_scale * scale in float32: `scratch` holds the plane's sums (oh * ow
-   int32) and its input (h * w int16) — never a layer's fp32 output. */
+   plane. Of int8 codes (`dwconv_q`, below) its sums are int32, exact — never a layer's fp32 output. */
 static int32_t dwconv_qf(const float* x, const int8_t* q, const float* scale, const float* bias, float lo, float hi,
                          float out_scale, int32_t out_zero, int8_t* y, float* scratch, int32_t n, int32_t c, int32_t h,
                          int32_t wd, int32_t kh, int32_t kw, int32_t oh, int32_t ow, int32_t sh, int32_t sw, int32_t pt,
