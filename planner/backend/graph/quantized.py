@@ -116,6 +116,14 @@ def _quantization(call: relax.Call) -> tuple[float, int] | None:
     return None if s is None or z is None or not int8 else (s, int(z))
 
 
+def dequantized_codes(expr: relax.Expr, bound: dict, uses: dict | None = None) -> tuple[relax.Expr, tuple[float, int]] | None:
+    """(the int8 codes, their (scale, zero point)) when `expr` is bound to their per-tensor
+    `dequantize` (read only once, with `uses`), else None."""
+    dq = _call_of(expr, "dequantize", bound, uses)
+    at = None if dq is None else _quantization(dq)
+    return None if dq is None or at is None else (dq.args[0], at)
+
+
 def _number(arg: relax.Expr) -> float:
     """A clip's bound (a PrimValue of a float immediate)."""
     value = arg.value
@@ -203,10 +211,10 @@ def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
         return None
     x, codes = conv.args[0], None
     decode = None
-    if (dq := _call_of(x, "dequantize", bound)) is not None and (codes := _quantization(dq)) is not None:
+    if (read := dequantized_codes(x, bound)) is not None:
         if uses.get(x, 0) == 1:
             fused.append(x)
-        x = dq.args[0]
+        x, codes = read
     elif int(conv.attrs.groups) == 1 and (pixels := _decoded(x, bound, uses)) is not None:
         fused += pixels[0]
         x, decode = pixels[1], pixels[2]

@@ -19,8 +19,7 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
-from planner.backend.graph.quantized import Unit, read_counts, units
-from planner.backend.graph.rewrites import scalar
+from planner.backend.graph.quantized import Unit, dequantized_codes, read_counts, units
 from planner.backend.lower.portable import Rewrite, depthwise_conv, rewrite_bindings
 from planner.backend.sgemm.gemm import forward_conv
 from planner.backend.sgemm.gemm_kernels import FLOPS
@@ -73,13 +72,10 @@ def _pooled(builder: relax.BlockBuilder, value: relax.Expr, bound: dict, uses: d
     1280x4x4 map: 80 KiB, where its codes are 20); else None."""
     if not (isinstance(value, relax.Call) and value.op.same_as(_MEAN)) or not isinstance(value.args[0], relax.Var):
         return None
-    dq = bound.get(value.args[0])
-    if not (isinstance(dq, relax.Call) and dq.op.same_as(_DEQUANTIZE)) or uses.get(value.args[0], 0) != 1:
+    read = dequantized_codes(value.args[0], bound, uses)
+    if read is None or read[0].ty.shape is None:
         return None
-    scale, zero = scalar(dq.args[1]), scalar(dq.args[2])
-    codes = dq.args[0]
-    if scale is None or zero is None or str(codes.ty.dtype) != "int8" or codes.ty.shape is None:
-        return None
+    codes, (scale, zero) = read
     shape = [int(d) for d in codes.ty.shape]
     axes = sorted(int(a) % len(shape) for a in value.attrs.axis) if value.attrs.axis is not None else list(range(len(shape)))
     keep = bool(value.attrs.keepdims)
@@ -104,7 +100,7 @@ def _pooled(builder: relax.BlockBuilder, value: relax.Expr, bound: dict, uses: d
     return builder.call_te(compute, codes, primfunc_name_hint="mean_of_codes")
 
 
-_MEAN, _DEQUANTIZE = tvm.ir.Op.get("relax.mean"), tvm.ir.Op.get("relax.dequantize")
+_MEAN = tvm.ir.Op.get("relax.mean")
 
 
 def _sizes(unit: Unit) -> tuple[Conv, bool] | None:
