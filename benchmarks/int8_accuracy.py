@@ -1,15 +1,16 @@
 """int8 against fp32: the same sparse-update schemes fine-tuned both ways on a transfer task.
 
     python benchmarks/int8_accuracy.py [--model ds-cnn|mobilenet-v2] [--resolution 128] [--steps 200]
-                                       [--schemes 1:1,1:1:0.25,4:2,8:4]
+                                       [--schemes 1:1,1:1:0.25,4:2,8:4] [--optimizer adam:0.001] [--batch 8]
 
 The model is pretrained on the source task as benchmarks/mcu_plans.py does it (DS-CNN: zoo's
 synthetic keyword task and its "new microphone" half; MobileNetV2-w0.35: the digits transfer
 task). Each scheme `bias:weights[:ratio]` — the last `bias` layers with a bias update it, the last
-`weights` of them their weights (in full, or the first `ratio` of their output channels), batch 8,
-Adam at 0.001 — is measured by `planner measure` twice, in
+`weights` of them their weights (in full, or the first `ratio` of their output channels), at
+`--batch` with `--optimizer` (`sgd:0.05`: what fits a microcontroller's SRAM, no optimizer state) —
+is measured by `planner measure` twice, in
 fp32 and in int8 (activations per tensor at scales calibrated on the downstream training data,
-frozen weights per channel), on a target that takes the input in 8 bits as the microcontrollers
+weights per channel, trained ones stored as int8 codes), on a target that takes the input in 8 bits as the microcontrollers
 do but fine-tunes on this host's VM: a plan's accuracy is a host fine-tune on any target.
 Prints a Markdown table: val accuracy before and after each fine-tune and int8's difference.
 """
@@ -32,11 +33,16 @@ TARGET = "tvm_target: {kind: llvm}\nram_budget_bytes: 64MiB\nprecisions: [fp32, 
 SCHEMES = "1:1,1:1:0.25,4:2,8:4"  # layers whose bias trains : of them the last ones whose weight does [: ratio]
 
 
-def scheme(path: Path, layers: list[str], bias: int, weights: int, ratio: float | None, precision: str) -> Path:
+def scheme(path: Path, layers: list[str], spec: str, precision: str, optimizer: str, batch: int) -> Path:
+    """The scheme `spec` (`bias:weights[:ratio]`) as planner's YAML."""
+    bias, weights, *rest = map(float, spec.split(":"))
+    ratio = rest[0] if rest else None
+    bias, weights = int(bias), int(weights)
+    name, lr = optimizer.split(":")
     trained: list[dict[str, object]] = [{"layer": n, "mode": "bias"} for n in layers[-bias:-weights]] if bias > weights else []
     mode: dict[str, object] = {"mode": "full"} if ratio is None else {"mode": "ratio", "ratio": ratio}
     trained += [{"layer": n, **mode} for n in layers[-weights:]]
-    body = {"trainable": trained, "batch_size": 8, "optimizer": {"name": "adam", "lr": 0.001}, "precision": precision}
+    body = {"trainable": trained, "batch_size": batch, "optimizer": {"name": name, "lr": float(lr)}, "precision": precision}
     path.write_text(yaml.safe_dump(body))
     return path
 
@@ -49,23 +55,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="fine-tune steps per scheme and precision")
     parser.add_argument("--out", type=Path, default=Path("bench-out/int8"))
     parser.add_argument("--schemes", default=SCHEMES, help="bias:weights[:ratio],... (see above)")
+    parser.add_argument("--optimizer", default="adam:0.001", help="NAME:LR (sgd, momentum or adam)")
+    parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     out = args.out / args.model
     model, downstream = transfer(args.model, args.resolution, out, args.pretrain_steps)
     layers = [layer.name for layer in load_model(model).layers if layer.params_for("bias")]  # those with a bias
     (out / "target.yaml").write_text(TARGET)
-    print(f"\n{args.model}, {args.steps} fine-tune steps, batch 8, Adam lr 0.001, 8-bit input:\n")
+    print(f"\n{args.model}, {args.steps} fine-tune steps, batch {args.batch}, {args.optimizer}, 8-bit input:\n")
     print("| trained | fp32: before -> after | int8: before -> after | int8 - fp32 (after) |")
     print("|---|---:|---:|---:|")
     for spec in args.schemes.split(","):
-        bias, weights, *rest = spec.split(":")
-        bias, weights, ratio = int(bias), int(weights), float(rest[0]) if rest else None
         acc = {}
         for precision in ("fp32", "int8"):
-            name = f"b{bias}w{weights}{'' if ratio is None else f'r{ratio}'}-{precision}"
+            name = f"{spec.replace(':', '-')}-{args.optimizer.replace(':', '')}-b{args.batch}-{precision}"
             result = planner.measure(
                 model,
-                scheme=scheme(out / f"{name}.yaml", layers, bias, weights, ratio, precision),
+                scheme=scheme(out / f"{name}.yaml", layers, spec, precision, args.optimizer, args.batch),
                 data=downstream,
                 target=str(out / "target.yaml"),
                 out=out / name,
@@ -76,7 +82,7 @@ def main() -> None:
             acc[precision] = result.plan.metrics.accuracy
         f, q = acc["fp32"], acc["int8"]
         print(
-            f"| last {bias} biases, last {weights} weights{'' if ratio is None else f' (ratio {ratio})'} | "
+            f"| {spec} | "
             f"{f.before:.3f} -> {f.after:.3f} | "
             f"{q.before:.3f} -> {q.after:.3f} | {100 * (q.after - f.after):+.1f} pts |"
         )

@@ -1,6 +1,8 @@
 """Plans for a microcontroller: the leanest plan per SRAM budget, measured on an emulated Cortex-M4.
 
     python benchmarks/mcu_plans.py [--model ds-cnn|mobilenet-v2] [--trials 24] [--out bench-out/mcu]
+                                   [--resolution 96] [--target cortex-m4-qemu] [--budgets 256KiB,320KiB,512KiB]
+                                   [--batch-sizes 1] [--optimizers sgd]
 
 For MLPerf Tiny's keyword-spotting DS-CNN on [1, 49, 10] MFCC-shaped input (tests/zoo.py; its real
 dataset cannot be downloaded here, so a stand-in: zoo's synthetic task, 12 classes, pretrained in
@@ -79,12 +81,19 @@ def main() -> None:
     parser.add_argument("--target", default=TARGET, help="a microcontroller target of hw_targets/")
     parser.add_argument("--budgets", default=",".join(BUDGETS), help="SRAM budgets, comma-separated")
     parser.add_argument("--resolution", type=int, default=96, help="MobileNetV2's input side")
+    parser.add_argument("--batch-sizes", default=None, help="the batch sizes searched, comma-separated (default: the space's)")
+    parser.add_argument("--optimizers", default=None, help="the optimizers searched, comma-separated (default: the space's)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/mcu"))
     args = parser.parse_args()
     budgets = tuple(args.budgets.split(","))
     out = args.out / args.model
     model, downstream = transfer(args.model, args.resolution, out, args.pretrain_steps)
     space = yaml.safe_load((Path(__file__).resolve().parent.parent / "search_spaces" / "sparse-update.yaml").read_text())
+    if args.batch_sizes:  # TinyEngine's reference setup trains at batch 1
+        space["batch_size"] = [int(b) for b in args.batch_sizes.split(",")]
+    if args.optimizers:  # sgd: no optimizer state, the least SRAM a weight update takes
+        space["optimizer"] = args.optimizers.split(",")
+        space["lr"] = {k: v for k, v in space["lr"].items() if k in space["optimizer"]}
     (out / "space.yaml").write_text(yaml.safe_dump(space))
     try:
         result = planner.plan(
@@ -117,11 +126,13 @@ def main() -> None:
             continue
         plan = json.loads(path.read_text())
         m = plan["metrics"]
-        layers = ", ".join(f"{u['layer']}:{u['mode']}" for u in plan["choice"]["trainable"])
+        choice = plan["choice"]
+        layers = ", ".join(f"{u['layer']}:{u['mode']}" for u in choice["trainable"])
         instructions = round(m["step_latency_ms"]["median"] * clock / 1e3)  # the target's clock, one per cycle
         print(
             f"| {label} | {m['peak_memory_bytes']['total'] / 1024:.1f} KiB | {m['library_bytes'] / 1024:.1f} KiB | {layers} "
-            f"(batch {plan['choice']['batch_size']}) | {instructions:,} | {m['accuracy']['after']:.3f} | {best:.3f} |"
+            f"({choice['precision']}, batch {choice['batch_size']}, {choice['optimizer']['name']}) | {instructions:,} | "
+            f"{m['accuracy']['before']:.3f} -> {m['accuracy']['after']:.3f} | {best:.3f} |"
         )
 
 

@@ -87,9 +87,10 @@ def test_a_model_onnx_runtime_quantized_plans_runs_and_ort_runs_what_it_wrote(tm
     assert ort_accuracy == pytest.approx(run.after["accuracy"], abs=0.03)
 
 
-def _fake_quantized_cnn(path: Path, rng: np.random.Generator) -> Path:
+def _fake_quantized_cnn(path: Path, rng: np.random.Generator, qdq: bool = True) -> Path:
     """input -> QDQ (scale 0.05) -> Conv 1->4 3x3 -> Relu -> QDQ (scale 0.01, zero -128: [0, 2.55]) ->
-    GlobalAveragePool -> Flatten -> Gemm -> logits, as a QDQ export writes it."""
+    GlobalAveragePool -> Flatten -> Gemm -> logits, as a QDQ export writes it; without `qdq`, the
+    float model (input -> Conv -> Relu -> ...)."""
 
     def const(name: str, value) -> onnx.NodeProto:
         return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(np.asarray(value)))
@@ -109,6 +110,9 @@ def _fake_quantized_cnn(path: Path, rng: np.random.Generator) -> Path:
         helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
         helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
     ]
+    if not qdq:
+        nodes = [n for n in nodes if n.op_type not in ("Constant", "QuantizeLinear", "DequantizeLinear")]
+        nodes[0].input[0], nodes[2].input[0] = "input", "r"
     inits = [
         numpy_helper.from_array(rng.normal(0, 0.8, (4, 1, 3, 3)).astype(np.float32), "conv.weight"),
         numpy_helper.from_array(rng.normal(0, 0.3, 4).astype(np.float32), "conv.bias"),
@@ -192,3 +196,61 @@ def test_a_qdq_model_trains_on_the_emulated_cortex_m4_as_the_vm(tmp_path):
     candidate = Candidate((("conv1", "bias"), ("fc", "full")), batch_size=4, optimizer="sgd", lr=0.05, frozen_weights="int8")
     _, got, expected = _weights_after_steps("cortex-m4-qemu", path, candidate, tmp_path)
     _close(got, expected)
+
+
+def test_an_int8_step_updates_its_weights_codes_as_pytorch_fake_quantized_sgd(tmp_path):
+    """`precision: int8` stores a trained conv's and Gemm's weights as int8 codes and per-channel
+    scales, as TinyEngine does: one SGD step gives the codes of PyTorch's step from the weights the
+    codes stand for (activations fake-quantized at the calibrated scales, gradients straight
+    through), rounded to the nearest code at the scales, each grown where its channel's largest
+    |w| outgrew 127 codes (this step's large rate grows some, not all); the biases train in fp32."""
+    torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
+    import tvm
+
+    from planner.backend.lower.pipeline import BuildOptions
+    from planner.backend.vm.compile import compile_candidate
+    from planner.runtime.session import TrainingSession
+    from planner.types import Candidate, Int8Scale
+
+    rng = np.random.default_rng(3)
+    act = {"r": Int8Scale(0.01, -128), "p": Int8Scale(0.004, -128)}  # the ReLU's [0, 2.55], the pool's [0, 1.02]
+    model = load_model(_fake_quantized_cnn(tmp_path / "m.onnx", rng, qdq=False)).calibrated(act)
+    x = rng.normal(0, 1.5, (4, 1, 6, 6)).astype(np.float32)
+    y = np.array([0, 1, 2, 1])
+    lr = 0.5
+    candidate = Candidate((("conv", "full"), ("fc", "full")), 4, "sgd", lr, precision="int8")
+    step = compile_candidate(model, candidate, BuildOptions(tvm.target.Target({"kind": "llvm"})))
+    assert set(step.signature.activations) == set(act)
+    assert {"conv.weight@int8", "fc.weight@int8"} <= set(step.signature.trainable)
+    session = TrainingSession(step.library, step.signature, model.initializers)
+    loss = session.step(x, y)
+    after = session.weights()
+
+    scales, params = {}, {}
+    for name, w in model.initializers.items():
+        if name.endswith("weight"):  # per output channel, symmetric: the channel's largest |w| is code 127
+            scales[name] = np.abs(w).max(axis=tuple(range(1, w.ndim)), keepdims=True) / 127
+            w = np.clip(np.rint(w / scales[name]), -127, 127) * scales[name]
+        params[name] = torch.tensor(w.astype(np.float32), requires_grad=True)
+    fq = torch.fake_quantize_per_tensor_affine
+    r = torch.relu(torch.nn.functional.conv2d(torch.from_numpy(x), params["conv.weight"], params["conv.bias"], padding=1))
+    pooled = fq(fq(r, 0.01, -128, -128, 127).mean(dim=(2, 3)), 0.004, -128, -128, 127)
+    expected = torch.nn.functional.cross_entropy(pooled @ params["fc.weight"].T + params["fc.bias"], torch.from_numpy(y))
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    grew = {}
+    for name, p in params.items():
+        new = (p - lr * p.grad).detach().numpy().astype(np.float64)
+        if name not in scales:
+            np.testing.assert_allclose(after[name], new, rtol=1e-5, atol=1e-6, err_msg=name)
+            continue
+        peak = np.abs(new).max(axis=tuple(range(1, new.ndim)), keepdims=True)
+        grown = np.maximum(scales[name], peak / 127)
+        grew[name] = (grown > scales[name] * (1 + 1e-6)).ravel()
+        codes, before = np.rint(after[name] / grown), np.rint(p.detach().numpy() / grown)
+        np.testing.assert_allclose(after[name], codes * grown, rtol=1e-5, err_msg=name)  # on the grid: codes
+        exact = new / grown
+        tie = np.abs(np.abs(exact - np.floor(exact)) - 0.5) < 1e-3  # float32 sums may round either way
+        assert np.array_equal(codes[~tie], np.rint(exact)[~tie]), name
+        assert (codes != before).sum() > codes.size // 4, name  # the update moved codes, not only rounded away
+    assert any(g.any() for g in grew.values()) and not all(g.all() for g in grew.values())

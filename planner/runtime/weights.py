@@ -15,20 +15,20 @@ QMAX = 127  # symmetric int8: -127..127, so that negating a weight cannot overfl
 
 
 def int8(name: str) -> str:
-    """The int8 values of a frozen weight stored quantized."""
+    """The int8 values of a weight stored quantized (frozen, or trained by an int8 candidate)."""
     return f"{name}@int8"
 
 
 def scale(name: str) -> str:
-    """The per-output-channel fp32 scales of a frozen weight stored quantized."""
+    """The per-output-channel fp32 scales of a weight stored quantized."""
     return f"{name}@scale"
 
 
 def origin(stored: str) -> str:
-    """The initializer a step input stands for (`c.w@head` -> `c.w`)."""
+    """The initializer a step input stands for (`c.w@head` -> `c.w`, `c.w@head@int8` -> `c.w`)."""
     for part in ("int8", "scale", *modes.stored_suffixes()):
         if stored.endswith(f"@{part}"):
-            return stored[: -len(part) - 1]
+            return origin(stored[: -len(part) - 1])
     return stored
 
 
@@ -48,7 +48,7 @@ def quantize(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 def to_step(weights: dict[str, np.ndarray], layouts: dict[str, Layout], quantized: dict[str, int]) -> dict[str, np.ndarray]:
     """Initializers as the step takes them: each weight a mode reshapes as its parts (`layouts`,
-    `planner.modes`), then each frozen weight stored int8 (`quantized`: weight -> axis)."""
+    `planner.modes`), then each weight stored int8 (`quantized`: weight or part -> axis)."""
     out = dict(weights)
     for name, layout in layouts.items():
         if name in out:

@@ -160,7 +160,7 @@ class StepSignature:
     frozen: tuple[str, ...]
     trainable: tuple[str, ...]
     layouts: dict[str, Layout]  # weight its layer's mode reshapes -> how (`planner.modes`)
-    quantized: dict[str, int]  # frozen weight stored int8 -> its output-channel axis
+    quantized: dict[str, int]  # weight (or part) stored int8 -> its output-channel axis: frozen, or trained by an int8 candidate
     loss_scale: float  # the step returns loss * loss_scale (fp16 loss scaling)
     # (shape, dtype, initial fill value); the last is the learning rate the update multiplies by
     optim_states: tuple[tuple[tuple[int, ...], str, float], ...]

@@ -148,6 +148,7 @@ def estimate(step: relax.Function, sig: StepSignature, candidate: Candidate) -> 
     """The peak memory of `step` (`build_training_module`'s `train_step`) before compiling it."""
     trainable, frozen_b, train_b, state_b, batch_b = parameter_bytes(step, sig)
     weights = {k for p in trainable if (k := tensor_key(p)) is not None}
+    weights |= {(shape, "float32") for shape, dtype in weights if dtype == "int8"}  # codes update through fp32
     peak = live_peak(step, weights, in_place=candidate.updates is Updates.IN_PLACE)
     activations = peak.bytes - peak.gradients + batch_b
     total = activations + peak.gradients + train_b + state_b + frozen_b

@@ -30,7 +30,7 @@ from planner.backend.graph.importer import BUILDING, imported
 from planner.backend.graph.rewrites import fake_quantized_values
 from planner.backend.graph.tir import accumulate_kernel, scale_kernel
 from planner.backend.graph.trainer import TaskLoss, fill, low_precision, make_optimizer, runtime_lr, update_lr
-from planner.backend.graph.weights import as_stored, stored_weights
+from planner.backend.graph.weights import as_stored, coded_params, dequantized_at_use, requantized, stored_weights
 from planner.errors import CandidateFailed, PlannerBug, last_line
 from planner.inputs.model import Model
 from planner.runtime.convention import PREDICT_FUNC, STEP_FUNC
@@ -101,9 +101,9 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
 
     lr_dtype = str(optimizer.dtype)
     step, state_types, kernels = _fused_step(
-        trainer, prefix, full.params[:n_inputs], n_trainable=len(trainable), lr_dtype=lr_dtype, accum=candidate.grad_accum
+        trainer, prefix, full.params[:n_inputs], len(trainable), lr_dtype, candidate.grad_accum, (trainable, how.coded)
     )
-    out = source.with_kernels({PREDICT_FUNC: full, STEP_FUNC: step})
+    out = source.with_kernels({PREDICT_FUNC: _coded_predict(full, trainable, how.coded), STEP_FUNC: step})
     for gv, kernel in kernels.items():
         out[gv] = kernel
     sig = StepSignature(
@@ -111,9 +111,9 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
         batch_size=B * candidate.grad_accum,
         micro_batch=B,
         frozen=tuple(frozen),
-        trainable=tuple(trainable),
+        trainable=how.signed_trainable,
         layouts=how.layouts,
-        quantized=how.quantized,
+        quantized=how.quantized | how.coded,
         loss_scale=loss_scale,
         optim_states=(
             *((tuple(int(d) for d in t.shape), str(t.dtype), fill(init)) for t, init in zip(state_types, optimizer.state)),
@@ -128,6 +128,15 @@ def _build(model: Model, candidate: Candidate, bands: bool) -> tuple[tvm.IRModul
         activations=dict(model.calibration or {}) if model.int8 else {},
     )
     return out, sig
+
+
+def _coded_predict(full: relax.Function, trainable: list[str], coded: dict[str, int]) -> relax.Function:
+    """The predict function taking the coded trained weights as the step does: codes and scales."""
+    if not coded:
+        return full
+    n = len(full.params) - len(trainable)
+    scales, taken, rebuild = coded_params(list(full.params[n:]), coded, trainable)
+    return dequantized_at_use(full, [*full.params[:n], *taken], rebuild)
 
 
 def _with_loss(func: relax.Function, model: Model, scale: float, n_trainable: int) -> tuple[relax.Function, TaskLoss]:
@@ -356,6 +365,7 @@ def _fused_step(
     n_trainable: int,
     lr_dtype: str,
     accum: int = 1,
+    coded: tuple[list[str], dict[str, int]] = ([], {}),
 ) -> tuple[relax.Function, list[relax.TensorType], dict[tvm.ir.GlobalVar, tvm.tirx.PrimFunc]]:
     """`backbone_loss_adjoint` followed by `optimizer`, inlined into one flat function; the
     learning rate is the last optimizer state, returned as it came (`runtime_lr`).
@@ -365,7 +375,9 @@ def _fused_step(
     and unrolls their forward/backward passes one after another, summing gradients: memory
     planning reuses one micro-batch's activations for the next, so the step holds the
     activations of one micro-batch plus the gradient accumulators. `model_inputs`: the
-    model's inputs at one micro-batch, which the step takes at `accum` micro-batches.
+    model's inputs at one micro-batch, which the step takes at `accum` micro-batches. `coded`:
+    the trained weights' stored names and those stored as int8 codes (`weights.coded_weights`),
+    which the step takes as codes (and scales, frozen) and gives back as codes.
     """
     adjoint = trainer["backbone_loss_adjoint"]
     optim = runtime_lr(trainer["optimizer"], lr_dtype)
@@ -385,11 +397,13 @@ def _fused_step(
     states = [relax.Var(f"optim_state{i}", t) for i, t in enumerate(state_types)]
     lr = relax.Var("lr", optim.params[3].ty)
     first_trainable = len(weights) - n_trainable
+    scales, taken, rebuild = coded_params(weights[first_trainable:], coded[1], coded[0])
 
     bb = relax.BlockBuilder(trainer)
     prefix_gv = bb.add_func(prefix, "frozen_prefix") if prefix is not None else None
     optim_gv = bb.add_func(optim, "update")
-    with bb.function(STEP_FUNC, [*xs, *weights, *states, lr, y]):
+    # a coded weight's fp32 var is free here: each of its uses is rebuilt from its codes below
+    with bb.function(STEP_FUNC, [*xs, *weights[:first_trainable], *taken, *states, lr, y]):
         with bb.dataflow():
             loss, grads = None, None
             for i in range(accum):
@@ -414,18 +428,35 @@ def _fused_step(
                 grads = [_in_place(bb, partial(scale_kernel, factor=1.0 / accum), "mean", g) for g in grads]
             old = relax.Tuple(weights[first_trainable:])
             upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states), lr]))
-            new_params = bb.emit(relax.TupleGetItem(upd, 0))
-            new_states = bb.emit(relax.TupleGetItem(upd, 1))
-            outs = [loss]
-            outs += [bb.emit(relax.TupleGetItem(new_params, i)) for i in range(n_trainable)]
-            outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))] + [lr]
-            result = bb.emit_output(relax.Tuple(outs))
+            result = bb.emit_output(_results(bb, loss, upd, weights[first_trainable:], scales, len(states), lr))
         bb.emit_func_output(result)
     built = bb.get()
     inlined = {"backbone_loss_adjoint": adjoint, "update": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
     step = built[STEP_FUNC].inline_functions(inlined)
+    if rebuild:
+        step = dequantized_at_use(step, list(step.params), rebuild)
     kernels = {gv: f for gv, f in built.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     return step.with_attr("global_symbol", STEP_FUNC), state_types, kernels
+
+
+def _results(
+    bb: relax.BlockBuilder,
+    loss: relax.Var,
+    update: relax.Var,
+    trained: Sequence[relax.Var],
+    scales: dict[relax.Var, relax.Var],
+    n_states: int,
+    lr: relax.Var,
+) -> relax.Tuple:
+    """The step's results: (loss, *new trained weights — a coded one as codes and scales —, *new states, lr)."""
+    new_params = bb.emit(relax.TupleGetItem(update, 0))
+    new_states = bb.emit(relax.TupleGetItem(update, 1))
+    outs = [loss]
+    for i, var in enumerate(trained):
+        new = bb.emit(relax.TupleGetItem(new_params, i))
+        outs += requantized(bb, new, scales[var]) if var in scales else (new,)
+    outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(n_states)] + [lr]
+    return relax.Tuple(outs)
 
 
 def _in_place(

@@ -23,8 +23,9 @@ from planner import modes
 from planner.errors import CandidateFailed
 from planner.inputs.model import Model
 from planner.modes import Layout
-from planner.runtime.weights import int8, scale, scale_shape
-from planner.types import Candidate, FrozenWeights
+from planner.modes.ratio import head
+from planner.runtime.weights import QMAX, int8, scale, scale_shape
+from planner.types import Candidate, FrozenWeights, Precision
 
 
 def layouts(model: Model, candidate: Candidate) -> dict[str, Layout]:
@@ -60,6 +61,31 @@ class Stored:
     trainable: list[str]
     layouts: dict[str, Layout]
     quantized: dict[str, int]
+    coded: dict[str, int]  # trained weights the step stores as int8 codes (`coded_weights`): name -> axis
+
+    @property
+    def signed_trainable(self) -> tuple[str, ...]:
+        """The trainable inputs as the step's signature names them: a coded weight as its codes
+        and its scales, which the step updates too (`requantized`)."""
+        return tuple(s for n in self.trainable for s in ((int8(n), scale(n)) if n in self.coded else (n,)))
+
+
+def coded_weights(model: Model, candidate: Candidate, trainable: list[str]) -> dict[str, int]:
+    """weight -> output-channel axis, for each trained Conv/Gemm/MatMul weight (or a ratio
+    update's trained head) an int8 candidate stores as int8 codes and per-channel scales.
+
+    As TinyEngine does: the weight costs the board a byte of SRAM, not four. The step computes
+    in fp32 from the dequantized codes and writes back the codes of the updated weight (the
+    fp32 update the codes stand for: what quantization-aware scaling makes an int8 gradient
+    equal to), its scales grown where it outgrew them (`requantized`). A step smaller than half
+    a code rounds away."""
+    if candidate.precision is not Precision.INT8:
+        return {}
+    axes = {}
+    for layer in model.layers:
+        if layer.weight is not None and layer.out_axis is not None:
+            axes[layer.weight] = axes[head(layer.weight)] = layer.out_axis
+    return {n: axes[n] for n in trainable if n in axes}
 
 
 def stored_weights(model: Model, candidate: Candidate) -> Stored:
@@ -80,7 +106,7 @@ def stored_weights(model: Model, candidate: Candidate) -> Stored:
     quantized = quantized_weights(model, candidate, [n for n in names if n not in trained])
     frozen = [s for n in names if n not in trained for s in ((int8(n), scale(n)) if n in quantized else (n,))]
     frozen += [p for n in names if n in shaped for p in parts(n, False)]
-    return Stored(frozen, trainable, shaped, quantized)
+    return Stored(frozen, trainable, shaped, quantized, coded_weights(model, candidate, trainable))
 
 
 @relax.expr_functor.mutator
@@ -207,3 +233,47 @@ def _reads_in_place(call: relax.Expr, weight: relax.Var) -> bool:
     groups = int(call.attrs.groups)
     depthwise = call.op.name == "relax.nn.conv2d" and int(weight.ty.shape[1]) == 1 and groups == int(weight.ty.shape[0])
     return groups == 1 or depthwise
+
+
+def coded_params(
+    params: list[relax.Var], coded: dict[str, int], names: list[str]
+) -> tuple[dict[relax.Var, relax.Var], list[relax.Var], dict[relax.Var, Callable[[], relax.Expr]]]:
+    """For the trained weights `params` (stored names `names`): each coded one's scales, the params
+    a function takes for them (codes and scales in place of each coded one), and what rebuilds
+    each coded weight from its codes where it is used (`dequantized_at_use`)."""
+    scales: dict[relax.Var, relax.Var] = {}
+    taken: list[relax.Var] = []
+    rebuild: dict[relax.Var, Callable[[], relax.Expr]] = {}
+    for var, name in zip(params, names):
+        if name not in coded:
+            taken.append(var)
+            continue
+        shape = [int(d) for d in var.ty.shape]
+        q = relax.Var(_identifier(int8(name)), relax.TensorType(shape, "int8"))
+        s = relax.Var(_identifier(scale(name)), relax.TensorType(scale_shape(shape, coded[name]), var.ty.dtype))
+        scales[var] = s
+        taken += [q, s]
+        rebuild[var] = partial(_dequantized, q, s, var.ty.dtype)
+    return scales, taken, rebuild
+
+
+def dequantized_at_use(
+    func: relax.Function, params: list[relax.Var], rebuild: dict[relax.Var, Callable[[], relax.Expr]]
+) -> relax.Function:
+    """`func` taking `params`, each use of a weight in `rebuild` dequantized from its codes right
+    before it (so the fp32 copy lives only as long as the op reading it, and an update reads the
+    codes themselves: in place)."""
+    body = _RebuildAtUse(rebuild).visit_expr(func.body)
+    return relax.analysis.remove_all_unused(relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs))
+
+
+def requantized(bb: relax.BlockBuilder, new: relax.Expr, s: relax.Var) -> tuple[relax.Var, relax.Var]:
+    """An updated coded weight's codes and scales, emitted by `bb`: a channel keeps its scale while
+    its largest |w| fits in 127 codes, else takes the scale that fits it (scales only grow: a
+    fine-tune moves a new task's classifier several times past its first peak, which a fixed scale
+    would clamp); the codes rounded to nearest."""
+    per_channel = [d for d, n in enumerate(s.ty.shape) if int(n) == 1]  # the axes one scale spans
+    peak = relax.op.max(relax.op.abs(new), axis=per_channel, keepdims=True)
+    grown = bb.emit(relax.op.maximum(s, relax.op.multiply(peak, relax.const(1.0 / QMAX, "float32"))))
+    codes = relax.op.clip(relax.op.round(relax.op.divide(new, grown)), -float(QMAX), float(QMAX))
+    return bb.emit(relax.op.astype(codes, "int8")), grown
