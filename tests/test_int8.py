@@ -213,8 +213,11 @@ def test_an_int8_step_trains_on_the_emulated_cortex_m4_as_the_vm_in_less_sram(tm
     model = model.calibrated(calibrate(model, load_dataset(DIGITS / "digits.npz", model)))
     candidate = Candidate((("conv3", "full"), ("fc", "full")), batch_size=4, optimizer="sgd", lr=0.05, precision="int8")
     firmware, got, expected = _weights_after_steps("cortex-m4-qemu", model, candidate, tmp_path, rel=1e-3)
-    for name in expected:
-        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-3, err_msg=name)
+    coded = {n.removesuffix("@int8") for n in firmware.signature.trainable if n.endswith("@int8")}
+    assert coded == {"conv3.weight", "fc.weight"}  # trained weights are int8 codes on the board
+    for name, w in expected.items():  # a trained weight's value may take its next code, one scale step
+        code = np.abs(w).max(axis=tuple(range(1, w.ndim)), keepdims=True) / 127 if name in coded else 0.0
+        assert np.all(np.abs(got[name] - w) <= 1e-3 + 1.01 * code), name
     assert firmware.signature.activations == model.calibration
     assert sum(kernel.startswith("conv2d_q") for kernel, _ in firmware.calls) == 2  # conv1 (a float input), conv2 (codes)
     head = Candidate((("fc", "full"),), batch_size=4, optimizer="sgd", lr=0.05, precision="int8")  # its frozen layers' peak

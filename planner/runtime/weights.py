@@ -41,7 +41,9 @@ def quantize(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-channel int8: `weight ≈ q * s`, |q| <= 127, the channel's largest |w| exact."""
     others = tuple(i for i in range(weight.ndim) if i != axis)
     peak = np.abs(weight).max(axis=others, keepdims=True).astype(np.float32)
-    s = np.where(peak > 0, peak / QMAX, 1.0).astype(np.float32)
+    # an all-zero channel (a classifier initialised to zero): the least scale, so that a trained
+    # weight's first update sets its own (`requantized` grows a scale, never shrinks it)
+    s = np.where(peak > 0, peak / QMAX, np.finfo(np.float32).tiny).astype(np.float32)
     q = np.clip(np.rint(weight / s), -QMAX, QMAX).astype(np.int8)
     return q, s
 

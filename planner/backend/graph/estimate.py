@@ -30,6 +30,7 @@ budget only when `LOW` times its estimate is.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import tvm
@@ -64,7 +65,7 @@ class Peak:
     gradients: int
 
 
-def live_peak(func: relax.Function, weights: set[tuple], *, in_place: bool) -> Peak:
+def live_peak(func: relax.Function, weights: set[tuple], *, in_place: bool, copied: AbstractSet[tuple] = frozenset()) -> Peak:
     """Liveness over `func`'s bindings (unscheduled Relax): each result is alive from the binding
     that makes it to the last that reads it or a view of it (a reshape, a tuple item); the
     function's results to the end.
@@ -73,7 +74,9 @@ def live_peak(func: relax.Function, weights: set[tuple], *, in_place: bool) -> P
     gradient with its update, so the chain of weight-shaped values that ends in a result (a
     gradient, its scaled copy, the new weight or optimizer state) lives for one kernel, not until
     the optimizer's turn at the end of the unscheduled function; `in_place`: a new weight or
-    state written over the old one's buffer, which the caller already counts, costs nothing.
+    state written over the old one's buffer, which the caller already counts, costs nothing —
+    except the results keyed in `copied` (new int8 codes, computed from the fp32 update, not
+    over the old codes), which live to the end.
     """
     bindings = [b for block in func.body.blocks for b in block.bindings]
     position = {b.var: i for i, b in enumerate(bindings)}
@@ -123,7 +126,9 @@ def live_peak(func: relax.Function, weights: set[tuple], *, in_place: bool) -> P
         chain.add(v)
         todo += [root.get(u, u) for u in relax.analysis.free_vars(bindings[position[v]].value) if tensor_key(u) in weights]
     for v in chain:
-        last[v] = -1 if in_place and v in results else len(bindings) if v in results else position[v]
+        last[v] = (
+            -1 if in_place and v in results and tensor_key(v) not in copied else len(bindings) if v in results else position[v]
+        )
 
     ends: dict[int, list[relax.Var]] = {}
     for v, at in last.items():
@@ -148,8 +153,9 @@ def estimate(step: relax.Function, sig: StepSignature, candidate: Candidate) -> 
     """The peak memory of `step` (`build_training_module`'s `train_step`) before compiling it."""
     trainable, frozen_b, train_b, state_b, batch_b = parameter_bytes(step, sig)
     weights = {k for p in trainable if (k := tensor_key(p)) is not None}
-    weights |= {(shape, "float32") for shape, dtype in weights if dtype == "int8"}  # codes update through fp32
-    peak = live_peak(step, weights, in_place=candidate.updates is Updates.IN_PLACE)
+    coded = {(shape, dtype) for shape, dtype in weights if dtype == "int8"}
+    weights |= {(shape, "float32") for shape, _ in coded}  # codes update through fp32
+    peak = live_peak(step, weights, in_place=candidate.updates is Updates.IN_PLACE, copied=coded)
     activations = peak.bytes - peak.gradients + batch_b
     total = activations + peak.gradients + train_b + state_b + frozen_b
     memory = MemoryBreakdown(

@@ -104,15 +104,15 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
     """Step-allocated buffers that hold a gradient.
 
     After fusion, an update kernel reads the old parameter and, unless the gradient computation
-    was fused into it, a buffer with as many elements as that parameter: the gradient (fp32
-    for a weight stored as int8 codes: as many elements, four times the bytes).
+    was fused into it, a buffer as large as that parameter: the gradient (for a weight stored as
+    int8 codes, an fp32 one four times its bytes).
     """
 
-    def elements(v: relax.Var) -> int:
-        dtype = v.ty.dtype if isinstance(v.ty, relax.TensorType) else "float32"
-        return type_bytes(v.ty) // max(1, tvm.runtime.DataType(dtype).bits // 8)
+    def gradient_bytes(p: relax.Var) -> int:
+        coded = isinstance(p.ty, relax.TensorType) and p.ty.dtype == "int8"
+        return type_bytes(p.ty) * (4 if coded else 1)
 
-    sizes = {p: elements(p) for p in trainable}
+    sizes = {p: gradient_bytes(p) for p in trainable}
     grads: set[relax.Var] = set()
     for block in planned.body.blocks:
         for binding in block.bindings:
@@ -121,7 +121,7 @@ def _gradient_vars(planned: relax.Function, trainable: list[relax.Var]) -> set[r
                 continue
             ins = [a for a in value.args[:-1] if isinstance(a, relax.Var)]
             for param in (a for a in ins if a in sizes):
-                grads.update(a for a in ins if a not in sizes and elements(a) == sizes[param])
+                grads.update(a for a in ins if a not in sizes and type_bytes(a.ty) == sizes[param])
     return grads
 
 
