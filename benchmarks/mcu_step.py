@@ -2,7 +2,7 @@
 kind of kernel (counted on the emulated core).
 
     python benchmarks/mcu_step.py [--model mobilenet-v2|ds-cnn] [--resolution 128] [--target stm32f746-disco]
-                                  [--trained classifier:bias] [--frozen-weights int8] [--batch 1] [--precision int8]
+                                  [--trained classifier:bias] [--frozen-weights int8] [--batch 1] [--precision int8] [--recompute auto]
 
 MobileNetV2-w0.35 (tests/zoo.py) at `--resolution`, or MLPerf Tiny's DS-CNN; `--trained` lists
 `layer:mode` pairs (`last:N` trains the biases of the last N layers). The SRAM is the ELF's: the
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--top", type=int, default=0, help="list the N calls that cost most instructions")
     parser.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
+    parser.add_argument("--recompute", choices=["none", "auto"], default="none")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="mcu-step-"))
     proto = zoo.mobilenet_v2(0.35, args.resolution) if args.model == "mobilenet-v2" else zoo.ds_cnn()
@@ -80,7 +81,13 @@ def main() -> None:
     else:
         trained = tuple(tuple(pair.split(":", 1)) for pair in args.trained.split(","))
     candidate = Candidate(
-        trained, batch_size=args.batch, optimizer="sgd", lr=0.01, frozen_weights=args.frozen_weights, precision=args.precision
+        trained,
+        batch_size=args.batch,
+        optimizer="sgd",
+        lr=0.01,
+        frozen_weights=args.frozen_weights,
+        precision=args.precision,
+        recompute=args.recompute,
     )
     target = load_target(args.target)
     if target.input_bits == 8:  # as `planner plan` takes it on the target: images as pixels, arrays calibrated

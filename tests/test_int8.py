@@ -162,6 +162,21 @@ def test_int8_candidates_store_frozen_weights_int8_whatever_a_space_draws(tmp_pa
     assert precisions == {Precision.FP32, Precision.INT8}
 
 
+@pytest.mark.parametrize("optimizer, coded", [("sgd", True), ("momentum", False), ("adam", False)])
+def test_trained_weights_are_int8_codes_with_plain_sgd_only(optimizer, coded, tmp_path):
+    """An int8 candidate's trained conv and Gemm weights are codes (a byte each on the board) with
+    SGD, whose steps cross a code; with momentum or Adam, whose steps of about the rate round away
+    and whose fp32 state outweighs the weight anyway, an fp32 master. Biases stay fp32."""
+    from planner.backend.graph.weights import stored_weights
+
+    model = load_model(tiny_cnn(tmp_path / "m.onnx"))
+    how = stored_weights(model, Candidate((("c1", "full"), ("fc", "full")), 4, optimizer, 0.01, precision="int8"))
+    assert set(how.coded) == ({"c1.w", "fc.w"} if coded else set())
+    assert ("fc.w@int8" in how.signed_trainable) == coded and "fc.b" in how.signed_trainable
+    fp32 = stored_weights(model, Candidate((("c1", "full"), ("fc", "full")), 4, "sgd", 0.01))
+    assert not fp32.coded and "fc.w" in fp32.signed_trainable
+
+
 def test_an_int8_plan_records_its_scales_and_run_trains_the_same_quantized_model(tmp_path):
     """`measure` of an int8 scheme: the plan records each activation's scale (schema 10); `run`
     rebuilds the step from them — its val metrics before training are the plan's — and fine-tunes."""

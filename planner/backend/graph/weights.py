@@ -25,7 +25,7 @@ from planner.inputs.model import Model
 from planner.modes import Layout
 from planner.modes.ratio import head
 from planner.runtime.weights import QMAX, int8, scale, scale_shape
-from planner.types import Candidate, FrozenWeights, Precision
+from planner.types import Candidate, FrozenWeights, Optimizer, Precision
 
 
 def layouts(model: Model, candidate: Candidate) -> dict[str, Layout]:
@@ -72,14 +72,19 @@ class Stored:
 
 def coded_weights(model: Model, candidate: Candidate, trainable: list[str]) -> dict[str, int]:
     """weight -> output-channel axis, for each trained Conv/Gemm/MatMul weight (or a ratio
-    update's trained head) an int8 candidate stores as int8 codes and per-channel scales.
+    update's trained head) an int8 candidate with plain SGD stores as int8 codes and per-channel
+    scales.
 
     As TinyEngine does: the weight costs the board a byte of SRAM, not four. The step computes
     in fp32 from the dequantized codes and writes back the codes of the updated weight (the
     fp32 update the codes stand for: what quantization-aware scaling makes an int8 gradient
     equal to), its scales grown where it outgrew them (`requantized`). A step smaller than half
-    a code rounds away."""
-    if candidate.precision is not Precision.INT8:
+    a code rounds away: SGD's steps, the gradient times the rate, mostly cross one; Adam's are
+    about its rate, under half a code of most weights, and coded weights fine-tuned with it
+    fell 24 points short of fp32 on the MobileNetV2 digits transfer (benchmarks/int8_accuracy.py)
+    where SGD's matched or beat it. With momentum or Adam the state is fp32 anyway (4 or 8 bytes
+    a weight), so their weights keep an fp32 master."""
+    if candidate.precision is not Precision.INT8 or candidate.optimizer is not Optimizer.SGD:
         return {}
     axes = {}
     for layer in model.layers:
