@@ -135,7 +135,7 @@ def _coded_predict(full: relax.Function, trainable: list[str], coded: dict[str, 
     if not coded:
         return full
     n = len(full.params) - len(trainable)
-    scales, taken, rebuild = coded_params(list(full.params[n:]), coded, trainable)
+    _, taken, rebuild = coded_params(list(full.params[n:]), coded, trainable)
     return dequantized_at_use(full, [*full.params[:n], *taken], rebuild)
 
 
@@ -377,7 +377,7 @@ def _fused_step(
     activations of one micro-batch plus the gradient accumulators. `model_inputs`: the
     model's inputs at one micro-batch, which the step takes at `accum` micro-batches. `coded`:
     the trained weights' stored names and those stored as int8 codes (`weights.coded_weights`),
-    which the step takes as codes (and scales, frozen) and gives back as codes.
+    which the step takes and gives back as codes and scales.
     """
     adjoint = trainer["backbone_loss_adjoint"]
     optim = runtime_lr(trainer["optimizer"], lr_dtype)

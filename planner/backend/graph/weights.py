@@ -1,10 +1,11 @@
-"""How a step stores weights: int8 frozen weights, and the weights a mode reshapes.
+"""How a step stores weights: int8 frozen and trained weights, and the weights a mode reshapes.
 
 A step does not always take an ONNX initializer as it is. A frozen Conv/Gemm/MatMul weight of a
 candidate with `frozen_weights: int8` arrives as int8 values plus one fp32 scale per output
-channel, dequantized inside the graph, so it occupies a quarter of the board's RAM. A weight whose
-layer's mode reshapes it (`ratio:r`: a trainable head and a frozen tail; `lora:r`: the frozen
-weight and two trainable factors) arrives as the parts its mode (`planner.modes`) names. This
+channel, dequantized inside the graph, so it occupies a quarter of the board's RAM; so does a
+trained one of an int8 candidate with SGD (`coded_weights`), which the step updates as codes. A
+weight whose layer's mode reshapes it (`ratio:r`: a trainable head and a frozen tail; `lora:r`:
+the frozen weight and two trainable factors) arrives as the parts its mode (`planner.modes`) names. This
 module is the one place that maps initializers to the step's inputs and back; back, the parts are
 made whole (adapters merged into their weights), so a fine-tuned model has the original graph and
 initializers.
