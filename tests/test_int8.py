@@ -462,3 +462,27 @@ def test_mobilenet_v2_in_int8_computes_on_the_emulated_cortex_m7_what_the_vm_doe
     kernels = [kernel for kernel, _ in firmware.calls]
     assert sum(k.startswith("conv2d_q") for k in kernels) > 20 and sum(k.startswith("depthwise_conv2d_q") for k in kernels) > 10
     assert any(k.startswith("mean_of_codes") for k in kernels)  # the global pooling sums the last map's codes
+
+
+def test_one_code_for_every_channel_reads_the_pixels_as_a_code_per_channel_does(tmp_path):
+    """An input in 8 bits under one scale and offset (an array's code) is read by the first
+    convolution as pixels, as under a scale and offset per channel of the same values: the same
+    kernels, the same SRAM (the decoded fp32 image is never held)."""
+    from test_mcu import _toolchain  # noqa: F401 - the fixture skips without the toolchain
+
+    from planner.backend import backend_for
+    from planner.inputs.targets import load_target
+    from planner.types import Encoding
+
+    model = load_model(tiny_cnn(tmp_path / "m.onnx", channels=3))
+    data = blobs(tmp_path / "d.npz", n=64, shape=(3, 6, 6))
+    candidate = Candidate((("fc", "full"),), batch_size=2, optimizer="sgd", lr=0.05, precision="int8")
+    backend = backend_for(load_target("cortex-m4-qemu"), cache_dir=tmp_path)
+    built = []
+    for code in (Encoding((0.02,), (-2.0,)), Encoding((0.02,) * 3, (-2.0,) * 3)):
+        encoded = load_model(tmp_path / "m.onnx").encoded({model.only_input.name: code})
+        encoded = encoded.calibrated(calibrate(encoded, load_dataset(data, encoded), samples=32))
+        built.append(backend.build(encoded, candidate))
+    one, per_channel = built
+    assert [k for k, _ in one.calls] == [k for k, _ in per_channel.calls]
+    assert one.memory == per_channel.memory

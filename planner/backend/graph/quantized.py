@@ -159,7 +159,8 @@ def _per_channel(add: relax.Call, conv: relax.Call) -> bool:
 
 def _decoded(x: relax.Expr, bound: dict, uses: dict) -> tuple[list[relax.Var], relax.Expr, tuple[relax.Expr, relax.Expr]] | None:
     """`x` as 8-bit pixels decoded per channel, `astype(p, "float32") * scale + offset`
-    (`planner.inputs.encodings`), each step read once: (those steps' values, p, (scale, offset)); else None."""
+    (`planner.inputs.encodings`; one scale and offset for all channels taken as one per channel),
+    each step read once: (those steps' values, p, (scale, offset)); else None."""
     add = _call_of(x, "add", bound, uses)
     mul = None if add is None else _call_of(add.args[0], "multiply", bound, uses)
     cast = None if mul is None else _call_of(mul.args[0], "astype", bound, uses)
@@ -170,11 +171,17 @@ def _decoded(x: relax.Expr, bound: dict, uses: dict) -> tuple[list[relax.Var], r
     if [int(d) for d in add.ty.shape] != [int(d) for d in cast.args[0].ty.shape]:
         return None  # the decode broadcast the pixels to another shape
     channels = int(cast.args[0].ty.shape[1])
+    factors = []
     for factor in (mul.args[1], add.args[1]):
-        shape = [int(d) for d in factor.ty.shape] if factor.ty.shape is not None else []
-        if len(shape) < 3 or shape[-3] != channels or any(d != 1 for i, d in enumerate(shape) if i != len(shape) - 3):
+        if factor.ty.shape is None:
             return None
-    return [x, add.args[0], mul.args[0]], cast.args[0], (mul.args[1], add.args[1])
+        shape = [int(d) for d in factor.ty.shape]
+        if all(d == 1 for d in shape) and isinstance(factor, tvm.ir.Constant):  # one for all channels (an array's code)
+            factor = relax.const(np.full(channels, float(factor.value.numpy().reshape(-1)[0]), np.float32))
+        elif len(shape) < 3 or shape[-3] != channels or any(d != 1 for i, d in enumerate(shape) if i != len(shape) - 3):
+            return None
+        factors.append(factor)
+    return [x, add.args[0], mul.args[0]], cast.args[0], (factors[0], factors[1])
 
 
 def _unit(value: relax.Expr, bound: dict, uses: dict) -> Unit | None:
