@@ -5,11 +5,15 @@ by rows. (The OpenBLAS matrix products: tests/test_matmul_kernels.py.)"""
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
+from planner.backend import tvmscript
 from planner.backend.graph import gradients
 from planner.backend.lower.kernels import legalize
 from planner.backend.lower.schedule import default_schedule
@@ -218,3 +222,23 @@ def test_softmax_by_rows_equals_tvms_lowering(shape, scale, cores):
             out = odd.emit_output(odd.emit(relax.op.nn.softmax(w, axis=-1)))
         odd.emit_func_output(out)
     assert "softmax_rows" not in str(legalize(target, Kernels.TVM)(odd.get()))
+
+
+def test_kernel_macros_find_their_parser_without_reading_the_stacks_sources(monkeypatch):
+    """TVMScript's macros (im2col's) expand without `inspect.getouterframes`, whose source reads
+    cost a compile a third of its legalization (`planner.backend.tvmscript`): the kernel's one
+    `T.prim_func` reads the stack once, its macro calls never; the kernel is the one a fresh
+    parse on a thread of its own makes."""
+    s = Conv(2, 3, 7, 7, 4, 3, 3, 7, 7, 1, 1, 1, 1)
+    threads = gemm.pool_threads(HOST)
+    fresh = tvmscript.parsed(gemm_kernels.weight_grad_kernel, s, threads, gemm_kernels.LIMITS)
+    readers = []
+
+    def outer_frames(*args, _read=inspect.getouterframes, **kwargs):
+        readers.append(sys._getframe(1).f_code.co_name)
+        return _read(*args, **kwargs)
+
+    monkeypatch.setattr(inspect, "getouterframes", outer_frames)
+    deep = gemm_kernels.weight_grad_kernel(s, threads, gemm_kernels.LIMITS)
+    assert readers and "_find_parser_def" not in readers, readers  # the stack read by `T.prim_func`, not by macros
+    tvm.ir.assert_structural_equal(deep, fresh)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 
 import tvm
 import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
+
+from planner.backend.tvmscript import parsed
 
 
 def in_place_kernel(func: tirx.PrimFunc, pairs: dict[int, int], n_inputs: int) -> tirx.PrimFunc:
@@ -53,10 +54,8 @@ CROSS_ENTROPY_LANES = 8  # a row's partial maxima and sums, one per lane (fp32 l
 
 @functools.lru_cache(maxsize=64)
 def cross_entropy_kernel(rows: int, vocab: int) -> tirx.PrimFunc:
-    """`_cross_entropy_kernel`, parsed once per shape, in a thread of its own (TVMScript reads
-    every frame of the stack that calls it: see `planner.backend.sgemm.gemm`)."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
-        return parser.submit(_cross_entropy_kernel, rows, vocab).result()
+    """`_cross_entropy_kernel`, parsed once per shape (`planner.backend.tvmscript`)."""
+    return parsed(_cross_entropy_kernel, rows, vocab)
 
 
 def _cross_entropy_kernel(rows: int, vocab: int) -> tirx.PrimFunc:

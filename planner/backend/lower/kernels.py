@@ -14,7 +14,6 @@ at a time: 0.6 GFLOP/s, a BERT encoder's slowest kernel once its products went t
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import threading
 from dataclasses import astuple
@@ -28,6 +27,7 @@ from tvm.script import tirx as T
 from planner.backend.lower import portable
 from planner.backend.sgemm import gemm, gemm_kernels, matmul
 from planner.backend.sgemm.gemm import Lowering
+from planner.backend.tvmscript import parsed
 from planner.runtime.libraries import load_openblas
 from planner.types import Kernels
 
@@ -98,10 +98,8 @@ def softmax_rows(bb: relax.BlockBuilder, call: relax.Call, *, threads: int) -> r
 
 @functools.lru_cache(maxsize=256)
 def _softmax(shape: tuple[int, ...], threads: int) -> tirx.PrimFunc:
-    """`_softmax_kernel`, parsed once per shape, in a thread of its own (TVMScript reads every
-    frame of the stack that calls it: see `gemm`)."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
-        return parser.submit(_softmax_kernel, shape, threads).result()
+    """`_softmax_kernel`, parsed once per shape (`planner.backend.tvmscript`)."""
+    return parsed(_softmax_kernel, shape, threads)
 
 
 def _softmax_kernel(shape: tuple[int, ...], threads: int) -> tirx.PrimFunc:

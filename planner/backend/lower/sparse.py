@@ -22,7 +22,6 @@ that updates in place (`planner.backend.lower.inplace`) the kernel writes into t
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 
 import tvm
@@ -30,6 +29,7 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from planner.backend.graph.tir import in_place_kernel
+from planner.backend.tvmscript import parsed
 from planner.runtime.convention import STEP_FUNC
 
 SCATTER = "planner.scatter_update"  # kernel attribute: (vocab, hidden, count, id bits, threads); `in_place` applies
@@ -128,10 +128,8 @@ def in_place(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(vocab: int, hidden: int, count: int, ids: str, threads: int, *, copy: bool) -> tirx.PrimFunc:
-    """`_kernel_script`, parsed once per shape, in a thread of its own (TVMScript reads every
-    frame of the stack that calls it: see `gemm`)."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
-        return parser.submit(_kernel_script, vocab, hidden, count, ids, threads, copy).result()
+    """`_kernel_script`, parsed once per shape (`planner.backend.tvmscript`)."""
+    return parsed(_kernel_script, vocab, hidden, count, ids, threads, copy)
 
 
 def _kernel_script(vocab: int, hidden: int, count: int, ids: str, threads: int, copy: bool) -> tirx.PrimFunc:

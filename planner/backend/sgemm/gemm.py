@@ -19,7 +19,6 @@ what parsing made.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import json
@@ -43,6 +42,7 @@ from planner.backend.sgemm.gemm_kernels import (
     weight_grad_kernel,
 )
 from planner.backend.sgemm.im2col import Conv
+from planner.backend.tvmscript import parsed
 from planner.types import Kernels
 
 MAX_KERNEL = 7  # a forward kernel larger than this is not a layer's: another GEMM shape entirely
@@ -97,11 +97,6 @@ def _source_id() -> str:
 
 
 _MADE_BY = _source_id()  # the source this process runs
-# TVMScript's parser reads every frame of the stack that calls it (`inspect.stack()` once a
-# kernel, `inspect.getouterframes` once a macro call), source lines included: from a compile deep
-# in a caller's stack (pytest's is ~80 frames) a MobileNetV3 step's 95 kernels took 57 s, from a
-# thread of their own (a dozen frames) 10 s. A thread per parse: one kept in a pool would not
-# survive a fork.
 
 
 @functools.lru_cache(maxsize=1024)
@@ -132,8 +127,7 @@ def built(
                 loaded = None
             if isinstance(loaded, tvm.tirx.PrimFunc) and _conv_of(loaded) == astuple(s):
                 return loaded
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="planner-tvmscript") as parser:
-        func = parser.submit(kernel, s, threads, limits).result()
+    func = parsed(kernel, s, threads, limits)
     # TVMScript parses the source on disk: if it is no longer the source this process runs (a
     # checkout during a study), the kernel is used here but not kept under this source's key
     if cache is not None and _source_id() == _MADE_BY:

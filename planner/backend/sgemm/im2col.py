@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
+import planner.backend.tvmscript  # noqa: F401 - its macros then find their parser without reading source files
+
 
 @dataclass(frozen=True)
 class Conv:
