@@ -209,3 +209,18 @@ def test_a_study_starts_from_the_hand_made_schemes(name, tiny_model):
     elif "bias" in space.modes:
         assert (*biases, (layers[-1], "bias")) in got  # every bias
     assert len(set(got)) == len(got) and {c.batch_size for c in cands} == {min(space.batch_size)}
+
+
+@pytest.mark.parametrize("precisions", [["fp32", "int8"], ["fp32"]])
+def test_a_microcontrollers_study_starts_from_the_recipes_at_their_leanest(precisions, tiny_model):
+    """On a microcontroller (`lean`), the recipes are also at the cheap end of every setting that
+    sizes the step: plain SGD, the narrowest precision the target takes, int8 frozen weights;
+    elsewhere those stay to the sampler, which draws all of them over a study."""
+    model = load_model(tiny_model)
+    space = load_space("sparse-update").for_target(precisions)
+    lean, plain_anchors = space.anchors(model, lean=True), space.anchors(model)
+    assert [{k: v for k, v in a.items() if k in plain_anchors[0]} for a in lean] == plain_anchors
+    study = optuna.create_study(sampler=make_sampler("tpe", 0, lean))
+    cands = [space.sample(study.ask(), model) for _ in lean]
+    assert {(c.optimizer, c.precision, c.frozen_weights, c.batch_size) for c in cands} == {("sgd", precisions[-1], "int8", 1)}
+    assert not {"optimizer", "precision", "frozen_weights"} & set(plain_anchors[0])

@@ -139,7 +139,7 @@ def plan(
 
     out = prepare_out_dir(out)  # a file, a read-only or foreign directory: one line before any trial
     with locked(out):  # a second `plan` into the same `out` is refused, not raced
-        anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
+        anchors = sp.anchors(m, lean=hw.mcu is not None) if settings.anchors and takes_anchors(settings.sampler) else None
         # the first trials try the space's hand-made schemes; random search stays the blind baseline
         with _released_if_empty(out), storage_writes(storage):  # out of disk for the study: one line, not a traceback
             st = open_study(
@@ -394,7 +394,7 @@ def work(
     loaded = for_precisions(loaded, sp.precision)
     m = loaded.model
     loaded.runner.capacity()
-    anchors = sp.anchors(m) if settings.anchors and takes_anchors(settings.sampler) else None
+    anchors = sp.anchors(m, lean=hw.mcu is not None) if settings.anchors and takes_anchors(settings.sampler) else None
     with storage_writes(storage):  # a full disk under the journal: one line, not a traceback
         st = open_study(storage, study, None, config, settings.sampler, anchors, metric=m.task.metric)
         search = SearchSettings(
