@@ -61,6 +61,7 @@ def pristine(tiny_model, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # lowered afresh: an earlier test's kernels never reach this cache
         mp.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
         gemm.built.cache_clear()
+        gemm._parsed.cache_clear()
         step = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     copy = tmp_path_factory.mktemp("reference") / LIB_NAME
     shutil.copyfile(step.library, copy)
@@ -186,6 +187,7 @@ def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkey
     shutil.rmtree(link.objects_dir(cache, HOST))
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())  # this process lowers again
     gemm.built.cache_clear()
+    gemm._parsed.cache_clear()
 
     inodes = [e.stat().st_ino for e in entries]
 
@@ -204,6 +206,7 @@ def test_a_kernel_parsed_after_its_source_changed_is_not_kept(pristine, tmp_path
     model = pristine[0]
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
     gemm.built.cache_clear()
+    gemm._parsed.cache_clear()
     monkeypatch.setattr(gemm, "_source_id", lambda: "another source")
     compile_candidate(model, _candidate(model), BuildOptions(HOST, tmp_path / "cache"))
     assert not list(gemm.kernels_dir(tmp_path / "cache").glob("*.json"))

@@ -127,7 +127,7 @@ def built(
                 loaded = None
             if isinstance(loaded, tvm.tirx.PrimFunc) and _conv_of(loaded) == astuple(s):
                 return loaded
-    func = parsed(kernel, s, threads, limits)
+    func = _parsed(kernel, s, threads, limits, constants())
     # TVMScript parses the source on disk: if it is no longer the source this process runs (a
     # checkout during a study), the kernel is used here but not kept under this source's key
     if cache is not None and _source_id() == _MADE_BY:
@@ -137,6 +137,16 @@ def built(
         except OSError:
             pass
     return func
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(
+    kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, limits: Limits, _constants: tuple[int, ...]
+) -> tvm.tirx.PrimFunc:
+    """The parse `built` makes, once per process whatever the cache directory: a compile into a
+    cache of its own (a test's, a `compile --cache-dir`) reads none of the kernels this process
+    parsed for another, and was parsing them again (under the module's `constants()`, its key)."""
+    return parsed(kernel, s, threads, limits)
 
 
 def _conv_of(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
