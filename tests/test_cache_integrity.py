@@ -60,7 +60,7 @@ def pristine(tiny_model, tmp_path_factory):
     cache = tmp_path_factory.mktemp("pristine") / "cache"
     with pytest.MonkeyPatch.context() as mp:  # lowered afresh: an earlier test's kernels never reach this cache
         mp.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
-        gemm.built.cache_clear()
+        gemm._built.cache_clear()
         gemm._parsed.cache_clear()
         step = compile_candidate(model, _candidate(model), BuildOptions(HOST, cache))
     copy = tmp_path_factory.mktemp("reference") / LIB_NAME
@@ -186,7 +186,7 @@ def test_a_damaged_parsed_kernel_is_parsed_again(pristine, cache, damage, monkey
     shutil.rmtree(cache / "steps")
     shutil.rmtree(link.objects_dir(cache, HOST))
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())  # this process lowers again
-    gemm.built.cache_clear()
+    gemm._built.cache_clear()
     gemm._parsed.cache_clear()
 
     inodes = [e.stat().st_ino for e in entries]
@@ -205,7 +205,7 @@ def test_a_kernel_parsed_after_its_source_changed_is_not_kept(pristine, tmp_path
     started with."""
     model = pristine[0]
     monkeypatch.setattr(kernels._Remembered, "memo", type(kernels._Remembered.memo)())
-    gemm.built.cache_clear()
+    gemm._built.cache_clear()
     gemm._parsed.cache_clear()
     monkeypatch.setattr(gemm, "_source_id", lambda: "another source")
     compile_candidate(model, _candidate(model), BuildOptions(HOST, tmp_path / "cache"))

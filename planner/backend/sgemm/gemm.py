@@ -99,7 +99,6 @@ def _source_id() -> str:
 _MADE_BY = _source_id()  # the source this process runs
 
 
-@functools.lru_cache(maxsize=1024)
 def built(
     kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, limits: Limits, cache: Path | None
 ) -> tvm.tirx.PrimFunc:
@@ -114,9 +113,17 @@ def built(
     This process keeps the last 1,024 made: a study of one model meets at most a few kernels
     (forward, both gradients, the accumulating weight gradient) per distinct convolution at each
     of its few batch sizes, some hundreds; the cache directory serves one dropped since."""
+    return _built(kernel, s, threads, limits, constants(), cache)
+
+
+@functools.lru_cache(maxsize=1024)
+def _built(
+    kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, limits: Limits, consts: tuple[int, ...], cache: Path | None
+) -> tvm.tirx.PrimFunc:
+    """`built`, keyed by the module's `constants()` too (a kernel chosen under others is another)."""
     if cache is not None:
         name = getattr(kernel, "func", kernel).__name__ + repr(sorted(getattr(kernel, "keywords", {}).items()))
-        made_of = json.loads(json.dumps([name, astuple(s), threads, astuple(limits), constants(), _MADE_BY]))  # as it reads back
+        made_of = json.loads(json.dumps([name, astuple(s), threads, astuple(limits), consts, _MADE_BY]))  # as it reads back
         key = hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:32]
         path = kernels_dir(cache) / f"{key}.json"
         cached = cachefile.read_json(path, key)
@@ -127,10 +134,10 @@ def built(
                 loaded = None
             if isinstance(loaded, tvm.tirx.PrimFunc) and _conv_of(loaded) == astuple(s):
                 return loaded
-    func = _parsed(kernel, s, threads, limits, constants())
-    # TVMScript parses the source on disk: if it is no longer the source this process runs (a
-    # checkout during a study), the kernel is used here but not kept under this source's key
-    if cache is not None and _source_id() == _MADE_BY:
+    func, source = _parsed(kernel, s, threads, limits, consts)
+    # TVMScript parses the source on disk: if it was not the source this process runs (a checkout
+    # during a study), the kernel is used here but not kept under this source's key
+    if cache is not None and source == _MADE_BY:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             cachefile.write_json(path, {"made_of": made_of, "tir": tvm.ir.save_json(func)}, key)
@@ -142,11 +149,12 @@ def built(
 @functools.lru_cache(maxsize=1024)
 def _parsed(
     kernel: Callable[..., tvm.tirx.PrimFunc], s: Conv, threads: int, limits: Limits, _constants: tuple[int, ...]
-) -> tvm.tirx.PrimFunc:
-    """The parse `built` makes, once per process whatever the cache directory: a compile into a
-    cache of its own (a test's, a `compile --cache-dir`) reads none of the kernels this process
-    parsed for another, and was parsing them again (under the module's `constants()`, its key)."""
-    return parsed(kernel, s, threads, limits)
+) -> tuple[tvm.tirx.PrimFunc, str]:
+    """The parse `built` makes, once per process whatever the cache directory (a compile into a
+    cache of its own, a test's or a `compile --cache-dir`, was parsing again the kernels this
+    process had parsed for another), with the id of the source on disk it was parsed from."""
+    func = parsed(kernel, s, threads, limits)
+    return func, _source_id()
 
 
 def _conv_of(func: tvm.tirx.PrimFunc) -> tuple[int, ...] | None:
