@@ -2,6 +2,7 @@
 
     python benchmarks/int8_accuracy.py [--model ds-cnn|mobilenet-v2] [--resolution 128] [--steps 200]
                                        [--schemes 1:1,1:1:0.25,4:2,8:4] [--optimizer adam:0.001] [--batch 8]
+                                       [--seeds 0,1,2]
 
 The model is pretrained on the source task as benchmarks/mcu_plans.py does it (DS-CNN: zoo's
 synthetic keyword task and its "new microphone" half; MobileNetV2-w0.35: the digits transfer
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--schemes", default=SCHEMES, help="bias:weights[:ratio],... (see above)")
     parser.add_argument("--optimizer", default="adam:0.001", help="NAME:LR (sgd, momentum or adam)")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seeds", default="0", help="fine-tuning seeds, comma-separated: each scheme's mean over them")
     args = parser.parse_args()
     out = args.out / args.model
     model, downstream = transfer(args.model, args.resolution, out, args.pretrain_steps)
@@ -65,26 +67,32 @@ def main() -> None:
     print(f"\n{args.model}, {args.steps} fine-tune steps, batch {args.batch}, {args.optimizer}, 8-bit input:\n")
     print("| trained | fp32: before -> after | int8: before -> after | int8 - fp32 (after) |")
     print("|---|---:|---:|---:|")
+    seeds = [int(s) for s in args.seeds.split(",")]
     for spec in args.schemes.split(","):
-        acc = {}
+        before, after = {}, {}
         for precision in ("fp32", "int8"):
-            name = f"{spec.replace(':', '-')}-{args.optimizer.replace(':', '')}-b{args.batch}-{precision}"
-            result = planner.measure(
-                model,
-                scheme=scheme(out / f"{name}.yaml", layers, spec, precision, args.optimizer, args.batch),
-                data=downstream,
-                target=str(out / "target.yaml"),
-                out=out / name,
-                accuracy_steps=args.steps,
-                latency_repeats=1,
-            )
-            assert result.plan is not None, name
-            acc[precision] = result.plan.metrics.accuracy
-        f, q = acc["fp32"], acc["int8"]
+            runs = []
+            for seed in seeds:
+                name = f"{spec.replace(':', '-')}-{args.optimizer.replace(':', '')}-b{args.batch}-{precision}-s{seed}"
+                result = planner.measure(
+                    model,
+                    scheme=scheme(out / f"{name}.yaml", layers, spec, precision, args.optimizer, args.batch),
+                    data=downstream,
+                    target=str(out / "target.yaml"),
+                    out=out / name,
+                    accuracy_steps=args.steps,
+                    latency_repeats=1,
+                    seed=seed,
+                )
+                assert result.plan is not None, name
+                runs.append(result.plan.metrics.accuracy)
+            before[precision] = sum(r.before for r in runs) / len(runs)
+            after[precision] = sum(r.after for r in runs) / len(runs)
+            if len(runs) > 1:
+                print(f"  {spec} {precision}: " + ", ".join(f"{r.after:.3f}" for r in runs))
         print(
-            f"| {spec} | "
-            f"{f.before:.3f} -> {f.after:.3f} | "
-            f"{q.before:.3f} -> {q.after:.3f} | {100 * (q.after - f.after):+.1f} pts |"
+            f"| {spec} | {before['fp32']:.3f} -> {after['fp32']:.3f} | {before['int8']:.3f} -> {after['int8']:.3f} | "
+            f"{100 * (after['int8'] - after['fp32']):+.1f} pts |"
         )
 
 
