@@ -52,9 +52,30 @@ def _cache_dir(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
     path = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "planner-cache"
     path.mkdir(exist_ok=True)
+    _share_kernels(path)
     mp.setenv("PLANNER_CACHE_DIR", str(path))
     yield path
     mp.undo()
+
+
+def _share_kernels(cache: Path) -> None:
+    """With PLANNER_TEST_KERNEL_STORE (CI keeps one between runs, as it keeps the emulated board),
+    the run's cache takes its compiled kernel objects and parsed OpenBLAS kernels from that
+    folder, as ccache would: both are named by a digest of all that makes their bytes (a
+    kernel's TIR, the target, TVM's version and code generation flags; a kernel module's
+    source), so a kernel no run compiled before is compiled, and one it did is linked as it
+    was. Steps, plans and accuracies are never shared: every test still builds, links and
+    runs each step itself. A test with a cache of its own compiles everything, as before."""
+    store = os.environ.get("PLANNER_TEST_KERNEL_STORE")
+    if not store:
+        return
+    for part in ("kernels", "kernels-tir"):
+        kept = Path(store) / part
+        kept.mkdir(parents=True, exist_ok=True)
+        try:
+            (cache / part).symlink_to(kept, target_is_directory=True)
+        except FileExistsError:  # another xdist worker linked it first
+            pass
 
 
 @pytest.fixture(scope="session")

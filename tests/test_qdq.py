@@ -202,8 +202,9 @@ def test_an_int8_step_updates_its_weights_codes_as_pytorch_fake_quantized_sgd(tm
     """`precision: int8` stores a trained conv's and Gemm's weights as int8 codes and per-channel
     scales, as TinyEngine does: one SGD step gives the codes of PyTorch's step from the weights the
     codes stand for (activations fake-quantized at the calibrated scales, gradients straight
-    through), rounded to the nearest code at the scales, each grown where its channel's largest
-    |w| outgrew 127 codes (this step's large rate grows some, not all); the biases train in fp32."""
+    through), rounded at the scales stochastically (up with the chance of the value's fraction of
+    a code, the chance drawn by the hash below), each scale grown where its channel's largest |w|
+    outgrew 127 codes (this step's large rate grows some, not all); the biases train in fp32."""
     torch = pytest.importorskip("torch", reason="PyTorch is in the test extra: pip install -e '.[test]'")
     import tvm
 
@@ -249,8 +250,20 @@ def test_an_int8_step_updates_its_weights_codes_as_pytorch_fake_quantized_sgd(tm
         grew[name] = (grown > scales[name] * (1 + 1e-6)).ravel()
         codes, before = np.rint(after[name] / grown), np.rint(p.detach().numpy() / grown)
         np.testing.assert_allclose(after[name], codes * grown, rtol=1e-5, err_msg=name)  # on the grid: codes
-        exact = new / grown
-        tie = np.abs(np.abs(exact - np.floor(exact)) - 0.5) < 1e-3  # float32 sums may round either way
-        assert np.array_equal(codes[~tie], np.rint(exact)[~tie]), name
+        exact, u = new / grown, _uniform(np.arange(new.size, dtype=np.uint64), 0).reshape(new.shape)
+        tie = np.abs(exact - np.floor(exact) + u - 1) < 1e-3  # float32 sums may round either way
+        assert np.array_equal(codes[~tie], np.floor(exact + u)[~tie]), name
         assert (codes != before).sum() > codes.size // 4, name  # the update moved codes, not only rounded away
     assert any(g.any() for g in grew.values()) and not all(g.all() for g in grew.values())
+
+
+def _uniform(index: np.ndarray, steps: int) -> np.ndarray:
+    """The number in [0, 1) a coded weight's stochastic rounding draws for each flat `index` at
+    the optimizer's step count `steps`: the hash `planner.backend.graph.weights` states, written
+    again here from its statement (Knuth's constants, then Wellons's lowbias32)."""
+    m = np.uint64(0xFFFFFFFF)
+    x = (((index * np.uint64(0x9E3779B1)) & m) + ((np.uint64(steps) * np.uint64(0x85EBCA6B)) & m)) & m
+    x = ((x ^ (x >> np.uint64(16))) * np.uint64(0x7FEB352D)) & m
+    x = ((x ^ (x >> np.uint64(15))) * np.uint64(0x846CA68B)) & m
+    x = x ^ (x >> np.uint64(16))
+    return (x >> np.uint64(8)).astype(np.float64) / (1 << 24)

@@ -428,7 +428,7 @@ def _fused_step(
                 grads = [_in_place(bb, partial(scale_kernel, factor=1.0 / accum), "mean", g) for g in grads]
             old = relax.Tuple(weights[first_trainable:])
             upd = bb.emit(relax.Call(optim_gv, [old, relax.Tuple(grads), relax.Tuple(states), lr]))
-            result = bb.emit_output(_results(bb, loss, upd, weights[first_trainable:], scales, len(states), lr))
+            result = bb.emit_output(_results(bb, loss, upd, weights[first_trainable:], scales, states, lr))
         bb.emit_func_output(result)
     built = bb.get()
     inlined = {"backbone_loss_adjoint": adjoint, "update": optim} | ({"frozen_prefix": prefix} if prefix is not None else {})
@@ -445,17 +445,18 @@ def _results(
     update: relax.Var,
     trained: Sequence[relax.Var],
     scales: dict[relax.Var, relax.Var],
-    n_states: int,
+    states: Sequence[relax.Var],
     lr: relax.Var,
 ) -> relax.Tuple:
-    """The step's results: (loss, *new trained weights — a coded one as codes and scales —, *new states, lr)."""
+    """The step's results: (loss, *new trained weights — a coded one as codes and scales, rounded
+    at the step count SGD's first state holds —, *new states, lr)."""
     new_params = bb.emit(relax.TupleGetItem(update, 0))
     new_states = bb.emit(relax.TupleGetItem(update, 1))
     outs = [loss]
     for i, var in enumerate(trained):
         new = bb.emit(relax.TupleGetItem(new_params, i))
-        outs += requantized(bb, new, scales[var]) if var in scales else (new,)
-    outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(n_states)] + [lr]
+        outs += requantized(bb, new, scales[var], states[0]) if var in scales else (new,)
+    outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))] + [lr]
     return relax.Tuple(outs)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import tvm
-from tvm import relax
+from tvm import relax, te, tirx
 
 from planner import modes
 from planner.errors import CandidateFailed
@@ -79,12 +79,11 @@ def coded_weights(model: Model, candidate: Candidate, trainable: list[str]) -> d
     As TinyEngine does: the weight costs the board a byte of SRAM, not four. The step computes
     in fp32 from the dequantized codes and writes back the codes of the updated weight (the
     fp32 update the codes stand for: what quantization-aware scaling makes an int8 gradient
-    equal to), its scales grown where it outgrew them (`requantized`). A step smaller than half
-    a code rounds away: SGD's steps, the gradient times the rate, mostly cross one; Adam's are
-    about its rate, under half a code of most weights, and coded weights fine-tuned with it
-    fell 24 points short of fp32 on the MobileNetV2 digits transfer (benchmarks/int8_accuracy.py)
-    where SGD's matched or beat it. With momentum or Adam the state is fp32 anyway (4 or 8 bytes
-    a weight), so their weights keep an fp32 master."""
+    equal to), its scales grown where it outgrew them, its codes rounded stochastically
+    (`requantized`). With momentum or Adam the state is fp32 anyway (4 or 8 bytes a weight), so
+    their weights keep an fp32 master: Adam's steps are about its rate, a fraction of a code of
+    most weights, and coded weights fine-tuned with it (rounded to nearest) fell 24 points short
+    of fp32 on the MobileNetV2 digits transfer (benchmarks/int8_accuracy.py)."""
     if candidate.precision is not Precision.INT8 or candidate.optimizer is not Optimizer.SGD:
         return {}
     axes = {}
@@ -273,13 +272,61 @@ def dequantized_at_use(
     return relax.analysis.remove_all_unused(relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs))
 
 
-def requantized(bb: relax.BlockBuilder, new: relax.Expr, s: relax.Var) -> tuple[relax.Var, relax.Var]:
+def requantized(bb: relax.BlockBuilder, new: relax.Expr, s: relax.Var, steps: relax.Var) -> tuple[relax.Var, relax.Var]:
     """An updated coded weight's codes and scales, emitted by `bb`: a channel keeps its scale while
     its largest |w| fits in 127 codes, else takes the scale that fits it (scales only grow: a
     fine-tune moves a new task's classifier several times past its first peak, which a fixed scale
-    would clamp); the codes rounded to nearest."""
+    would clamp); the codes rounded stochastically (`stochastic_codes`) at the optimizer's step
+    count `steps`.
+
+    Rounded to nearest, an update of under half a code rounds away: batch-1 SGD's classifier
+    updates often are, and int8 trailed fp32 by 2.3 points on the MobileNetV2 digits transfer
+    where int8 with an fp32 master trailed it by 0.5 (benchmarks/int8_accuracy.py, ten seeds).
+    Rounded stochastically, a fraction of a code moves the weight by that fraction on average."""
     per_channel = [d for d, n in enumerate(s.ty.shape) if int(n) == 1]  # the axes one scale spans
     peak = relax.op.max(relax.op.abs(new), axis=per_channel, keepdims=True)
     grown = bb.emit(relax.op.maximum(s, relax.op.multiply(peak, relax.const(1.0 / QMAX, "float32"))))
-    codes = relax.op.clip(relax.op.round(relax.op.divide(new, grown)), -float(QMAX), float(QMAX))
-    return bb.emit(relax.op.astype(codes, "int8")), grown
+    return bb.emit_te(stochastic_codes, new, grown, steps, primfunc_name_hint="stochastic_codes"), grown
+
+
+def stochastic_codes(new: te.Tensor, scale: te.Tensor, steps: te.Tensor) -> te.Tensor:
+    """The int8 codes of `new` at per-channel `scale` (broadcast along its axes of extent 1),
+    each value v rounded up with probability frac(v), down otherwise, and clipped to ±127.
+
+    The random number is a hash (`_hash`) of the value's flat index and the optimizer's step
+    count, integer arithmetic the board computes as the host does: the emulated board's codes
+    are the host's whenever their floats are, where a dither taken from the value's own low bits
+    (tried first) turned each ulp two platforms differ by into a thousand times the chance of
+    another code, and diverged."""
+
+    def code(*i):
+        flat = tirx.const(0, "uint64")
+        for d, extent in enumerate(new.shape):
+            flat = flat * tirx.const(int(extent), "uint64") + i[d].astype("uint64")
+        u = (_hash(flat, steps().astype("uint64")) >> tirx.const(8, "uint64")).astype("float32") * (1.0 / (1 << 24))
+        at = [0 if int(scale.shape[d]) == 1 else i[d] for d in range(len(i))]
+        v = tirx.floor(new(*i) / scale(*at) + u)
+        return tirx.max(tirx.min(v, tirx.const(QMAX, "float32")), tirx.const(-QMAX, "float32")).astype("int8")
+
+    return te.compute(new.shape, code, name="codes")
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash(index: tirx.PrimExpr, steps: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A 32-bit hash of (index, steps) in uint64 arithmetic, every product of two values under
+    2^32 so none wraps: the step count and index mixed by Knuth's multiplicative constants, then
+    Wellons's lowbias32 finalizer (its bits pass as independent for rounding: each of 2^32
+    inputs maps to a distinct output)."""
+
+    def c(v: int) -> tirx.PrimExpr:
+        return tirx.const(v, "uint64")
+
+    def mul(a: tirx.PrimExpr, k: int) -> tirx.PrimExpr:
+        return (a * c(k)) & c(_M32)
+
+    x = (mul(index & c(_M32), 0x9E3779B1) + mul(steps & c(_M32), 0x85EBCA6B)) & c(_M32)
+    x = mul(x ^ (x >> c(16)), 0x7FEB352D)
+    x = mul(x ^ (x >> c(15)), 0x846CA68B)
+    return x ^ (x >> c(16))
