@@ -19,11 +19,14 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
+from builders import blobs
 from planner.backend.graph.training import build_training_module
 from planner.backend.lower.pipeline import BuildOptions, lower_step
 from planner.backend.mcu.ckernels import CLAMPS, MINMAXNM, include_dirs, kernels_source
 from planner.backend.mcu.cstep import ALIGN, compile_host, emit
 from planner.backend.vm.compile import compile_candidate
+from planner.inputs.calibration import calibrate
+from planner.inputs.data import load_dataset
 from planner.inputs.model import Model, load_model
 from planner.inputs.resources import shipped
 from planner.inputs.schemes import load_scheme
@@ -138,6 +141,18 @@ def test_the_c_step_is_the_vm_step_to_the_bit_for_every_kind_of_update(update, t
     model = load_model(tiny_model)
     vm, c, _ = _both(tiny_model, candidate, tmp_path)
     _equal_over_steps(vm, c, model.only_input.shape, model.n_classes)
+
+
+def test_the_c_step_rounds_int8_codes_as_the_vm_to_the_bit(tiny_model, tmp_path):
+    """Trained weights stored as int8 codes (an int8 candidate with SGD) are rounded stochastically,
+    the chance drawn by a hash of each weight's index and the step count: the C step draws the
+    VM's numbers, so its codes are the VM's, step after step (the board trains as this host)."""
+    model = load_model(tiny_model)
+    model = model.calibrated(calibrate(model, load_dataset(blobs(tmp_path / "d.npz", n=64), model), samples=32))
+    candidate = Candidate((("c2", "full"), ("fc", "full")), batch_size=4, optimizer="sgd", lr=0.05, precision="int8")
+    vm, c, _ = _both(model, candidate, tmp_path)
+    assert {"c2.w@int8", "fc.w@int8"} <= set(c.sig.trainable)
+    _equal_over_steps(vm, c, model.only_input.shape, model.n_classes, steps=6)
 
 
 # PyTorch's exports (tests/torch_families.py) in C: a Conv1d, a transformer encoder, token ids. The VM's step of each matches PyTorch's autograd

@@ -178,16 +178,17 @@ def test_trained_weights_are_int8_codes_with_plain_sgd_only(optimizer, coded, tm
 
 
 def test_sgd_steps_of_a_fraction_of_a_code_move_coded_weights_as_they_move_fp32_ones(tmp_path):
-    """A rate whose steps are mostly under half a code (rounded to nearest, the codes would never
-    move): over 30 steps the coded weights of an int8 candidate move along an fp32 candidate's
-    path as far as it does, each update's fraction of a code rounded up that often, and about it
-    at random (the rounding's noise, a walk of some codes that no direction favours)."""
+    """A rate whose steps are mostly under half a code (rounded to nearest, those are lost: the
+    ratio below was -0.03): over 100 steps the coded weights of an int8 candidate move along an
+    fp32 candidate's path about as far as it does (0.92), each update's fraction of a code rounded
+    up that often, and about it at random (the rounding's noise, a walk no direction favours)."""
     model = load_model(tiny_cnn(tmp_path / "m.onnx"))
     with np.load(blobs(tmp_path / "d.npz", n=100)) as d:
         x, y = d["x"], d["y"]
     model = model.calibrated(calibrate(model, load_dataset(tmp_path / "d.npz", model), samples=32))
     options = BuildOptions(tvm.target.Target({"kind": "llvm"}))
-    moved, first = {}, {}
+    moved: dict[str, np.ndarray] = {}
+    first: dict[str, np.ndarray] = {}
     for precision in ("fp32", "int8"):
         candidate = Candidate((("c2", "full"), ("fc", "full")), 8, "sgd", 0.002, precision=precision)
         step = compile_candidate(model, candidate, options)
@@ -195,16 +196,16 @@ def test_sgd_steps_of_a_fraction_of_a_code_move_coded_weights_as_they_move_fp32_
         session = TrainingSession(step.library, step.signature, dict(model.initializers))
         start = session.weights()
         rng = np.random.default_rng(0)
-        for i in range(30):
+        for i in range(100):
             batch = rng.choice(len(x), 8, replace=False)
             session.step(x[batch], y[batch])
-            if i == 0:
-                first[precision] = {n: session.weights()[n] - start[n] for n in ("c2.w", "fc.w")}
+            if i == 0 and precision == "fp32":
+                first = {n: session.weights()[n] - start[n] for n in ("c2.w", "fc.w")}
         moved[precision] = np.concatenate([(session.weights()[n] - start[n]).ravel() for n in ("c2.w", "fc.w")])
     for name, w in model.initializers.items():  # fp32's first update, in codes of the int8 weight
-        if name in first["fp32"]:
+        if name in first:
             code = np.abs(w).max(axis=tuple(range(1, w.ndim)), keepdims=True) / 127
-            assert np.median(np.abs(first["fp32"][name]) / code) < 0.5, name
+            assert np.median(np.abs(first[name]) / code) < 0.5, name
     fp32, int8 = moved["fp32"], moved["int8"]
     # int8's movement along fp32's, in units of fp32's: the rounding's noise is no direction
     assert 0.75 < int8 @ fp32 / (fp32 @ fp32) < 1.33

@@ -250,20 +250,25 @@ def test_an_int8_step_updates_its_weights_codes_as_pytorch_fake_quantized_sgd(tm
         grew[name] = (grown > scales[name] * (1 + 1e-6)).ravel()
         codes, before = np.rint(after[name] / grown), np.rint(p.detach().numpy() / grown)
         np.testing.assert_allclose(after[name], codes * grown, rtol=1e-5, err_msg=name)  # on the grid: codes
-        exact, u = new / grown, _uniform(np.arange(new.size, dtype=np.uint64), 0).reshape(new.shape)
-        tie = np.abs(exact - np.floor(exact) + u - 1) < 1e-3  # float32 sums may round either way
-        assert np.array_equal(codes[~tie], np.floor(exact + u)[~tie]), name
+        salt = ["conv.weight", "fc.weight"].index(name)  # the coded weights' order in the step
+        exact, u = new / grown, _uniform(np.arange(new.size, dtype=np.uint64), 0, salt).reshape(new.shape)
+        tie = np.abs(exact - np.floor(exact) - u) < 1e-3  # float32 sums may round either way
+        assert np.array_equal(codes[~tie], (np.floor(exact) + (u < exact - np.floor(exact)))[~tie]), name
         assert (codes != before).sum() > codes.size // 4, name  # the update moved codes, not only rounded away
     assert any(g.any() for g in grew.values()) and not all(g.all() for g in grew.values())
 
 
-def _uniform(index: np.ndarray, steps: int) -> np.ndarray:
+def _uniform(index: np.ndarray, steps: int, salt: int) -> np.ndarray:
     """The number in [0, 1) a coded weight's stochastic rounding draws for each flat `index` at
-    the optimizer's step count `steps`: the hash `planner.backend.graph.weights` states, written
-    again here from its statement (Knuth's constants, then Wellons's lowbias32)."""
+    the optimizer's step count `steps` (0 on the first step) for the coded weight `salt`: the hash
+    `planner.backend.graph.weights` states, written again here from its statement."""
     m = np.uint64(0xFFFFFFFF)
-    x = (((index * np.uint64(0x9E3779B1)) & m) + ((np.uint64(steps) * np.uint64(0x85EBCA6B)) & m)) & m
-    x = ((x ^ (x >> np.uint64(16))) * np.uint64(0x7FEB352D)) & m
-    x = ((x ^ (x >> np.uint64(15))) * np.uint64(0x846CA68B)) & m
+
+    def mul(a, k: int):
+        return (a * np.uint64(k)) & m
+
+    x = (mul(index & m, 0x9E3779B1) + mul(np.uint64(steps), 0x85EBCA6B) + mul(np.uint64(salt), 0xC2B2AE35)) & m
+    x = mul(x ^ (x >> np.uint64(16)), 0x7FEB352D)
+    x = mul(x ^ (x >> np.uint64(15)), 0x846CA68B)
     x = x ^ (x >> np.uint64(16))
     return (x >> np.uint64(8)).astype(np.float64) / (1 << 24)

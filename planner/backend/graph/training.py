@@ -453,9 +453,10 @@ def _results(
     new_params = bb.emit(relax.TupleGetItem(update, 0))
     new_states = bb.emit(relax.TupleGetItem(update, 1))
     outs = [loss]
+    coded = [var for var in trained if var in scales]
     for i, var in enumerate(trained):
         new = bb.emit(relax.TupleGetItem(new_params, i))
-        outs += requantized(bb, new, scales[var], states[0]) if var in scales else (new,)
+        outs += requantized(bb, new, scales[var], states[0], coded.index(var)) if var in scales else (new,)
     outs += [bb.emit(relax.TupleGetItem(new_states, i)) for i in range(len(states))] + [lr]
     return relax.Tuple(outs)
 

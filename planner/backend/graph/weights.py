@@ -272,41 +272,51 @@ def dequantized_at_use(
     return relax.analysis.remove_all_unused(relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs))
 
 
-def requantized(bb: relax.BlockBuilder, new: relax.Expr, s: relax.Var, steps: relax.Var) -> tuple[relax.Var, relax.Var]:
+def requantized(
+    bb: relax.BlockBuilder, new: relax.Expr, s: relax.Var, steps: relax.Var, salt: int
+) -> tuple[relax.Var, relax.Var]:
     """An updated coded weight's codes and scales, emitted by `bb`: a channel keeps its scale while
     its largest |w| fits in 127 codes, else takes the scale that fits it (scales only grow: a
     fine-tune moves a new task's classifier several times past its first peak, which a fixed scale
     would clamp); the codes rounded stochastically (`stochastic_codes`) at the optimizer's step
-    count `steps`.
+    count `steps` (an int64 scalar), `salt` telling this weight's draws from another's.
 
-    Rounded to nearest, an update of under half a code rounds away: batch-1 SGD's classifier
-    updates often are, and int8 trailed fp32 by 2.3 points on the MobileNetV2 digits transfer
-    where int8 with an fp32 master trailed it by 0.5 (benchmarks/int8_accuracy.py, ten seeds).
-    Rounded stochastically, a fraction of a code moves the weight by that fraction on average."""
+    Rounded to nearest, an update of under half a code rounds away, and batch-1 SGD's updates of
+    a classifier often are that small; rounded stochastically, a fraction of a code moves the
+    weight by that fraction on average (tests/test_int8.py). On the MobileNetV2 digits transfer
+    int8 went from 2.3 ± 2.5 points below fp32 to 1.7 ± 2.7 above (benchmarks/int8_accuracy.py:
+    within the noise of batch-1 SGD either way; the mechanism is what the test shows)."""
+    assert steps.ty.dtype == "int64" and not steps.ty.shape, "SGD's first state counts the steps"
     per_channel = [d for d, n in enumerate(s.ty.shape) if int(n) == 1]  # the axes one scale spans
     peak = relax.op.max(relax.op.abs(new), axis=per_channel, keepdims=True)
     grown = bb.emit(relax.op.maximum(s, relax.op.multiply(peak, relax.const(1.0 / QMAX, "float32"))))
-    return bb.emit_te(stochastic_codes, new, grown, steps, primfunc_name_hint="stochastic_codes"), grown
+    codes = bb.emit_te(stochastic_codes, new, grown, steps, salt=salt, primfunc_name_hint="stochastic_codes")
+    return codes, grown
 
 
-def stochastic_codes(new: te.Tensor, scale: te.Tensor, steps: te.Tensor) -> te.Tensor:
-    """The int8 codes of `new` at per-channel `scale` (broadcast along its axes of extent 1),
-    each value v rounded up with probability frac(v), down otherwise, and clipped to ±127.
+def stochastic_codes(new: te.Tensor, scale: te.Tensor, steps: te.Tensor, *, salt: int) -> te.Tensor:
+    """The int8 codes of `new` at per-channel `scale` (broadcast along its axes of extent 1): each
+    value v is floor(v) + 1 when a number u drawn in [0, 1) is below its fraction v - floor(v)
+    (both exact in fp32), else floor(v), so it rounds up with the chance of its fraction; then
+    clipped to ±127.
 
-    The random number is a hash (`_hash`) of the value's flat index and the optimizer's step
-    count, integer arithmetic the board computes as the host does: the emulated board's codes
-    are the host's whenever their floats are, where a dither taken from the value's own low bits
-    (tried first) turned each ulp two platforms differ by into a thousand times the chance of
-    another code, and diverged."""
+    u is a hash (`_hash`) of the value's flat index, the optimizer's step count and `salt`:
+    integer arithmetic the board computes as the host does, so the board's codes are the host's
+    whenever their floats are (tests/test_c_step.py). A dither taken from the value's own low
+    bits instead (tried first) turned each ulp the two platforms differ by into a thousand
+    times the chance of another code, and the emulated board's training diverged from the host's."""
 
     def code(*i):
         flat = tirx.const(0, "uint64")
         for d, extent in enumerate(new.shape):
             flat = flat * tirx.const(int(extent), "uint64") + i[d].astype("uint64")
-        u = (_hash(flat, steps().astype("uint64")) >> tirx.const(8, "uint64")).astype("float32") * (1.0 / (1 << 24))
+        drawn = _hash(flat, steps().astype("uint64"), salt) >> tirx.const(8, "uint64")
+        u = drawn.astype("float32") * tirx.const(1.0 / (1 << 24), "float32")
         at = [0 if int(scale.shape[d]) == 1 else i[d] for d in range(len(i))]
-        v = tirx.floor(new(*i) / scale(*at) + u)
-        return tirx.max(tirx.min(v, tirx.const(QMAX, "float32")), tirx.const(-QMAX, "float32")).astype("int8")
+        v = new(*i) / scale(*at)
+        down = tirx.floor(v)
+        up = tirx.Select(u < v - down, tirx.const(1.0, "float32"), tirx.const(0.0, "float32"))
+        return tirx.max(tirx.min(down + up, tirx.const(QMAX, "float32")), tirx.const(-QMAX, "float32")).astype("int8")
 
     return te.compute(new.shape, code, name="codes")
 
@@ -314,11 +324,12 @@ def stochastic_codes(new: te.Tensor, scale: te.Tensor, steps: te.Tensor) -> te.T
 _M32 = 0xFFFFFFFF
 
 
-def _hash(index: tirx.PrimExpr, steps: tirx.PrimExpr) -> tirx.PrimExpr:
-    """A 32-bit hash of (index, steps) in uint64 arithmetic, every product of two values under
-    2^32 so none wraps: the step count and index mixed by Knuth's multiplicative constants, then
-    Wellons's lowbias32 finalizer (its bits pass as independent for rounding: each of 2^32
-    inputs maps to a distinct output)."""
+def _hash(index: tirx.PrimExpr, steps: tirx.PrimExpr, salt: int) -> tirx.PrimExpr:
+    """A 32-bit hash of (index, steps, salt) in uint64 arithmetic, every product one of two values
+    under 2^32, so none wraps (TVM's unsigned products may not): the three mixed by multiplicative
+    constants (Knuth's golden ratio, MurmurHash3's two), then Wellons's lowbias32 finalizer, a
+    bijection of 32-bit values whose output bits measure as nearly unbiased on any input bit's
+    flip: adjacent indices and steps draw unrelated numbers."""
 
     def c(v: int) -> tirx.PrimExpr:
         return tirx.const(v, "uint64")
@@ -326,7 +337,7 @@ def _hash(index: tirx.PrimExpr, steps: tirx.PrimExpr) -> tirx.PrimExpr:
     def mul(a: tirx.PrimExpr, k: int) -> tirx.PrimExpr:
         return (a * c(k)) & c(_M32)
 
-    x = (mul(index & c(_M32), 0x9E3779B1) + mul(steps & c(_M32), 0x85EBCA6B)) & c(_M32)
+    x = (mul(index & c(_M32), 0x9E3779B1) + mul(steps & c(_M32), 0x85EBCA6B) + mul(c(salt & _M32), 0xC2B2AE35)) & c(_M32)
     x = mul(x ^ (x >> c(16)), 0x7FEB352D)
     x = mul(x ^ (x >> c(15)), 0x846CA68B)
     return x ^ (x >> c(16))
