@@ -69,7 +69,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     seeds = [int(s) for s in args.seeds.split(",")]
     for spec in args.schemes.split(","):
-        before, after = {}, {}
+        before, after, afters = {}, {}, {}
         for precision in ("fp32", "int8"):
             runs = []
             for seed in seeds:
@@ -88,12 +88,24 @@ def main() -> None:
                 runs.append(result.plan.metrics.accuracy)
             before[precision] = sum(r.before for r in runs) / len(runs)
             after[precision] = sum(r.after for r in runs) / len(runs)
+            afters[precision] = [r.after for r in runs]
             if len(runs) > 1:
                 print(f"  {spec} {precision}: " + ", ".join(f"{r.after:.3f}" for r in runs))
         print(
             f"| {spec} | {before['fp32']:.3f} -> {after['fp32']:.3f} | {before['int8']:.3f} -> {after['int8']:.3f} | "
-            f"{100 * (after['int8'] - after['fp32']):+.1f} pts |"
+            f"{paired(afters['int8'], afters['fp32'])} |"
         )
+
+
+def paired(int8: list[float], fp32: list[float]) -> str:
+    """int8 - fp32 in points, over the seeds both ran with: the mean and, past one seed, its standard
+    error (the seed fixes the data order, so the per-seed differences are the honest sample)."""
+    diffs = [100 * (a - b) for a, b in zip(int8, fp32, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) == 1:
+        return f"{mean:+.1f} pts"
+    se = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+    return f"{mean:+.1f} ± {se:.1f} pts (s.e., {len(diffs)} seeds)"
 
 
 if __name__ == "__main__":
