@@ -174,6 +174,10 @@ def test_run_over_rpc_equals_a_local_run(boards, tiny_model, tiny_data, tmp_path
     # the board times its own steps and reads its own heap (`planner board serve`'s probes)
     assert remote.check is not None and remote.check.steps_timed == 40 and f"on rpc:{boards.key}" in remote.check.how
     assert remote.check.memory_bytes is not None and "not measured" not in remote.check.how
+    # and the board is free again as soon as the work ends, not when its session times out: the
+    # next trial's request would otherwise queue at the tracker for `session_timeout_s`
+    tracker = parse_host_port(boards.tracker)
+    _wait_until(lambda: key_status(tracker, boards.key).free == 2, 10, "a board stayed busy after its work ended")
 
 
 def test_a_text_model_trains_over_rpc_as_it_does_locally(boards, tmp_path):

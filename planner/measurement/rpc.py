@@ -167,7 +167,8 @@ class TrackerRunner(Runner):
             session = TrainingSession(lib, artifact.signature, weights, device=dev)
             timed, heap = _probe(remote, TIMED_INVOKE), _probe(remote, HEAP)
             if timed is not None:  # the board times its own steps (a stock TVM server: the round trip)
-                session.timed_invoke = lambda: float(timed(session.vm.module, STEP_FUNC))
+                module = session.vm.module  # not `session`: a cycle would hold the board until a GC
+                session.timed_invoke = lambda: float(timed(module, STEP_FUNC))
             if heap is not None:
                 session.heap = lambda: None if (held := int(heap())) < 0 else held
             return work(session)

@@ -109,6 +109,7 @@ class TrainingSession:
         lib = load_step(library) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         self._set_input = self.vm.module["set_input"]
+        self._output, self._arity = self.vm.module["get_output"], self.vm.module["get_output_arity"]
         self.set_weights(weights)
         # where the step runs elsewhere (a board over RPC), the board's own clock and heap:
         # `timed_invoke` runs one step there and returns its seconds; `heap` reads its C heap
@@ -137,7 +138,7 @@ class TrainingSession:
 
     def step(self, x: Inputs, y: np.ndarray) -> float:
         """One training step on a full batch; returns its loss."""
-        # set_input/invoke_stateful/get_outputs work alike on a local and an RPC device, where a
+        # set_input/invoke_stateful/get_output work alike on a local and an RPC device, where a
         # returned tuple cannot be indexed directly. The VM module's own set_input: the Python
         # wrapper's type dispatch over every argument (~270 for MobileNetV2, each already a
         # Tensor) cost a tenth of a batch-1 step.
@@ -149,7 +150,11 @@ class TrainingSession:
             self.vm.invoke_stateful(STEP_FUNC)
             faults.point("step")
             self.step_seconds.append(time.perf_counter() - start)
-        out = self.vm.get_outputs(STEP_FUNC)
+        # The step's flat tuple read field by field: the VM's `get_outputs` builds a recursive
+        # closure over the VM each call, a reference cycle that keeps it, and over RPC the board's
+        # session, alive until a garbage collection (the next trial's board request waited for
+        # the session's timeout).
+        out = [self._output(STEP_FUNC, i) for i in range(self._arity(STEP_FUNC))]
         n = len(self.trainable)
         self.trainable = list(out[1 : 1 + n])
         self.states = list(out[1 + n :])
