@@ -109,7 +109,7 @@ class TrainingSession:
         lib = load_step(library) if isinstance(library, Path | str) else library
         self.vm = relax.VirtualMachine(lib, self.device)
         self._set_input = self.vm.module["set_input"]
-        self._output, self._arity = self.vm.module["get_output"], self.vm.module["get_output_arity"]
+        self._output = self.vm.module["get_output"]
         self.set_weights(weights)
         # where the step runs elsewhere (a board over RPC), the board's own clock and heap:
         # `timed_invoke` runs one step there and returns its seconds; `heap` reads its C heap
@@ -153,9 +153,9 @@ class TrainingSession:
         # The step's flat tuple read field by field: the VM's `get_outputs` builds a recursive
         # closure over the VM each call, a reference cycle that keeps it, and over RPC the board's
         # session, alive until a garbage collection (the next trial's board request waited for
-        # the session's timeout).
-        out = [self._output(STEP_FUNC, i) for i in range(self._arity(STEP_FUNC))]
+        # the session's timeout). Its fields: the loss, each trainable weight, each optimizer state.
         n = len(self.trainable)
+        out = [self._output(STEP_FUNC, i) for i in range(1 + n + len(self.states))]
         self.trainable = list(out[1 : 1 + n])
         self.states = list(out[1 + n :])
         return float(out[0].numpy()) / self.sig.loss_scale
